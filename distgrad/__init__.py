@@ -1,0 +1,12 @@
+"""distgrad: distributed autograd for PyTorch and the RPC framework under it.
+
+Code written for torch.distributed.rpc / torch.distributed.autograd /
+torch.distributed.optim.DistributedOptimizer runs after swapping the imports::
+
+    import distgrad.rpc as rpc
+    import distgrad.autograd as dist_autograd
+    from distgrad.optim import DistributedOptimizer
+"""
+from . import errors, rpc  # noqa: F401
+
+__version__ = "0.1.0"

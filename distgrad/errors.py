@@ -1,0 +1,67 @@
+"""distgrad's error hierarchy.
+
+Every error distgrad raises on its own account derives from
+:class:`DistgradError` (itself a ``RuntimeError``, which is what code written
+for ``torch.distributed.rpc`` catches). Errors that concern one peer carry its
+name in ``.worker_name`` and in the message.
+
+    DistgradError (RuntimeError)
+    ├── RPCTimeoutError (also TimeoutError)  a call ran past its deadline
+    ├── WorkerLostError                      the peer died or went silent
+    ├── RemoteError                          the remote function raised and its
+    │                                        exception type could not be rebuilt
+    ├── ProtocolError                        malformed or unexpected frames
+    └── SerializationError (also TypeError)  an argument or result cannot be
+                                             pickled; nothing was sent
+
+Example::
+
+    >>> import distgrad.rpc as rpc
+    >>> try:
+    ...     rpc.rpc_sync("worker1", slow_fn, timeout=0.1)
+    ... except rpc.RPCTimeoutError as e:
+    ...     print(e.worker_name)
+"""
+from __future__ import annotations
+
+
+class DistgradError(RuntimeError):
+    """Base class of distgrad's errors; ``worker_name`` names the peer concerned."""
+
+    def __init__(self, message: str, worker_name: str | None = None) -> None:
+        super().__init__(message)
+        self.worker_name = worker_name
+
+
+class RPCTimeoutError(DistgradError, TimeoutError):
+    """A call, ``to_here`` or backward pass ran past its timeout."""
+
+
+class WorkerLostError(DistgradError):
+    """The peer crashed, went silent past the heartbeat deadline, or shut down."""
+
+
+class RemoteError(DistgradError):
+    """The remote side raised an exception whose type could not be rebuilt here.
+
+    ``remote_type`` is the qualified name of the original type and
+    ``remote_traceback`` the formatted traceback from the remote worker.
+    """
+
+    def __init__(self, message: str, worker_name: str | None = None,
+                 remote_type: str = "", remote_traceback: str = "") -> None:
+        super().__init__(message, worker_name)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+
+
+class ProtocolError(DistgradError):
+    """A peer sent bytes that do not form a valid distgrad message."""
+
+
+class SerializationError(DistgradError, TypeError):
+    """An object could not be pickled (caller side) or unpickled (callee side)."""
+
+
+__all__ = ["DistgradError", "RPCTimeoutError", "WorkerLostError", "RemoteError",
+           "ProtocolError", "SerializationError"]

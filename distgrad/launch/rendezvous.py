@@ -1,0 +1,124 @@
+"""Rendezvous on torch.distributed stores: env://, tcp://host:port, file://path.
+
+Each worker publishes its name and listening address under its rank, then
+reads everyone else's. The same store later serves the shutdown barrier.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+_PREFIX = "distgrad/"
+
+
+def resolve(init_method: str, rank: int, world_size: int | None) -> tuple[str, int, int]:
+    """Fill rank and world size from the environment for ``env://``; returns
+    ``(init_method, rank, world_size)`` or raises ValueError naming what is missing.
+
+    Example::
+
+        >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="1", WORLD_SIZE="2")
+        >>> resolve("env://", -1, None)
+        ('env://', 1, 2)
+    """
+    scheme = urlparse(init_method).scheme
+    if scheme not in ("env", "tcp", "file"):
+        raise ValueError(f"init_method must be env://, tcp://host:port or file://path, got {init_method!r}")
+    if scheme == "env":
+        if rank is None or rank < 0:
+            rank = _env_int("RANK")
+        if world_size is None:
+            world_size = _env_int("WORLD_SIZE")
+    if rank is None or rank < 0:
+        raise ValueError(f"rank must be given (>= 0) for init_method {init_method!r}, got {rank!r}")
+    if world_size is None or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if rank >= world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    return init_method, rank, world_size
+
+
+def _env_int(var: str) -> int:
+    value = os.environ.get(var)
+    if value is None:
+        raise ValueError(f"init_method env:// needs {var} in the environment (or pass it to init_rpc)")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {var}={value!r} is not an integer") from None
+
+
+def master_host(init_method: str) -> str | None:
+    """The host workers rendezvous on (a sensible default interface to listen on)."""
+    url = urlparse(init_method)
+    if url.scheme == "env":
+        return os.environ.get("MASTER_ADDR")
+    if url.scheme == "tcp":
+        return url.hostname
+    return None
+
+
+def make_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:
+    """A store every worker of this cluster reaches; rank 0 hosts it for tcp/env."""
+    url = urlparse(init_method)
+    td = timedelta(seconds=timeout)
+    if url.scheme == "file":
+        path = url.path if not url.netloc else url.netloc + url.path
+        return dist.FileStore(path, world_size)
+    if url.scheme == "env":
+        host = os.environ.get("MASTER_ADDR")
+        port = os.environ.get("MASTER_PORT")
+        if not host or not port:
+            raise ValueError("init_method env:// needs MASTER_ADDR and MASTER_PORT in the environment")
+    else:
+        host, port = url.hostname, url.port
+        if not host or not port:
+            raise ValueError(f"init_method {init_method!r} must name host and port")
+    return dist.TCPStore(host, int(port), world_size, is_master=(rank == 0), timeout=td,
+                         wait_for_workers=False)
+
+
+def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: str,
+             timeout: float) -> list[tuple[str, str]]:
+    """Publish ``(name, address)`` for ``rank`` and return every rank's pair.
+
+    Raises RuntimeError when two workers chose the same name or on timeout.
+    """
+    store.set(f"{_PREFIX}worker/{rank}", pickle.dumps((name, address)))
+    keys = [f"{_PREFIX}worker/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception as e:
+        missing = [r for r in range(world_size) if not store.check([keys[r]])]
+        raise RuntimeError(f"rendezvous timed out after {timeout:.0f} s on worker {name!r}: "
+                           f"ranks {missing} never joined") from e
+    peers = [pickle.loads(store.get(k)) for k in keys]
+    seen: dict[str, int] = {}
+    for r, (n, _) in enumerate(peers):
+        if n in seen:
+            a, b = seen[n], r
+            if rank == b:  # name ourselves first, as torch does
+                a, b = b, a
+            raise RuntimeError(f"RPC worker name {n} is not unique. Workers {a} and {b} share the "
+                               "same name.")
+        seen[n] = r
+    return peers
+
+
+def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: float) -> None:
+    """Wait until all ranks reached ``key``; rank 0 (the store's host) leaves last."""
+    key = _PREFIX + key
+    if store.add(key, 1) == world_size:
+        store.set(key + "/done", b"1")
+    store.wait([key + "/done"], timedelta(seconds=timeout))
+    n = store.add(key + "/left", 1)
+    if rank == 0:
+        deadline = time.monotonic() + min(timeout, 10.0)
+        while n < world_size and time.monotonic() < deadline:
+            time.sleep(0.005)
+            n = store.add(key + "/left", 0)

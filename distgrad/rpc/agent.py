@@ -1,0 +1,451 @@
+"""The RPC agent: request ids -> futures, a worker thread pool, timeouts, replies.
+
+One agent per process, reached through :func:`current_agent`. The agent speaks
+to a :class:`~distgrad.transport.Transport` and to nothing lower; distributed
+autograd and RRefs plug in through :class:`AgentExtension` objects.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from ..errors import DistgradError, ProtocolError, RPCTimeoutError, SerializationError, WorkerLostError
+from ..transport import Transport
+from ..wire import Kind, decode, dumps, encode, loads
+from ..wire.messages import peek_header
+from .remote_exc import pack_exception, unpack_exception
+from .worker_info import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+_holder: dict[str, "RpcAgent"] = {}
+_extension_types: list[Callable[["RpcAgent"], "AgentExtension"]] = []
+
+
+def current_agent() -> "RpcAgent":
+    """The running agent; raises RuntimeError when RPC is not initialized."""
+    agent = _holder.get("agent")
+    if agent is None:
+        raise RuntimeError("RPC has not been initialized. Call torch.distributed.rpc.init_rpc first.")
+    return agent
+
+
+def agent_or_none() -> "RpcAgent | None":
+    return _holder.get("agent")
+
+
+def register_extension(factory: Callable[["RpcAgent"], "AgentExtension"]) -> None:
+    """Have ``factory(agent)`` build an extension for every agent created from now on."""
+    _extension_types.append(factory)
+
+
+class AgentExtension:
+    """Hooks for the layers above RPC (distributed autograd)."""
+
+    def outgoing(self, dest: int, tensors: list, ctx: Any) -> Any:
+        """Called before a message with ``tensors`` goes to ``dest``; returns meta."""
+        return None
+
+    def incoming(self, sender: int, meta: Any) -> Callable[[list], list] | None:
+        """Returns a tensor hook for a received message's tensors, or None."""
+        return None
+
+    def request_scope(self, meta: Any):
+        """A context manager the callee runs the user function under."""
+        return _NULL_SCOPE
+
+    def current(self) -> Any:
+        """What ``outgoing`` needs of the calling thread (e.g. its autograd context)."""
+        return None
+
+    def on_peer_lost(self, peer: int, reason: str) -> None:
+        pass
+
+    def on_shutdown(self) -> None:
+        pass
+
+
+class _NullScope:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL_SCOPE = _NullScope()
+
+
+class _Pending:
+    __slots__ = ("future", "peer", "what", "timeout", "timer", "lock", "result", "ctx")
+
+    def __init__(self, peer: int, what: str, timeout: float, sync: bool, ctx: Any) -> None:
+        self.peer, self.what, self.timeout, self.ctx = peer, what, timeout, ctx
+        self.timer = None
+        self.result: Any = None
+        self.future = None if sync else torch.futures.Future()
+        self.lock = threading.Lock() if sync else None
+        if sync:
+            self.lock.acquire()
+
+
+class RpcAgent:
+    """Sends requests, serves requests, tracks pending calls and lost peers."""
+
+    def __init__(self, name: str, rank: int, world_size: int, workers: list[WorkerInfo],
+                 transport: Transport, options: Any) -> None:
+        self.name, self.rank, self.world_size = name, rank, world_size
+        self.info = workers[rank]
+        self.workers = workers
+        self.by_name = {w.name: w for w in workers}
+        self.transport = transport
+        self.options = options
+        self.rpc_timeout = options.rpc_timeout
+        self.pending: dict[int, _Pending] = {}
+        self.lost: dict[int, str] = {}
+        self._rids = itertools.count(1)
+        self.pool = ThreadPoolExecutor(options.num_worker_threads, thread_name_prefix=f"distgrad-{name}")
+        self.callbacks = ThreadPoolExecutor(max(4, options.num_worker_threads),
+                                            thread_name_prefix=f"distgrad-cb-{name}")
+        self.busy_threads = 0
+        self.inflight = 0
+        self._count_lock = threading.Lock()
+        self.control_handlers: dict[str, Callable[[int, tuple], None]] = {}
+        # Runs on the I/O thread, in arrival order, for CALL/REMOTE messages whose
+        # meta carries an ``extra`` (RRef bookkeeping that must not be overtaken
+        # by later control messages); returns False when it already replied.
+        self.pre_dispatch: Callable[[int, Any], bool] | None = None
+        self._tls = threading.local()
+        self.extensions: list[AgentExtension] = [f(self) for f in _extension_types]
+        self.shutting_down = False
+
+    # -- start/stop ----------------------------------------------------------
+    def start(self, addresses: dict[int, str]) -> None:
+        self.transport.start(self, addresses)
+
+    # -- sending ---------------------------------------------------------------
+    def resolve(self, to: Any) -> WorkerInfo:
+        """WorkerInfo for a name, rank or WorkerInfo; ValueError when unknown."""
+        if isinstance(to, WorkerInfo):
+            if 0 <= to.id < len(self.workers) and self.workers[to.id] == to:
+                return to
+            raise DistgradError(f"name:{self.name},rank:{self.rank} could not find destination {to}")
+        if isinstance(to, str):
+            info = self.by_name.get(to)
+            if info is None:
+                raise DistgradError(f"name:{self.name},rank:{self.rank} could not find destination "
+                                    f"name {to}")
+            return info
+        if isinstance(to, int) and not isinstance(to, bool):
+            if 0 <= to < len(self.workers):
+                return self.workers[to]
+            raise DistgradError(f"name:{self.name},rank:{self.rank} could not find destination id "
+                                f"{to} (world size {self.world_size})")
+        raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
+
+    def effective_timeout(self, timeout: float) -> float:
+        if timeout is None or timeout < 0:
+            return self.rpc_timeout
+        return float(timeout)
+
+    def send_request(self, dest: WorkerInfo, kind: Kind, payload_obj: Any, what: str,
+                     timeout: float, sync: bool = False, extra: Any = None) -> _Pending:
+        """Pickle and send a CALL/REMOTE; returns the pending entry (its future or lock)."""
+        if self.shutting_down and kind != Kind.CALL:
+            raise DistgradError(f"worker {self.name} is shutting down", self.name)
+        payload, tensors = dumps(payload_obj, dest=dest)
+        ctx = self._current_ctx()
+        ag_meta = self._outgoing(dest.id, tensors, ctx)
+        rid = next(self._rids)
+        timeout = self.effective_timeout(timeout)
+        p = _Pending(dest.id, what, timeout, sync, ctx)
+        frames = encode(kind, rid, (what, ag_meta, extra), payload, tensors)
+        if dest.id in self.lost:
+            self._fail(p, self._lost_error(dest.id))
+            return p
+        self.pending[rid] = p
+        if timeout > 0:
+            p.timer = self.transport.call_later(timeout, lambda: self._expire(rid))
+        self.transport.send(dest.id, frames)
+        return p
+
+    def call(self, to: Any, func: Callable, args: tuple, kwargs: dict, timeout: float,
+             sync: bool) -> Any:
+        """rpc_sync (``sync=True``: returns the value) or rpc_async (returns a Future)."""
+        dest = self.resolve(to)
+        what = _qualname(func)
+        p = self.send_request(dest, Kind.CALL, (func, tuple(args or ()), kwargs or {}), what,
+                              timeout, sync)
+        return self.wait(p) if sync else p.future
+
+    def wait(self, p: _Pending) -> Any:
+        """Block until a sync pending call finishes; decode its reply here."""
+        p.lock.acquire()
+        kind, value = p.result
+        if kind is None:
+            raise value
+        return self._decode_reply(p, kind, value)
+
+    def send_control(self, dest: int, op: str, *args: Any) -> None:
+        """One-way message handled in order on the receiver's I/O thread."""
+        if dest in self.lost:
+            return
+        payload, _ = dumps((op, args))
+        self.transport.send(dest, encode(Kind.CONTROL, 0, None, payload))
+
+    # -- receiving (I/O thread) -----------------------------------------------
+    def on_message(self, peer: int, frames: list) -> None:
+        try:
+            kind, rid, _ = peek_header(frames)
+        except ProtocolError as e:
+            log.warning("worker %s: dropped a malformed message from worker %d: %s", self.name, peer, e)
+            return
+        if kind in (Kind.REPLY, Kind.ERROR):
+            p = self.pending.pop(rid, None)
+            if p is None:
+                return  # late (timed out) or duplicated reply
+            if p.timer is not None:
+                p.timer.cancel()
+            self._complete(p, (kind, frames))
+            return
+        try:
+            msg = decode(frames, peer)
+        except ProtocolError as e:
+            log.warning("worker %s: malformed message from worker %d: %s", self.name, peer, e)
+            if kind in (Kind.CALL, Kind.REMOTE):
+                self._send_error(peer, rid, e, None)
+            return
+        if kind == Kind.CONTROL:
+            self._on_control(peer, msg)
+            return
+        if msg.meta[2] is not None and self.pre_dispatch is not None:
+            try:
+                if not self.pre_dispatch(peer, msg):
+                    return
+            except Exception as e:  # noqa: BLE001
+                self._send_error(peer, rid, e, None)
+                return
+        with self._count_lock:
+            self.inflight += 1
+        self.pool.submit(self._serve, peer, msg)
+
+    def _on_control(self, peer: int, msg) -> None:
+        try:
+            op, args = loads(msg.payload)
+            self.control_handlers[op](peer, *args)
+        except Exception:
+            log.exception("worker %s: bad control message from worker %d", self.name, peer)
+
+    def on_peer_lost(self, peer: int, reason: str, graceful: bool) -> None:
+        self.lost[peer] = reason
+        if not graceful or not self.shutting_down:
+            log.log(logging.INFO if graceful else logging.WARNING, "worker %s: lost worker %s: %s",
+                    self.name, self.workers[peer].name, reason)
+        err = self._lost_error(peer)
+        for rid, p in list(self.pending.items()):
+            if p.peer == peer and self.pending.pop(rid, None) is not None:
+                if p.timer is not None:
+                    p.timer.cancel()
+                self._fail(p, err)
+        for ext in self.extensions:
+            try:
+                ext.on_peer_lost(peer, reason)
+            except Exception:
+                log.exception("extension failed handling the loss of worker %d", peer)
+
+    def _lost_error(self, peer: int) -> WorkerLostError:
+        w = self.workers[peer]
+        return WorkerLostError(f"worker {w.name} (rank {w.id}) is lost: {self.lost[peer]}", w.name)
+
+    def _expire(self, rid: int) -> None:
+        p = self.pending.pop(rid, None)
+        if p is None:
+            return
+        w = self.workers[p.peer]
+        self._fail(p, RPCTimeoutError(
+            f"RPC ran for more than set timeout ({p.timeout * 1000:.0f} ms) and will now be marked "
+            f"with an error: call to {p.what} on worker {w.name} (rank {w.id}) got no reply within "
+            f"{p.timeout:g} s", w.name))
+
+    def _complete(self, p: _Pending, result: tuple) -> None:
+        if p.lock is not None:
+            p.result = result
+            p.lock.release()
+        else:
+            self.callbacks.submit(self._finish_async, p, result)
+
+    def _fail(self, p: _Pending, exc: BaseException) -> None:
+        self._complete(p, (None, exc))
+
+    def _finish_async(self, p: _Pending, result: tuple) -> None:
+        kind, value = result
+        if kind is None:
+            p.future.set_exception(value)
+            return
+        try:
+            out = self._decode_reply(p, kind, value)
+        except BaseException as e:  # noqa: BLE001 - the future carries it
+            p.future.set_exception(e)
+            return
+        p.future.set_result(out)
+
+    def _decode_reply(self, p: _Pending, kind: int, frames: list) -> Any:
+        msg = decode(frames, p.peer)
+        if kind == Kind.ERROR:
+            raise unpack_exception(msg.payload)
+        hook = self._incoming(p.peer, msg.meta)
+        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook)
+
+    # -- serving (pool threads) -----------------------------------------------
+    def _serve(self, peer: int, msg) -> None:
+        with self._count_lock:
+            self.busy_threads += 1
+        try:
+            self._serve_inner(peer, msg)
+        finally:
+            with self._count_lock:
+                self.busy_threads -= 1
+
+    def _serve_inner(self, peer: int, msg) -> None:
+        what, ag_meta, extra = msg.meta
+        try:
+            hook = self._incoming(peer, ag_meta)
+            self._tls.msg = msg
+            func, args, kwargs = loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook)
+            with self._scope(ag_meta) as ctx:
+                result = func(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
+            self._finish_request(peer, msg, None, e, None)
+            return
+        finally:
+            self._tls.msg = None
+        if isinstance(result, AsyncResult):
+            result = result.future
+            is_async = True
+        else:
+            is_async = bool(getattr(func, "_wrapped_async_rpc_function", None))
+        if is_async:
+            if not isinstance(result, torch.futures.Future):
+                err = TypeError(f"async_execution function {what} returned {type(result).__name__}, "
+                                "expected a torch.futures.Future")
+                self._finish_request(peer, msg, None, err, ctx)
+                return
+            result.add_done_callback(lambda f: self._finish_from_future(peer, msg, f, ctx))
+            return
+        self._finish_request(peer, msg, result, None, ctx)
+
+    def _finish_from_future(self, peer: int, msg, fut: torch.futures.Future, ctx: Any) -> None:
+        try:
+            value = fut.wait()
+        except BaseException as e:  # noqa: BLE001
+            self._finish_request(peer, msg, None, e, ctx)
+            return
+        self._finish_request(peer, msg, value, None, ctx)
+
+    def _finish_request(self, peer: int, msg, value: Any, exc: BaseException | None, ctx: Any) -> None:
+        try:
+            if msg.kind == Kind.REMOTE:
+                value, exc = self.remote_done(peer, msg, value, exc)
+            if exc is None:
+                try:
+                    self._send_reply(peer, msg.rid, value, ctx)
+                except SerializationError as e:
+                    self._send_error(peer, msg.rid, e, ctx)
+            else:
+                self._send_error(peer, msg.rid, exc, ctx)
+        finally:
+            with self._count_lock:
+                self.inflight -= 1
+
+    def remote_done(self, peer: int, msg, value: Any, exc: BaseException | None):
+        """Overridden by the RRef layer: store the value, reply with a confirmation."""
+        return value, exc
+
+    def _send_reply(self, peer: int, rid: int, value: Any, ctx: Any) -> None:
+        payload, tensors = dumps(value, dest=self.workers[peer])
+        ag_meta = self._outgoing(peer, tensors, ctx)
+        self.transport.send(peer, encode(Kind.REPLY, rid, ag_meta, payload, tensors))
+
+    def _send_error(self, peer: int, rid: int, exc: BaseException, ctx: Any) -> None:
+        blob = pack_exception(exc, self.name, self.rank)
+        self.transport.send(peer, encode(Kind.ERROR, rid, None, blob))
+
+    # -- extension plumbing ---------------------------------------------------
+    def _current_ctx(self) -> Any:
+        for ext in self.extensions:
+            c = ext.current()
+            if c is not None:
+                return c
+        return None
+
+    def _outgoing(self, dest: int, tensors: list, ctx: Any) -> Any:
+        if ctx is None:
+            return None
+        for ext in self.extensions:
+            meta = ext.outgoing(dest, tensors, ctx)
+            if meta is not None:
+                return meta
+        return None
+
+    def _incoming(self, sender: int, meta: Any):
+        if meta is None:
+            return None
+        for ext in self.extensions:
+            hook = ext.incoming(sender, meta)
+            if hook is not None:
+                return hook
+        return None
+
+    def _scope(self, meta: Any):
+        if meta is None:
+            return _NULL_SCOPE
+        for ext in self.extensions:
+            scope = ext.request_scope(meta)
+            if scope is not _NULL_SCOPE:
+                return scope
+        return _NULL_SCOPE
+
+    # -- introspection --------------------------------------------------------
+    def debug_info(self) -> dict[str, Any]:
+        stats = getattr(self.transport, "stats", {})
+        info: dict[str, Any] = {
+            "agent.num_pending_requests": len(self.pending),
+            "agent.num_inflight_requests": self.inflight,
+            "agent.thread_pool_size": self.options.num_worker_threads,
+            "agent.num_busy_threads": self.busy_threads,
+            "agent.num_idle_threads": self.options.num_worker_threads - self.busy_threads,
+            "agent.lost_workers": {self.workers[p].name: r for p, r in self.lost.items()},
+        }
+        for peer, (ms, bs, mr, br) in sorted(stats.items()):
+            name = self.workers[peer].name
+            info[f"peer.{name}"] = {"messages_sent": ms, "bytes_sent": bs,
+                                    "messages_received": mr, "bytes_received": br}
+        return info
+
+    def current_request(self):
+        """The message being served on this pool thread (None elsewhere)."""
+        return getattr(self._tls, "msg", None)
+
+    def idle(self) -> bool:
+        return not self.pending and self.inflight == 0
+
+
+def _qualname(func: Any) -> str:
+    mod = getattr(func, "__module__", None) or ""
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return f"{mod}.{name}" if mod else name
+
+
+class AsyncResult:
+    """Returned by internal functions whose reply must wait on ``future``."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        self.future = future

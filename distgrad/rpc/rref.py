@@ -1,0 +1,351 @@
+"""Remote references and their reference counting across workers.
+
+The owner keeps a value in a table entry for as long as some other worker
+holds a *fork* of it. Every RRef held on a non-owner is one fork. Sending an
+RRef anywhere creates a new fork for the receiver: the owner registers it
+directly when it is the sender, otherwise the sender tells the owner with a
+``fork_add`` control message that goes out *before* the message carrying the
+RRef. Control messages are handled in arrival order on the owner's I/O thread,
+and a sender's own ``fork_del`` always follows its ``fork_add``, so the owner
+never sees zero forks while a fork is in flight. A fork deleted before its
+``fork_add`` arrives leaves a count of -1 that the late ``fork_add`` cancels.
+An RRef sent to its owner comes back as the owner's local RRef and drops the
+fork that carried it. Forks held by a lost worker are dropped.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from ..wire.pickler import current_destination
+from .agent import AgentExtension, AsyncResult, RpcAgent, agent_or_none, current_agent, register_extension
+from .worker_info import WorkerInfo
+
+T = TypeVar("T")
+
+
+class _Entry:
+    __slots__ = ("future", "forks")
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        self.future = future
+        self.forks: collections.Counter = collections.Counter()  # (fork_id, child) -> count
+
+
+class RRefContext(AgentExtension):
+    """Per-agent RRef state: owned values, live user forks, id generation."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self.owned: dict[tuple, _Entry] = {}
+        self.user_forks: dict[tuple, int] = {}       # (rref_id, fork_id) -> owner, live here
+        self.unconfirmed: set[tuple] = set()          # (rref_id, fork_id) awaiting the owner
+        self._ids = itertools.count(1)
+        self.lock = threading.RLock()
+        agent.control_handlers.update(fork_add=self._on_fork_add, fork_del=self._on_fork_del,
+                                      fork_confirm=self._on_fork_confirm)
+        agent.pre_dispatch = self._pre_dispatch
+        agent.remote_done = self._remote_done
+        agent.rrefs = self
+
+    def new_id(self) -> tuple:
+        return (self.agent.rank, next(self._ids))
+
+    # -- owner side -----------------------------------------------------------
+    def add_fork(self, rref_id: tuple, fork_id: tuple, child: int, future=None) -> None:
+        with self.lock:
+            entry = self.owned.get(rref_id)
+            if entry is None:
+                if future is None:
+                    return  # value already gone: the fork's holder learns it on to_here
+                entry = self.owned[rref_id] = _Entry(future)
+            entry.forks[(fork_id, child)] += 1
+            self._gc(rref_id, entry, (fork_id, child))
+
+    def del_fork(self, rref_id: tuple, fork_id: tuple, child: int) -> None:
+        with self.lock:
+            entry = self.owned.get(rref_id)
+            if entry is None:
+                return
+            entry.forks[(fork_id, child)] -= 1
+            self._gc(rref_id, entry, (fork_id, child))
+
+    def _gc(self, rref_id: tuple, entry: _Entry, key: tuple) -> None:
+        if entry.forks[key] == 0:
+            del entry.forks[key]
+        if not entry.forks:
+            del self.owned[rref_id]
+
+    def _on_fork_add(self, sender: int, rref_id, fork_id, child: int) -> None:
+        self.add_fork(rref_id, fork_id, child)
+        if child != self.agent.rank:
+            self.agent.send_control(child, "fork_confirm", rref_id, fork_id)
+
+    def _on_fork_del(self, sender: int, rref_id, fork_id) -> None:
+        self.del_fork(rref_id, fork_id, sender)
+
+    def _pre_dispatch(self, peer: int, msg) -> bool:
+        extra = msg.meta[2]
+        local = {}
+        src = extra.get("rref")
+        if src is not None:
+            entry = self.owned.get(src)
+            if entry is None:
+                raise RuntimeError(f"RRef {src} is not known to its owner {self.agent.name} "
+                                   "(deleted or never created)")
+            local["source"] = entry.future
+        new = extra.get("new")
+        if new is not None:
+            rref_id, fork_id = new
+            fut = torch.futures.Future()
+            self.add_fork(rref_id, fork_id, peer, fut)
+            local["target"] = fut
+        msg.local = local
+        return True
+
+    def _remote_done(self, peer: int, msg, value: Any, exc: BaseException | None):
+        fut = msg.local["target"]
+        if exc is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(exc)
+        return None, exc
+
+    # -- user side ------------------------------------------------------------
+    def _on_fork_confirm(self, sender: int, rref_id, fork_id) -> None:
+        self.unconfirmed.discard((rref_id, fork_id))
+
+    def on_peer_lost(self, peer: int, reason: str) -> None:
+        with self.lock:
+            for rref_id, entry in list(self.owned.items()):
+                for key in [k for k in entry.forks if k[1] == peer]:
+                    del entry.forks[key]
+                if not entry.forks:
+                    del self.owned[rref_id]
+
+    def delete_all_user_rrefs(self) -> None:
+        """Release every fork this worker holds (graceful shutdown)."""
+        for (rref_id, fork_id), owner in list(self.user_forks.items()):
+            if self.user_forks.pop((rref_id, fork_id), None) is not None:
+                self.agent.send_control(owner, "fork_del", rref_id, fork_id)
+
+    def debug_info(self) -> dict[str, int]:
+        with self.lock:
+            return {
+                "num_owner_rrefs": len(self.owned),
+                "num_forks": sum(sum(e.forks.values()) for e in self.owned.values()),
+                "num_pending_futures": sum(1 for e in self.owned.values() if not e.future.done()),
+                "num_pending_users": len(self.unconfirmed),
+            }
+
+
+register_extension(RRefContext)
+
+
+class RRef(Generic[T]):
+    """A reference to a value that lives on one worker, its *owner*.
+
+    ``RRef(value)`` makes a local value remotely referable; ``rpc.remote``
+    returns an RRef to a value created on another worker. Passing an RRef in
+    a call's arguments or result shares it; the owner keeps the value until no
+    worker holds a reference any more.
+
+    Example::
+
+        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> rref.to_here()
+        tensor([2., 2.])
+        >>> rref.rpc_sync().sum()     # runs value.sum() on worker1
+        tensor(4.)
+    """
+
+    def __init__(self, value: T = None, type_hint: Any = None) -> None:
+        agent = current_agent()
+        fut = torch.futures.Future()
+        fut.set_result(value)
+        self._init(agent, agent.rank, agent.rrefs.new_id(), None, fut, type_hint)
+
+    def _init(self, agent, owner: int, rref_id: tuple, fork_id, future, type_hint) -> None:
+        self._agent = agent
+        self._owner = owner
+        self._rref_id = rref_id
+        self._fork_id = fork_id
+        self._future = future      # owner: the value; user: the creation confirmation
+        self._type_hint = type_hint
+        if fork_id is not None:
+            agent.rrefs.user_forks[(rref_id, fork_id)] = owner
+
+    @classmethod
+    def _user(cls, agent, owner: int, rref_id: tuple, fork_id: tuple, future, type_hint=None,
+              confirmed: bool = True) -> "RRef":
+        self = cls.__new__(cls)
+        if future is None:
+            future = torch.futures.Future()
+            future.set_result(None)
+        self._init(agent, owner, rref_id, fork_id, future, type_hint)
+        if not confirmed:
+            agent.rrefs.unconfirmed.add((rref_id, fork_id))
+        return self
+
+    @classmethod
+    def _owner_side(cls, agent, rref_id: tuple, future, type_hint=None) -> "RRef":
+        self = cls.__new__(cls)
+        self._init(agent, agent.rank, rref_id, None, future, type_hint)
+        return self
+
+    # -- identity -------------------------------------------------------------
+    def is_owner(self) -> bool:
+        """True on the worker that holds the value."""
+        return self._fork_id is None
+
+    def owner(self) -> WorkerInfo:
+        """WorkerInfo of the owner."""
+        return self._agent.workers[self._owner]
+
+    def owner_name(self) -> str:
+        """Name of the owner."""
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        """True once the owner knows of this reference (always True on the owner)."""
+        if self.is_owner():
+            return True
+        if (self._rref_id, self._fork_id) in self._agent.rrefs.unconfirmed:
+            return False
+        return self._future.done()
+
+    def local_value(self) -> T:
+        """The value itself; only on the owner. Waits for a value still being created."""
+        if not self.is_owner():
+            raise RuntimeError(
+                f"For UserRRef(rref_id={_gid(self._rref_id)}, fork_id={_gid(self._fork_id)}), can't "
+                f"call localValue() on user {self._agent.info}. Call it on owner {self.owner()}")
+        return self._future.wait()
+
+    def to_here(self, timeout: float = -1) -> T:
+        """The value, copied to this worker (on the owner: the value itself).
+
+        ``timeout`` in seconds; -1 uses the default RPC timeout, 0 waits forever.
+        """
+        if self.is_owner():
+            return self._future.wait()
+        agent = self._agent
+        p = agent.send_request(self.owner(), _kind_call(), (_rref_fetch, (), {}), "RRef.to_here",
+                               timeout, sync=True, extra={"rref": self._rref_id})
+        return agent.wait(p)
+
+    # -- proxies --------------------------------------------------------------
+    def rpc_sync(self, timeout: float = -1) -> "_Proxy":
+        """Proxy whose method calls run ``rpc_sync`` on the owner's value."""
+        return _Proxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: float = -1) -> "_Proxy":
+        """Proxy whose method calls run ``rpc_async`` on the owner's value."""
+        return _Proxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: float = -1) -> "_Proxy":
+        """Proxy whose method calls run ``remote`` on the owner's value."""
+        return _Proxy(self, "remote", timeout)
+
+    def _call_method(self, mode: str, method: str, args: tuple, kwargs: dict, timeout: float):
+        from . import api
+        payload = (_rref_invoke, (method, args, kwargs), {})
+        if mode == "remote":
+            return api._remote_with(self.owner(), payload, f"RRef.{method}", timeout,
+                                    {"rref": self._rref_id})
+        p = self._agent.send_request(self.owner(), _kind_call(), payload, f"RRef.{method}", timeout,
+                                     sync=(mode == "rpc_sync"), extra={"rref": self._rref_id})
+        return self._agent.wait(p) if mode == "rpc_sync" else p.future
+
+    # -- pickling and lifetime ---------------------------------------------------
+    def __reduce__(self):
+        dest = current_destination()
+        agent = self._agent
+        if dest is None or agent_or_none() is not agent:
+            raise RuntimeError("RRef can only be pickled inside an RPC call (rpc_sync, rpc_async, "
+                               "remote) while RPC is running")
+        fork_id = agent.rrefs.new_id()
+        if self.is_owner():
+            agent.rrefs.add_fork(self._rref_id, fork_id, dest.id, self._future)
+        else:
+            agent.send_control(self._owner, "fork_add", self._rref_id, fork_id, dest.id)
+        return (_unpickle_rref, (self._owner, self._rref_id, fork_id, agent.rank, self._type_hint))
+
+    def __del__(self):
+        try:
+            if self._fork_id is None:
+                return
+            agent = self._agent
+            if agent.rrefs.user_forks.pop((self._rref_id, self._fork_id), None) is not None:
+                agent.rrefs.unconfirmed.discard((self._rref_id, self._fork_id))
+                if agent_or_none() is agent:
+                    agent.send_control(self._owner, "fork_del", self._rref_id, self._fork_id)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        if self.is_owner():
+            return f"OwnerRRef({_gid(self._rref_id)})"
+        return f"UserRRef(RRefId = {_gid(self._rref_id)}, ForkId = {_gid(self._fork_id)})"
+
+    def _get_type(self, timeout: float = -1, blocking: bool = True):
+        if self._type_hint is not None:
+            return self._type_hint
+        if self.is_owner():
+            return type(self._future.wait())
+        return type(self.to_here(timeout))
+
+
+def _gid(ident: tuple) -> str:
+    return f"GloballyUniqueId(created_on={ident[0]}, local_id={ident[1]})"
+
+
+def _kind_call():
+    from ..wire import Kind
+    return Kind.CALL
+
+
+def _unpickle_rref(owner: int, rref_id: tuple, fork_id: tuple, sender: int, type_hint) -> RRef:
+    agent = current_agent()
+    if owner == agent.rank:
+        ctx = agent.rrefs
+        with ctx.lock:
+            entry = ctx.owned.get(rref_id)
+            if entry is None:
+                raise RuntimeError(f"RRef {rref_id} arrived at its owner {agent.name} after it was freed")
+            rref = RRef._owner_side(agent, rref_id, entry.future, type_hint)
+            ctx.del_fork(rref_id, fork_id, agent.rank if sender == owner else agent.rank)
+        return rref
+    confirmed = sender == owner
+    return RRef._user(agent, owner, rref_id, fork_id, None, type_hint, confirmed=confirmed)
+
+
+def _rref_fetch():
+    """Runs on the owner: reply with the value once it exists."""
+    return AsyncResult(current_agent().current_request().local["source"])
+
+
+def _rref_invoke(method: str, args: tuple, kwargs: dict):
+    """Runs on the owner: call ``value.method(*args, **kwargs)``."""
+    source = current_agent().current_request().local["source"]
+    value = source.wait()
+    fn = getattr(value, method)
+    target = getattr(type(value), method, None)
+    result = fn(*args, **kwargs)
+    if getattr(target, "_wrapped_async_rpc_function", None) or getattr(fn, "_wrapped_async_rpc_function", None):
+        return AsyncResult(result)
+    return result
+
+
+class _Proxy:
+    def __init__(self, rref: RRef, mode: str, timeout: float) -> None:
+        self._rref, self._mode, self._timeout = rref, mode, timeout
+
+    def __getattr__(self, method: str):
+        def call(*args, **kwargs):
+            return self._rref._call_method(self._mode, method, args, kwargs, self._timeout)
+        return call

@@ -1,0 +1,62 @@
+"""The transport interface every backend implements.
+
+A transport owns its sockets on one I/O thread. Other threads hand work to it
+with :meth:`Transport.send`, :meth:`Transport.call_soon` and
+:meth:`Transport.call_later`; received messages and lost peers are reported to
+a :class:`TransportHandler` on the I/O thread.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Mapping, Protocol, Sequence
+
+
+class TransportHandler(Protocol):
+    def on_message(self, peer: int, frames: list) -> None:
+        """Called on the I/O thread with the frames of one message from ``peer``."""
+
+    def on_peer_lost(self, peer: int, reason: str, graceful: bool) -> None:
+        """Called on the I/O thread once when ``peer`` is gone (``graceful``: said goodbye)."""
+
+
+class Timer:
+    """Handle of a :meth:`Transport.call_later` callback."""
+
+    __slots__ = ("when", "fn", "cancelled")
+
+    def __init__(self, when: float, fn: Callable[[], None]) -> None:
+        self.when, self.fn, self.cancelled = when, fn, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def __lt__(self, other: "Timer") -> bool:
+        return self.when < other.when
+
+
+class Transport(ABC):
+    """Frames in, frames out, one I/O thread, peer loss reported once."""
+
+    @abstractmethod
+    def listen(self, host: str) -> str:
+        """Bind a listening endpoint on ``host``; returns the address peers connect to."""
+
+    @abstractmethod
+    def start(self, handler: TransportHandler, peers: Mapping[int, str]) -> None:
+        """Connect to ``peers`` (rank -> address) and start the I/O thread."""
+
+    @abstractmethod
+    def send(self, peer: int, frames: Sequence) -> None:
+        """Queue one message for ``peer``; thread safe, never blocks."""
+
+    @abstractmethod
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread; thread safe."""
+
+    @abstractmethod
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
+        """Run ``fn`` on the I/O thread after ``delay`` seconds; thread safe."""
+
+    @abstractmethod
+    def close(self, linger: float = 1.0) -> None:
+        """Say goodbye to every peer, flush for at most ``linger`` s, stop the thread."""

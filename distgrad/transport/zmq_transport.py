@@ -1,0 +1,273 @@
+"""ZeroMQ over TCP.
+
+Each worker binds one ROUTER socket for everything it receives and connects
+one DEALER per peer for everything it sends (requests and replies alike), with
+its rank as the DEALER identity, so every received message names its sender.
+A socket monitor on each DEALER reports a closed connection at once (a crashed
+peer); heartbeats catch a peer that is alive but silent. All sockets live on
+one I/O thread; other threads hand it work through a deque and a wake-up
+socket pair.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Mapping, Sequence
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .base import Timer, Transport, TransportHandler
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT = b"\xffHB"
+_GOODBYE = b"\xffBYE"
+_RANK = struct.Struct("!I")
+
+
+class ZmqTransport(Transport):
+    """pyzmq transport; see the module docstring.
+
+    Example::
+
+        >>> t = ZmqTransport(rank=0)
+        >>> addr = t.listen("127.0.0.1")          # publish addr, learn the others
+        >>> t.start(handler, {1: "tcp://127.0.0.1:5555"})
+        >>> t.send(1, [b"frame"])
+    """
+
+    def __init__(self, rank: int, heartbeat_interval: float = 0.5,
+                 heartbeat_deadline: float = 4.0, max_message_size: int = -1) -> None:
+        self.rank = rank
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_deadline = heartbeat_deadline
+        self._ctx = zmq.Context(io_threads=1)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        if max_message_size > 0:
+            self._router.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        self._dealers: dict[int, zmq.Socket] = {}
+        self._monitors: dict[zmq.Socket, int] = {}
+        self._last_recv: dict[int, float] = {}
+        self._last_sent: dict[int, float] = {}
+        self._lost: set[int] = set()
+        self._queue: collections.deque = collections.deque()
+        self._timers: list[Timer] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._wake_pending = False
+        self._handler: TransportHandler | None = None
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._closing = False
+        self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
+
+    # -- any thread --------------------------------------------------------
+    def listen(self, host: str) -> str:
+        self._router.bind(f"tcp://{host}:0")
+        return self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def start(self, handler: TransportHandler, peers: Mapping[int, str]) -> None:
+        self._handler = handler
+        now = time.monotonic()
+        for peer, addr in peers.items():
+            d = self._ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.IDENTITY, _RANK.pack(self.rank))
+            d.setsockopt(zmq.SNDHWM, 0)
+            d.setsockopt(zmq.LINGER, 0)
+            mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            d.connect(addr)
+            self._dealers[peer] = d
+            self._monitors[mon] = peer
+            self._last_recv[peer] = now
+            self._last_sent[peer] = 0.0
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name=f"distgrad-io-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def send(self, peer: int, frames: Sequence) -> None:
+        self._queue.append((peer, frames))
+        self._wake()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        self._queue.append((None, fn))
+        self._wake()
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
+        timer = Timer(time.monotonic() + delay, fn)
+        self._queue.append((None, lambda: heapq.heappush(self._timers, timer)))
+        self._wake()
+        return timer
+
+    def on_io_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def close(self, linger: float = 1.0) -> None:
+        if self._thread is None:
+            self._close_sockets(0)
+            return
+        done = threading.Event()
+
+        def goodbye():
+            self._closing = True
+            for peer, d in self._dealers.items():
+                if peer not in self._lost:
+                    d.send(_GOODBYE, zmq.NOBLOCK)
+            done.set()
+        if self._running:
+            self.call_soon(goodbye)
+            done.wait(5)
+        self._running = False
+        self._wake()
+        self._thread.join(10)
+        self._close_sockets(linger)
+
+    def _close_sockets(self, linger: float) -> None:
+        for mon in self._monitors:
+            mon.close(0)
+        for d in self._dealers.values():
+            d.close(int(linger * 1000))
+        self._router.close(0)
+        self._wake_r.close()
+        self._wake_w.close()
+        self._ctx.term()
+
+    def _wake(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self._wake_w.send(b"x")
+            except (BlockingIOError, OSError):
+                pass
+
+    # -- I/O thread --------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        for mon in self._monitors:
+            poller.register(mon, zmq.POLLIN)
+        next_beat = time.monotonic()
+        while self._running:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._heartbeat(now)
+                next_beat = now + self.heartbeat_interval
+            wait = next_beat - now
+            if self._timers:
+                wait = min(wait, self._timers[0].when - now)
+            try:
+                events = dict(poller.poll(max(0.0, wait) * 1000 if not self._queue else 0))
+            except zmq.ZMQError:
+                if not self._running:
+                    break
+                raise
+            if self._wake_r in events or self._queue:
+                self._drain()
+            if self._router in events:
+                self._receive()
+            for mon, peer in self._monitors.items():
+                if mon in events:
+                    self._on_monitor(mon, peer)
+            self._run_timers()
+
+    def _drain(self) -> None:
+        self._wake_pending = False
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        q = self._queue
+        while q:
+            peer, item = q.popleft()
+            if peer is None:
+                self._guard(item)
+                continue
+            if peer in self._lost:
+                continue
+            d = self._dealers.get(peer)
+            if d is None:
+                log.error("worker %d: no connection to worker %d", self.rank, peer)
+                continue
+            d.send_multipart(item, copy=False)
+            self._last_sent[peer] = time.monotonic()
+            st = self.stats[peer]
+            st[0] += 1
+            st[1] += sum(memoryview(f).nbytes for f in item)
+
+    def _receive(self) -> None:
+        router = self._router
+        for _ in range(1000):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident = frames[0].bytes
+            if len(ident) != 4:
+                log.warning("worker %d: message with a foreign identity dropped", self.rank)
+                continue
+            peer = _RANK.unpack(ident)[0]
+            if peer not in self._dealers or peer in self._lost:
+                continue
+            self._last_recv[peer] = time.monotonic()
+            body = [f.buffer for f in frames[1:]]
+            if len(body) == 1 and body[0] in (_HEARTBEAT, _GOODBYE):
+                if body[0] == _GOODBYE:
+                    self._lose(peer, "shut down", graceful=True)
+                continue
+            st = self.stats[peer]
+            st[2] += 1
+            st[3] += sum(b.nbytes for b in body)
+            self._guard(lambda: self._handler.on_message(peer, body))
+
+    def _on_monitor(self, mon, peer: int) -> None:
+        try:
+            while True:
+                msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+                if msg["event"] == zmq.EVENT_DISCONNECTED and not self._closing:
+                    self._lose(peer, "connection closed", graceful=False)
+        except zmq.Again:
+            pass
+
+    def _heartbeat(self, now: float) -> None:
+        for peer, d in self._dealers.items():
+            if peer in self._lost:
+                continue
+            if now - self._last_recv[peer] > self.heartbeat_deadline:
+                self._lose(peer, f"no heartbeat for {now - self._last_recv[peer]:.1f} s",
+                           graceful=False)
+                continue
+            if now - self._last_sent[peer] >= self.heartbeat_interval:
+                d.send(_HEARTBEAT, zmq.NOBLOCK)
+                self._last_sent[peer] = now
+
+    def _lose(self, peer: int, reason: str, graceful: bool) -> None:
+        if peer in self._lost:
+            return
+        self._lost.add(peer)
+        self._guard(lambda: self._handler.on_peer_lost(peer, reason, graceful))
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        timers = self._timers
+        while timers and timers[0].when <= now:
+            t = heapq.heappop(timers)
+            if not t.cancelled:
+                self._guard(t.fn)
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("worker %d: error on the I/O thread", self.rank)
