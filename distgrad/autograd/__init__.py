@@ -1,0 +1,164 @@
+"""distgrad.autograd: torch.distributed.autograd's API on distgrad's RPC.
+
+Example (worker0, with worker1 up)::
+
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    with dist_autograd.context() as context_id:
+        t1 = torch.rand(3, 3, requires_grad=True)
+        t2 = rpc.rpc_sync("worker1", torch.add, args=(t1, t1))
+        dist_autograd.backward(context_id, [t2.sum()])
+        grads = dist_autograd.get_gradients(context_id)   # {t1: tensor of 2s}
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+
+from ..rpc.agent import agent_or_none
+from . import recording as _recording  # noqa: F401  (registers the agent extension)
+from .context import CONTAINER, DistAutogradContext
+from .engine import ENGINE, _fire_and_forget, backward_async as _backward_async
+
+__all__ = ["context", "backward", "backward_async", "get_gradients", "DistAutogradContext",
+           "is_available"]
+
+
+def is_available() -> bool:
+    """True: distgrad's distributed autograd is always built."""
+    return True
+
+
+def _init(worker_id: int) -> None:
+    """Initialise the context container for ``worker_id`` (``init_rpc`` does this)."""
+    CONTAINER.init(worker_id)
+
+
+def _new_context() -> DistAutogradContext:
+    """Create a context and make it this thread's current one."""
+    return CONTAINER.new_context()
+
+
+def _retrieve_context(context_id: int) -> DistAutogradContext:
+    """The context with ``context_id``; RuntimeError when this worker has none."""
+    return CONTAINER.retrieve(context_id)
+
+
+def _current_context() -> DistAutogradContext:
+    """This thread's current context; RuntimeError when there is none."""
+    ctx = CONTAINER.current()
+    if ctx is None:
+        raise RuntimeError("Current thread doesn't have a valid autograd context. Please wrap your "
+                           "code using: `with torch.distributed.autograd.context() as context_id` "
+                           "to generate a valid context")
+    return ctx
+
+
+def _is_valid_context(context_id: int) -> bool:
+    """True when this worker holds a context with ``context_id``."""
+    with CONTAINER.lock:
+        return context_id in CONTAINER.contexts
+
+
+def _get_max_id() -> int:
+    """The largest context id this worker can create: ``(worker_id << 48) + 2**48 - 1``."""
+    return CONTAINER.max_id()
+
+
+def _release_context(context_id: int) -> None:
+    """Release a context here and, without waiting, on every worker it reached."""
+    ctx = CONTAINER.release(context_id)
+    if ctx is None:
+        raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+    _spread_release(ctx, exclude=None)
+
+
+def _spread_release(ctx: DistAutogradContext, exclude: int | None) -> None:
+    agent = agent_or_none()
+    if agent is None:
+        return
+    for w in ctx._known_worker_ids():
+        if w != exclude and w != agent.rank:
+            _fire_and_forget(w, _release_remote, (ctx.id, agent.rank))
+
+
+def _release_remote(context_id: int, sender: int) -> None:
+    ctx = CONTAINER.release(context_id)
+    if ctx is not None:
+        _spread_release(ctx, exclude=sender)
+
+
+@contextlib.contextmanager
+def context() -> Iterator[int]:
+    """A distributed autograd context; yields its id.
+
+    Every RPC made inside carries the id; leaving releases the context on this
+    worker and on every worker that saw it.
+
+    Example::
+
+        >>> with dist_autograd.context() as context_id:
+        ...     loss = rpc.rpc_sync("worker1", torch.mul, args=(w, 2)).sum()
+        ...     dist_autograd.backward(context_id, [loss])
+    """
+    ctx = CONTAINER.new_context()
+    try:
+        yield ctx.id
+    finally:
+        if CONTAINER.release(ctx.id) is not None:
+            _spread_release(ctx, exclude=None)
+
+
+def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
+             grad_tensors: Sequence[torch.Tensor] | None = None) -> None:
+    """Run the distributed backward pass from ``roots``; gradients of leaves go to
+    the context of the worker that owns each leaf (see :func:`get_gradients`).
+
+    ``grad_tensors`` (distgrad's extra, as in ``torch.autograd.backward``) gives
+    the gradients of non-scalar roots. Blocks until every worker is done.
+
+    Example::
+
+        >>> with dist_autograd.context() as cid:
+        ...     y = rpc.rpc_sync("worker1", torch.mul, args=(x, 3))
+        ...     dist_autograd.backward(cid, [y.sum()])
+        ...     dist_autograd.get_gradients(cid)[x]
+        tensor([3., 3.])
+    """
+    _backward_async(context_id, roots, retain_graph, grad_tensors).wait()
+
+
+def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
+                   grad_tensors: Sequence[torch.Tensor] | None = None) -> torch.futures.Future:
+    """Like :func:`backward`, returning a ``torch.futures.Future`` at once.
+
+    Example::
+
+        >>> fut = dist_autograd.backward_async(cid, [loss])
+        >>> fut.wait()
+    """
+    return _backward_async(context_id, roots, retain_graph, grad_tensors)
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """Leaf tensor -> accumulated gradient, for this worker's leaves in the context.
+
+    Example::
+
+        >>> dist_autograd.get_gradients(context_id)[w]
+        tensor([2., 2.])
+    """
+    ctx = CONTAINER.retrieve(context_id)
+    with ctx.lock:
+        return dict(ctx.gradients)
+
+
+def _get_debug_info() -> dict[str, int]:
+    """torch's two counters: ``num_current_backward_passes`` and ``num_autograd_contexts``."""
+    with ENGINE.lock:
+        passes = len(ENGINE.passes)
+    with CONTAINER.lock:
+        contexts = len(CONTAINER.contexts)
+    return {"num_current_backward_passes": passes, "num_autograd_contexts": contexts}

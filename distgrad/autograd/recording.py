@@ -1,0 +1,146 @@
+"""Recording RPCs in the autograd graph: a send function on the sender, a recv
+function on the receiver, paired by one globally unique autograd message id.
+
+``SendRpc``'s node has the sent tensors' gradient edges as its next edges
+(torch's graph shape); the distributed engine starts local backward there
+when gradients for the sent tensors come back. ``RecvRpc``'s node is the
+``grad_fn`` of the received tensors; when the engine reaches it, it ships the
+incoming gradients to the sender.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ..rpc.agent import AgentExtension, register_extension
+from .context import CONTAINER, DistAutogradContext
+
+# One leaf that every recv function hangs from, so that received tensors
+# require grad and native engine calls can capture "recv nodes ran" (see engine).
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class SendRpc(torch.autograd.Function):
+    """Autograd node for tensors sent in an RPC (node name ``SendRpcBackward``)."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        ctx.set_materialize_grads(False)
+        # Outputs are placeholders with the sent tensors' metadata; they cost no memory.
+        return tuple(torch.zeros((), dtype=t.dtype).expand(t.shape) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+class RecvRpc(torch.autograd.Function):
+    """Autograd node of tensors received in an RPC (node name ``RecvRpcBackward``)."""
+
+    @staticmethod
+    def forward(ctx, anchor, context_id, message_id, sender, *tensors):
+        ctx.set_materialize_grads(False)
+        ctx.dg_info = (context_id, message_id, sender)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from .engine import ship_gradients
+        ship_gradients(ctx.dg_info, grads)
+        return (None, None, None, None) + (None,) * len(grads)
+
+
+SEND_NODE_TYPE = None
+RECV_NODE_TYPE = None
+
+
+def _node_types() -> tuple[type, type]:
+    global SEND_NODE_TYPE, RECV_NODE_TYPE
+    if SEND_NODE_TYPE is None:
+        a = torch.zeros(1, requires_grad=True)
+        SEND_NODE_TYPE = type(SendRpc.apply(a)[0].grad_fn)
+        RECV_NODE_TYPE = type(RecvRpc.apply(_ANCHOR, 0, 0, 0, torch.zeros(1))[0].grad_fn)
+    return SEND_NODE_TYPE, RECV_NODE_TYPE
+
+
+class _Scope:
+    """Runs a request's user function inside the caller's autograd context."""
+
+    __slots__ = ("ctx", "prev")
+
+    def __init__(self, ctx: DistAutogradContext) -> None:
+        self.ctx = ctx
+
+    def __enter__(self) -> DistAutogradContext:
+        self.prev = CONTAINER.set_current(self.ctx)
+        return self.ctx
+
+    def __exit__(self, *exc) -> bool:
+        CONTAINER.set_current(self.prev)
+        return False
+
+
+class AutogradExtension(AgentExtension):
+    """Plugs recording into the RPC agent (see :class:`~distgrad.rpc.agent.AgentExtension`)."""
+
+    def __init__(self, agent) -> None:
+        self.agent = agent
+        CONTAINER.init(agent.rank)
+        _node_types()
+
+    def current(self) -> Any:
+        return CONTAINER.current()
+
+    def outgoing(self, dest: int, tensors: list, ctx: DistAutogradContext) -> Any:
+        with ctx.lock:
+            ctx.known_workers.add(dest)
+        if ctx.released:
+            return None
+        rg = [t for t in tensors if t.requires_grad]
+        if not rg or not torch.is_grad_enabled():
+            return (ctx.id, None)
+        msg_id = CONTAINER.new_message_id()
+        outs = SendRpc.apply(*rg)
+        with ctx.lock:
+            ctx.send_functions[msg_id] = outs[0].grad_fn
+            ctx.send_outputs[msg_id] = outs
+        return (ctx.id, msg_id)
+
+    def incoming(self, sender: int, meta: Any):
+        context_id, msg_id = meta
+        ctx = CONTAINER.get_or_create(context_id)
+        with ctx.lock:
+            ctx.known_workers.add(sender)
+        if msg_id is None:
+            return None
+
+        def attach(tensors: list) -> list:
+            idx = [i for i, t in enumerate(tensors) if t.requires_grad]
+            if not idx:
+                return tensors
+            plain = [tensors[i].detach() for i in idx]
+            with torch.enable_grad():
+                outs = RecvRpc.apply(_ANCHOR, context_id, msg_id, sender, *plain)
+            with ctx.lock:
+                ctx.recv_functions[msg_id] = outs[0].grad_fn
+            out = list(tensors)
+            for i, t in zip(idx, outs):
+                out[i] = t
+            return out
+        return attach
+
+    def request_scope(self, meta: Any):
+        return _Scope(CONTAINER.get_or_create(meta[0]))
+
+    def on_peer_lost(self, peer: int, reason: str) -> None:
+        from .engine import ENGINE
+        ENGINE.on_peer_lost(peer)
+
+    def on_shutdown(self) -> None:
+        CONTAINER.clear()
+
+
+register_extension(AutogradExtension)
+_thread_state = threading.local()
