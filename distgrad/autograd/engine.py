@@ -375,8 +375,11 @@ def _end_pass(context_id: int, pass_id: tuple) -> None:
 def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
                    grad_tensors: Sequence[torch.Tensor] | None = None) -> torch.futures.Future:
     """Start a distributed backward pass; returns a Future done when every worker is done."""
-    roots, grads = _check_roots(roots, grad_tensors)
+    if isinstance(roots, torch.Tensor) or not isinstance(roots, (list, tuple)):
+        raise TypeError("backward(): incompatible function arguments. roots must be a list of "
+                        f"tensors, got {type(roots).__name__}")
     ctx = CONTAINER.retrieve(context_id)
+    roots, grads = _check_roots(roots, grad_tensors)
     state = ENGINE.new_pass(ctx, retain_graph)
     for r in roots:
         state.deps[r.grad_fn] += 1
@@ -431,9 +434,6 @@ def _swallow(f: torch.futures.Future) -> None:
 
 
 def _check_roots(roots: Any, grad_tensors: Any) -> tuple[list, list]:
-    if isinstance(roots, torch.Tensor) or not isinstance(roots, (list, tuple)):
-        raise TypeError("backward(): incompatible function arguments. roots must be a list of "
-                        f"tensors, got {type(roots).__name__}")
     if not roots:
         raise RuntimeError("No tensors provided for gradient computation.")
     if grad_tensors is not None:

@@ -44,6 +44,9 @@ class RRefContext(AgentExtension):
         self.owned: dict[tuple, _Entry] = {}
         self.user_forks: dict[tuple, int] = {}       # (rref_id, fork_id) -> owner, live here
         self.unconfirmed: set[tuple] = set()          # (rref_id, fork_id) awaiting the owner
+        # rref_id -> [future, count of live owner-side RRef objects]: lets proxies and
+        # calls reach a value owned here that no other worker holds (RRef(value)).
+        self.local_owned: dict[tuple, list] = {}
         self._ids = itertools.count(1)
         self.lock = threading.RLock()
         agent.control_handlers.update(fork_add=self._on_fork_add, fork_del=self._on_fork_del,
@@ -94,6 +97,9 @@ class RRefContext(AgentExtension):
         src = extra.get("rref")
         if src is not None:
             entry = self.owned.get(src)
+            if entry is None and peer == self.agent.rank:
+                entry = self.local_owned.get(src)
+                entry = _Entry(entry[0]) if entry is not None else None
             if entry is None:
                 raise RuntimeError(f"RRef {src} is not known to its owner {self.agent.name} "
                                    "(deleted or never created)")
@@ -178,6 +184,10 @@ class RRef(Generic[T]):
         self._type_hint = type_hint
         if fork_id is not None:
             agent.rrefs.user_forks[(rref_id, fork_id)] = owner
+        else:
+            with agent.rrefs.lock:
+                slot = agent.rrefs.local_owned.setdefault(rref_id, [future, 0])
+                slot[1] += 1
 
     @classmethod
     def _user(cls, agent, owner: int, rref_id: tuple, fork_id: tuple, future, type_hint=None,
@@ -278,6 +288,13 @@ class RRef(Generic[T]):
     def __del__(self):
         try:
             if self._fork_id is None:
+                ctx = self._agent.rrefs
+                with ctx.lock:
+                    slot = ctx.local_owned.get(self._rref_id)
+                    if slot is not None:
+                        slot[1] -= 1
+                        if slot[1] <= 0:
+                            del ctx.local_owned[self._rref_id]
                 return
             agent = self._agent
             if agent.rrefs.user_forks.pop((self._rref_id, self._fork_id), None) is not None:
@@ -291,6 +308,27 @@ class RRef(Generic[T]):
         if self.is_owner():
             return f"OwnerRRef({_gid(self._rref_id)})"
         return f"UserRRef(RRefId = {_gid(self._rref_id)}, ForkId = {_gid(self._fork_id)})"
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run backward from this RRef's value (a scalar) on its owner.
+
+        With ``dist_autograd_ctx_id`` it is a distributed backward in that
+        context; with -1 a local ``torch.autograd.backward`` on the owner.
+
+        Example::
+
+            >>> with dist_autograd.context() as cid:
+            ...     loss_rref = rpc.remote("worker1", compute_loss, args=(x,))
+            ...     loss_rref.backward(cid)
+        """
+        args = (self._rref_id, dist_autograd_ctx_id, retain_graph)
+        if self.is_owner():
+            _rref_backward_local(self._future.wait(), *args[1:]).wait()
+            return
+        agent = self._agent
+        p = agent.send_request(self.owner(), _kind_call(), (_rref_backward, args[1:], {}),
+                               "RRef.backward", -1, sync=True, extra={"rref": self._rref_id})
+        agent.wait(p)
 
     def _get_type(self, timeout: float = -1, blocking: bool = True):
         if self._type_hint is not None:
@@ -327,6 +365,22 @@ def _unpickle_rref(owner: int, rref_id: tuple, fork_id: tuple, sender: int, type
 def _rref_fetch():
     """Runs on the owner: reply with the value once it exists."""
     return AsyncResult(current_agent().current_request().local["source"])
+
+
+def _rref_backward_local(value: Any, ctx_id: int, retain_graph: bool) -> torch.futures.Future:
+    if ctx_id == -1:
+        torch.autograd.backward(value, retain_graph=retain_graph)
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+    from ..autograd import backward_async
+    return backward_async(ctx_id, [value], retain_graph)
+
+
+def _rref_backward(ctx_id: int, retain_graph: bool):
+    """Runs on the owner: backward from the value, replying when the pass is done."""
+    value = current_agent().current_request().local["source"].wait()
+    return AsyncResult(_rref_backward_local(value, ctx_id, retain_graph))
 
 
 def _rref_invoke(method: str, args: tuple, kwargs: dict):
