@@ -23,7 +23,7 @@ from .context import CONTAINER, DistAutogradContext
 from .engine import ENGINE, _fire_and_forget, backward_async as _backward_async
 
 __all__ = ["context", "backward", "backward_async", "get_gradients", "DistAutogradContext",
-           "is_available"]
+           "is_available", "get_engine_stats"]
 
 
 def is_available() -> bool:
@@ -153,6 +153,22 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     ctx = CONTAINER.retrieve(context_id)
     with ctx.lock:
         return dict(ctx.gradients)
+
+
+def get_engine_stats() -> dict[str, int]:
+    """distgrad's own engine counters on this worker (torch's two keys stay in
+    :func:`_get_debug_info`): ``passes_native`` (this worker's share ran as
+    native engine calls), ``passes_shared`` (entries shared nodes, so the
+    node-by-node executor ran it), ``executor_nodes_run``.
+
+    Example::
+
+        >>> dist_autograd.get_engine_stats()["passes_native"]
+        12
+    """
+    with ENGINE.lock:
+        return {k: ENGINE.stats.get(k, 0) for k in ("passes_native", "passes_shared",
+                                                    "executor_nodes_run")}
 
 
 def _get_debug_info() -> dict[str, int]:

@@ -207,6 +207,8 @@ class Engine:
         self.passes: dict[tuple, PassState] = {}
         self.lock = threading.Lock()
         self._ids = itertools.count()
+        # passes this worker took part in, by how its share ran; executor node count
+        self.stats: collections.Counter = collections.Counter()
 
     def new_pass(self, ctx: DistAutogradContext, retain_graph: bool) -> PassState:
         pass_id = (CONTAINER.worker_id, next(self._ids))
@@ -227,7 +229,10 @@ class Engine:
 
     def drop(self, context_id: int, pass_id: tuple) -> None:
         with self.lock:
-            self.passes.pop((context_id, pass_id), None)
+            state = self.passes.pop((context_id, pass_id), None)
+            if state is not None:
+                self.stats["passes_shared" if state.shared else "passes_native"] += 1
+                self.stats["executor_nodes_run"] += state.nodes_run
 
     def on_peer_lost(self, peer: int) -> None:
         pass  # pending gradient RPCs to the peer fail through the agent

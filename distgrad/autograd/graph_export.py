@@ -202,6 +202,15 @@ def _human(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def _shape(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape)) if len(shape) else "scalar"
+
+
+def _msg(mid: int | None) -> str:
+    """An autograd message id as <creating worker>.<counter>."""
+    return "?" if mid is None else f"{mid >> 48}.{mid & ((1 << 48) - 1)}"
+
+
 _COLORS = {"send": "#f4a582", "recv": "#92c5de", "leaf": "#d9f0a3", "op": "#f0f0f0"}
 
 
@@ -217,27 +226,32 @@ def to_dot(desc: dict) -> str:
              "  labelloc=t; fontname=Helvetica; rankdir=TB; compound=true;",
              "  node [shape=box, style=\"rounded,filled\", fontname=Helvetica, fontsize=10];",
              "  edge [fontname=Helvetica, fontsize=9];"]
+    names = {int(w): wd["name"] for w, wd in desc["workers"].items()}
     for w, wd in desc["workers"].items():
         lines.append(f"  subgraph cluster_w{w} {{")
         title = f"{wd['name']} (rank {w})"
         lines.append(f"    label={q(title)}; style=\"rounded\"; color=\"#555555\";")
         for n in wd["nodes"]:
-            label = n["name"]
+            label = n["name"].replace("torch::autograd::", "")
             if n["kind"] == "leaf":
-                if n.get("shape"):
-                    label += "\n" + "x".join(map(str, n["shape"]))
+                if n.get("shape") is not None:
+                    label += "\n" + (_shape(n["shape"]) + " " + n.get("dtype", "")).strip()
             elif n["kind"] == "send":
-                mid = n.get("message_id")
-                label += f"\nmsg {mid & ((1 << 48) - 1) if mid is not None else '?'}, {_human(n['bytes'])}"
+                label += f"\nmsg {_msg(n.get('message_id'))}, {_human(n['bytes'])}"
             elif n["kind"] == "recv":
-                label += f"\nfrom rank {n.get('sender')}"
+                sender = n.get("sender")
+                who = names.get(sender, f"rank {sender}")
+                label += f"\nmsg {_msg(n.get('message_id'))} from {who}"
             extra = ", penwidth=2" if n.get("root") else ""
             lines.append(f"    {n['id']} [label={q(label)}, fillcolor={q(_COLORS[n['kind']])}{extra}];")
         for a, b in wd["edges"]:
             lines.append(f"    {a} -> {b};")
         lines.append("  }")
+    tensors = {n["id"]: n.get("tensors") or [] for wd in desc["workers"].values() for n in wd["nodes"]}
     for e in desc["cross_edges"]:
-        lines.append(f"  {e['src']} -> {e['dst']} [label={q(_human(e['bytes']))}, color=\"#b2182b\", "
+        what = ", ".join(f"{_shape(t['shape'])} {t['dtype']}" for t in tensors.get(e["src"], []))
+        label = _human(e["bytes"]) + (f"\n{what}" if what else "")
+        lines.append(f"  {e['src']} -> {e['dst']} [label={q(label)}, color=\"#b2182b\", "
                      f"fontcolor=\"#b2182b\", penwidth=1.6, style=bold];")
     lines.append("}")
     return "\n".join(lines) + "\n"
