@@ -8,5 +8,6 @@ torch.distributed.optim.DistributedOptimizer runs after swapping the imports::
     from distgrad.optim import DistributedOptimizer
 """
 from . import errors, rpc  # noqa: F401
+from . import autograd  # noqa: F401,E402  (registers its agent extension)
 
 __version__ = "0.1.0"

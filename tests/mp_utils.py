@@ -1,0 +1,108 @@
+"""Run a function on N real worker processes (spawn) that talk over 127.0.0.1.
+
+    results = run_workers(my_fn, world_size=3, timeout=60)
+
+``my_fn(rank, world_size, *args)`` must be a module-level function; it runs
+after ``init_rpc("worker{rank}")`` (unless ``init=False``) and before
+``shutdown()``. Its return value (picklable) comes back per rank. An exception
+on any rank, a crash or the timeout fails the test with every rank's story;
+every process is killed before this returns.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bootstrap(rank, world_size, fn, args, init, port, options, results, shutdown_graceful):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    torch.set_num_threads(1)
+    try:
+        if init:
+            import distgrad.rpc as rpc
+            opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                                   **(options or {}))
+            rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+        value = fn(rank, world_size, *args)
+        if init:
+            rpc.shutdown(graceful=shutdown_graceful)
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tuple = (),
+                init: bool = True, options: dict | None = None, graceful: bool = True,
+                expect_exit: set | None = None) -> list[Any]:
+    """Run ``fn`` on ``world_size`` spawned workers; returns the per-rank results.
+
+    Ranks in ``expect_exit`` may die without reporting (tests that kill workers);
+    their result is None.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_bootstrap, daemon=True,
+                         args=(r, world_size, fn, args, init, port, options, results, graceful))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    expect_exit = expect_exit or set()
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [r for r in range(world_size) if r not in out]
+                raise TimeoutError(f"workers {missing} did not finish within {timeout} s; "
+                                   f"errors so far: {errors}")
+            try:
+                rank, status, value = results.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and r not in out and r not in expect_exit]
+                if dead:
+                    # give its last message a moment to arrive
+                    try:
+                        rank, status, value = results.get(timeout=1.0)
+                    except queue.Empty:
+                        raise RuntimeError(f"worker(s) {dead} died with exit codes "
+                                           f"{[procs[r].exitcode for r in dead]}") from None
+                else:
+                    gone = [r for r in expect_exit if not procs[r].is_alive() and r not in out]
+                    for r in gone:
+                        out[r] = None
+                    continue
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append(f"--- worker{rank} ---\n{value}")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [out[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic() + 5)))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def tmp_path_for(name: str) -> str:
+    return os.path.join(tempfile.mkdtemp(prefix="distgrad-"), name)
