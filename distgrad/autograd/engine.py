@@ -235,7 +235,14 @@ class Engine:
                 self.stats["executor_nodes_run"] += state.nodes_run
 
     def on_peer_lost(self, peer: int) -> None:
-        pass  # pending gradient RPCs to the peer fail through the agent
+        """Drop the passes ``peer`` took part in or started: RPCs to it fail through
+        the agent, and nothing it would have sent will come."""
+        with self.lock:
+            for key, state in list(self.passes.items()):
+                if state.initiator == peer or peer in state.participants \
+                        or peer in state.ctx.known_workers:
+                    if state.initiator != CONTAINER.worker_id:
+                        self.passes.pop(key, None)
 
 
 ENGINE = Engine()

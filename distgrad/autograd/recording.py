@@ -135,8 +135,17 @@ class AutogradExtension(AgentExtension):
         return _Scope(CONTAINER.get_or_create(meta[0]))
 
     def on_peer_lost(self, peer: int, reason: str) -> None:
+        """Release every context that involved ``peer`` and was created elsewhere
+        (its creator's user code may still be inside ``context()``; the
+        creator's own copy goes when that block ends), so nothing lingers when a
+        worker in the middle of a chain dies (pytorch issue 26379)."""
         from .engine import ENGINE
         ENGINE.on_peer_lost(peer)
+        with CONTAINER.lock:
+            doomed = [c for c in CONTAINER.contexts.values()
+                      if peer in c.known_workers and (c.id >> 48) != CONTAINER.worker_id]
+        for ctx in doomed:
+            CONTAINER.release(ctx.id)
 
     def on_shutdown(self) -> None:
         CONTAINER.clear()
