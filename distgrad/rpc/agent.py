@@ -10,7 +10,6 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -19,6 +18,7 @@ from ..errors import DistgradError, ProtocolError, RPCTimeoutError, Serializatio
 from ..transport import Transport
 from ..wire import Kind, decode, dumps, encode, loads
 from ..wire.messages import peek_header
+from .pool import WorkerPool
 from .remote_exc import pack_exception, unpack_exception
 from .worker_info import WorkerInfo
 
@@ -110,9 +110,9 @@ class RpcAgent:
         self.pending: dict[int, _Pending] = {}
         self.lost: dict[int, str] = {}
         self._rids = itertools.count(1)
-        self.pool = ThreadPoolExecutor(options.num_worker_threads, thread_name_prefix=f"distgrad-{name}")
-        self.callbacks = ThreadPoolExecutor(max(4, options.num_worker_threads),
-                                            thread_name_prefix=f"distgrad-cb-{name}")
+        self.pool = WorkerPool(options.num_worker_threads, thread_name_prefix=f"distgrad-{name}")
+        self.callbacks = WorkerPool(max(4, options.num_worker_threads),
+                                    thread_name_prefix=f"distgrad-cb-{name}")
         self.busy_threads = 0
         self.inflight = 0
         self._count_lock = threading.Lock()
@@ -331,7 +331,7 @@ class RpcAgent:
         else:
             is_async = bool(getattr(func, "_wrapped_async_rpc_function", None))
         if is_async:
-            if not isinstance(result, torch.futures.Future):
+            if not isinstance(result, torch._C.Future):
                 err = TypeError(f"async_execution function {what} returned {type(result).__name__}, "
                                 "expected a torch.futures.Future")
                 self._finish_request(peer, msg, None, err, ctx)
