@@ -26,8 +26,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bootstrap(rank, world_size, fn, args, init, port, options, results, shutdown_graceful):
+def _bootstrap(rank, world_size, fn, args, init, port, options, results, shutdown_graceful, env):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     import torch
     torch.set_num_threads(1)
     try:
@@ -46,8 +51,12 @@ def _bootstrap(rank, world_size, fn, args, init, port, options, results, shutdow
 
 def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tuple = (),
                 init: bool = True, options: dict | None = None, graceful: bool = True,
-                expect_exit: set | None = None) -> list[Any]:
+                expect_exit: set | None = None, env_per_rank: dict | None = None) -> list[Any]:
     """Run ``fn`` on ``world_size`` spawned workers; returns the per-rank results.
+
+    Every worker gets the cluster secret ``DISTGRAD_SECRET=distgrad-tests``
+    (so the suite runs authenticated, as users should); ``env_per_rank``
+    ({rank: {VAR: value or None to unset}}) overrides per worker.
 
     Ranks in ``expect_exit`` may die without reporting (tests that kill workers);
     their result is None.
@@ -56,7 +65,9 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_bootstrap, daemon=True,
-                         args=(r, world_size, fn, args, init, port, options, results, graceful))
+                         args=(r, world_size, fn, args, init, port, options, results, graceful,
+                               {"DISTGRAD_SECRET": "distgrad-tests",
+                                **(env_per_rank or {}).get(r, {})}))
              for r in range(world_size)]
     for p in procs:
         p.start()

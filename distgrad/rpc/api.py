@@ -12,6 +12,7 @@ import torch
 from ..errors import DistgradError
 from ..launch import rendezvous
 from ..transport import ZmqTransport
+from ..transport.auth import secret_from_env
 from ..wire import Kind
 from .agent import RpcAgent, _holder, _qualname, agent_or_none, current_agent
 from .options import BackendType, RpcBackendOptions
@@ -54,8 +55,12 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         rdv_timeout = opts.rpc_timeout if opts.rpc_timeout > 0 else 300.0
         host = opts.listen_addr or rendezvous.master_host(init_method) or "127.0.0.1"
         store = rendezvous.make_store(init_method, rank, world_size, rdv_timeout)
+        secret = opts.secret or secret_from_env()
+        if secret is None:
+            log.warning("worker %s: no cluster secret (DISTGRAD_SECRET): messages are not "
+                        "authenticated and anyone who can connect can run code here", name)
         transport = ZmqTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
-                                 opts.max_message_size)
+                                 opts.max_message_size, secret=secret)
         try:
             address = transport.listen(host)
             peers = rendezvous.exchange(store, rank, world_size, name, address, rdv_timeout)
@@ -95,7 +100,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
                             len(agent.pending))
             try:
                 rendezvous.barrier(agent.store, "shutdown", agent.rank, agent.world_size,
-                                   max(0.1, deadline - time.monotonic()))
+                                   max(0.1, deadline - time.monotonic()),
+                                   give_up=lambda: len(agent.lost) >= agent.world_size - 1)
             except Exception as e:  # a lost peer must not make shutdown hang or fail
                 log.warning("worker %s: shutdown barrier incomplete: %s", agent.name, e)
     finally:

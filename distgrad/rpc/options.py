@@ -25,8 +25,11 @@ class RpcBackendOptions:
     (``env://``, ``tcp://host:port`` or ``file://path``), ``num_worker_threads``
     (default 16), ``listen_addr`` (interface to bind; default
     ``$DISTGRAD_LISTEN_ADDR``, else ``MASTER_ADDR`` or the ``tcp://`` host, else
-    127.0.0.1), ``heartbeat_interval``/``heartbeat_deadline`` (s) and
-    ``max_message_size`` (bytes, -1 for no limit).
+    127.0.0.1), ``heartbeat_interval``/``heartbeat_deadline`` (s),
+    ``max_message_size`` (bytes per frame a peer may send, default 8 GiB, -1
+    for no limit) and ``secret`` (the cluster secret; default
+    ``$DISTGRAD_SECRET``; all workers need the same one; see the README's
+    trust model).
 
     Example::
 
@@ -41,7 +44,8 @@ class RpcBackendOptions:
                  device_maps: dict | None = None, devices: list | None = None,
                  _transports: list | None = None, _channels: list | None = None,
                  listen_addr: str | None = None, heartbeat_interval: float = 0.5,
-                 heartbeat_deadline: float = 4.0, max_message_size: int = -1) -> None:
+                 heartbeat_deadline: float = 4.0, max_message_size: int = 1 << 33,
+                 secret: str | bytes | None = None) -> None:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
         if rpc_timeout < 0:
@@ -63,6 +67,7 @@ class RpcBackendOptions:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_deadline = heartbeat_deadline
         self.max_message_size = max_message_size
+        self.secret = secret.encode() if isinstance(secret, str) else secret
 
     def set_device_map(self, to: str, device_map: dict) -> None:
         """torch's device map setter; distgrad moves CPU tensors only, so only cpu->cpu."""
@@ -79,7 +84,14 @@ class RpcBackendOptions:
 
 def _check_cpu(device: Any, what: str) -> None:
     import torch
-    if torch.device(device).type != "cpu":
+    if isinstance(device, int) and not isinstance(device, bool):
+        kind = "accelerator index"  # torch.device(0) means an accelerator
+    else:
+        try:
+            kind = torch.device(device).type
+        except Exception as e:  # noqa: BLE001 - malformed or unavailable device
+            raise ValueError(f"{what}: invalid device {device!r}: {e}") from None
+    if kind != "cpu":
         raise ValueError(f"{what}: distgrad supports CPU devices only for now, got {device!r}")
 
 

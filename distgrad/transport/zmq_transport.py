@@ -1,12 +1,19 @@
 """ZeroMQ over TCP.
 
 Each worker binds one ROUTER socket for everything it receives and connects
-one DEALER per peer for everything it sends (requests and replies alike), with
-its rank as the DEALER identity, so every received message names its sender.
+one DEALER per peer for everything it sends (requests and replies alike).
+Every message starts with a transport frame naming the sender's rank (and,
+with a secret, its sequence number and MAC), so zmq identities play no part
+and a connection cannot take over another worker's.
 A socket monitor on each DEALER reports a closed connection at once (a crashed
 peer); heartbeats catch a peer that is alive but silent. All sockets live on
 one I/O thread; other threads hand it work through a deque and a wake-up
 socket pair.
+
+With a cluster secret, every message (heartbeats included) is sealed with a
+MAC (see :mod:`.auth`) and nothing reaches the handler before it verified;
+forged, replayed or foreign messages are dropped and logged with the sending
+address. The listening address carries this worker's auth nonce.
 
 Between workers on the same host (same hostname and boot id, learnt from the
 listening address) frames of at least ``shm_threshold`` bytes travel through
@@ -29,6 +36,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import shm
+from .auth import AuthError, Authenticator
 from .base import Timer, Transport, TransportHandler
 
 log = logging.getLogger(__name__)
@@ -36,7 +44,9 @@ log = logging.getLogger(__name__)
 _HEARTBEAT = b"\xffHB"
 _GOODBYE = b"\xffBYE"
 _RANK = struct.Struct("!I")
-_SHM_TAG = "#shm="
+_SHM_TAG = "shm"
+_AUTH_TAG = "auth"
+DEFAULT_MAX_MESSAGE_SIZE = 1 << 33  # bytes per frame; bounds what a peer can make us allocate
 # Frames at least DISTGRAD_SHM_THRESHOLD bytes go through /dev/shm between
 # same-host workers (0 or unset: never). Off by default: every message takes
 # fresh tmpfs pages, and on the reference VM writing them ran at ~1 GB/s, slower
@@ -61,9 +71,12 @@ class ZmqTransport(Transport):
     """
 
     def __init__(self, rank: int, heartbeat_interval: float = 0.5,
-                 heartbeat_deadline: float = 4.0, max_message_size: int = -1,
-                 shm_threshold: int | None = None) -> None:
+                 heartbeat_deadline: float = 4.0, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+                 shm_threshold: int | None = None, secret: bytes | None = None) -> None:
         self.rank = rank
+        self._auth = Authenticator(secret, rank) if secret else None
+        self._rank_bytes = _RANK.pack(rank)
+        self._rejected: collections.Counter = collections.Counter()
         self.shm_threshold = _default_shm_threshold() if shm_threshold is None else shm_threshold
         self.host_id = shm.host_id() if self.shm_threshold > 0 else ""
         self._shm_peers: dict[int, str] = {}  # same-host peer -> its shm file prefix
@@ -72,7 +85,6 @@ class ZmqTransport(Transport):
         self.heartbeat_deadline = heartbeat_deadline
         self._ctx = zmq.Context(io_threads=1)
         self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, 0)
         if max_message_size > 0:
@@ -99,19 +111,29 @@ class ZmqTransport(Transport):
         self._router.bind(f"tcp://{host}:0")
         addr = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.host_id:
-            addr += f"{_SHM_TAG}{self.host_id}|{os.getpid()}"
+            addr += f"#{_SHM_TAG}={self.host_id}|{os.getpid()}"
+        if self._auth is not None:
+            addr += f"#{_AUTH_TAG}={self._auth.nonce.hex()}"
         return addr
 
     def start(self, handler: TransportHandler, peers: Mapping[int, str]) -> None:
         self._handler = handler
         now = time.monotonic()
-        for peer, addr in peers.items():
-            addr, _, tag = addr.partition(_SHM_TAG)
-            peer_host, _, peer_pid = tag.rpartition("|")
+        for peer, full in peers.items():
+            addr, *tagged = full.split("#")
+            tags = dict(t.partition("=")[::2] for t in tagged)
+            if self._auth is not None:
+                if _AUTH_TAG not in tags:
+                    raise RuntimeError(f"worker {peer} ({addr}) runs without the cluster secret "
+                                       "(DISTGRAD_SECRET) while this worker has one")
+                self._auth.set_peer_nonce(peer, bytes.fromhex(tags[_AUTH_TAG]))
+            elif _AUTH_TAG in tags:
+                raise RuntimeError(f"worker {peer} ({addr}) requires the cluster secret "
+                                   "(DISTGRAD_SECRET) and this worker has none")
+            peer_host, _, peer_pid = tags.get(_SHM_TAG, "").rpartition("|")
             if self.host_id and peer_host == self.host_id and peer_pid.isdigit():
                 self._shm_peers[peer] = shm.owner_prefix(int(peer_pid), peer)
             d = self._ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.IDENTITY, _RANK.pack(self.rank))
             d.setsockopt(zmq.SNDHWM, 0)
             d.setsockopt(zmq.LINGER, 0)
             mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -161,9 +183,9 @@ class ZmqTransport(Transport):
 
         def goodbye():
             self._closing = True
-            for peer, d in self._dealers.items():
+            for peer in self._dealers:
                 if peer not in self._lost:
-                    d.send(_GOODBYE, zmq.NOBLOCK)
+                    self._send_now(peer, [_GOODBYE])
             done.set()
         if self._running:
             self.call_soon(goodbye)
@@ -263,15 +285,32 @@ class ZmqTransport(Transport):
                 continue
             if peer in self._lost:
                 continue
-            d = self._dealers.get(peer)
-            if d is None:
+            if peer not in self._dealers:
                 log.error("worker %d: no connection to worker %d", self.rank, peer)
                 continue
-            d.send_multipart(item, copy=False)
+            self._send_now(peer, item)
             self._last_sent[peer] = now
             st = self.stats[peer]
             st[0] += 1
             st[1] += sum(memoryview(f).nbytes for f in item)
+
+    def _send_now(self, peer: int, frames: Sequence) -> None:
+        if self._auth is not None:
+            frames = self._auth.seal(peer, frames)
+            frames[0] = self._rank_bytes + frames[0]
+        else:
+            frames = [self._rank_bytes, *frames]
+        self._dealers[peer].send_multipart(frames, copy=False)
+
+    def _reject(self, frame, why: str) -> None:
+        try:
+            addr = frame.get("Peer-Address")
+        except Exception:  # noqa: BLE001 - older libzmq
+            addr = "unknown address"
+        self._rejected[addr] += 1
+        n = self._rejected[addr]
+        if n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th...: a flood cannot fill the log
+            log.warning("worker %d: dropped a message from %s (%s; %d so far)", self.rank, addr, why, n)
 
     def _receive(self) -> None:
         router = self._router
@@ -283,16 +322,28 @@ class ZmqTransport(Transport):
                 frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            ident = frames[0].bytes
-            if len(ident) != 4:
-                log.warning("worker %d: message with a foreign identity dropped", self.rank)
+            # frames[0] is zmq's routing id (unused); frames[1] our transport frame
+            if len(frames) < 3 or len(frames[1]) < 4:
+                self._reject(frames[-1], "no transport frame")
                 continue
-            peer = _RANK.unpack(ident)[0]
+            head = frames[1].bytes
+            peer = _RANK.unpack_from(head)[0]
             if peer not in dealers or peer in lost:
+                if peer not in dealers:
+                    self._reject(frames[-1], f"unknown worker id {peer}")
+                continue
+            # Zero-copy, writable buffers: received tensors are built on them.
+            body = [f.buffer for f in frames[2:]]
+            if self._auth is not None:
+                try:
+                    body = self._auth.open(peer, [head[4:], *body])
+                except AuthError as e:
+                    self._reject(frames[-1], f"claims to be worker {peer}: {e}")
+                    continue
+            elif len(head) != 4:
+                self._reject(frames[-1], "authenticated message, but this worker has no secret")
                 continue
             self._last_recv[peer] = now
-            # Zero-copy, writable buffers: received tensors are built on them.
-            body = [f.buffer for f in frames[1:]]
             first = body[0]
             if len(body) == 1 and first in (_HEARTBEAT, _GOODBYE):
                 if first == _GOODBYE:
@@ -318,7 +369,7 @@ class ZmqTransport(Transport):
             pass
 
     def _heartbeat(self, now: float) -> None:
-        for peer, d in self._dealers.items():
+        for peer in self._dealers:
             if peer in self._lost:
                 continue
             if now - self._last_recv[peer] > self.heartbeat_deadline:
@@ -326,7 +377,7 @@ class ZmqTransport(Transport):
                            graceful=False)
                 continue
             if now - self._last_sent[peer] >= self.heartbeat_interval:
-                d.send(_HEARTBEAT, zmq.NOBLOCK)
+                self._send_now(peer, [_HEARTBEAT])
                 self._last_sent[peer] = now
 
     def _lose(self, peer: int, reason: str, graceful: bool) -> None:
