@@ -9,6 +9,7 @@ import os
 import pickle
 import time
 from datetime import timedelta
+from typing import Callable
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -98,6 +99,12 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
         raise RuntimeError(f"rendezvous timed out after {timeout:.0f} s on worker {name!r}: "
                            f"ranks {missing} never joined") from e
     peers = [pickle.loads(store.get(k)) for k in keys]
+    # Rank 0 hosts the store: it must not leave (and, on a name clash, raise and
+    # drop the store) before every rank has read the table.
+    try:
+        barrier(store, "exchange", rank, world_size, timeout)
+    except Exception as e:
+        raise RuntimeError(f"rendezvous of worker {name!r} failed after the exchange: {e}") from e
     seen: dict[str, int] = {}
     for r, (n, _) in enumerate(peers):
         if n in seen:
@@ -110,15 +117,29 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
     return peers
 
 
-def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: float) -> None:
-    """Wait until all ranks reached ``key``; rank 0 (the store's host) leaves last."""
+def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: float,
+            give_up: Callable[[], bool] | None = None) -> None:
+    """Wait until all ranks reached ``key``; rank 0 (the store's host) leaves last.
+
+    ``give_up()`` returning True (e.g. every other worker is gone) ends the wait
+    early and quietly; otherwise a timeout raises.
+    """
     key = _PREFIX + key
     if store.add(key, 1) == world_size:
         store.set(key + "/done", b"1")
-    store.wait([key + "/done"], timedelta(seconds=timeout))
+    deadline = time.monotonic() + timeout
+    if give_up is None:
+        store.wait([key + "/done"], timedelta(seconds=timeout))
+    else:
+        while not store.check([key + "/done"]):
+            if give_up():
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"barrier {key!r} timed out after {timeout:.1f} s")
+            time.sleep(0.005)
     n = store.add(key + "/left", 1)
     if rank == 0:
         deadline = time.monotonic() + min(timeout, 10.0)
-        while n < world_size and time.monotonic() < deadline:
+        while n < world_size and time.monotonic() < deadline and not (give_up and give_up()):
             time.sleep(0.005)
             n = store.add(key + "/left", 0)

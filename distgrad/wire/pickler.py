@@ -79,6 +79,7 @@ class _Pickler(pickle.Pickler):
     def __init__(self, file, tensors: list):
         super().__init__(file, protocol=5)
         self.tensors = tensors
+        self._index: dict[int, int] = {}  # id(tensor) -> index: a tensor shared twice travels once
 
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
@@ -88,8 +89,11 @@ class _Pickler(pickle.Pickler):
                     "tensors only (move it with .cpu() first)")
             if type(obj) not in (torch.Tensor, torch.nn.Parameter):
                 return None  # subclasses pickle themselves
-            self.tensors.append(obj)
-            return len(self.tensors) - 1
+            idx = self._index.get(id(obj))
+            if idx is None:  # ``tensors`` keeps obj alive, so its id stays unique
+                idx = self._index[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            return idx
         return None
 
     def reducer_override(self, obj):
