@@ -59,11 +59,17 @@ class DistAutogradContext:
         with self.lock:
             return set(self.known_workers)
 
-    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` to ``leaf``'s gradient in this context (never ``.grad``)."""
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor, owned: bool = False) -> None:
+        """Add ``grad`` to ``leaf``'s gradient in this context (never ``.grad``).
+
+        ``owned``: ``grad`` is a fresh tensor nobody else holds, kept without a copy.
+        """
         with self.lock:
             old = self.gradients.get(leaf)
-            self.gradients[leaf] = grad.detach().clone() if old is None else old + grad
+            if old is None:
+                self.gradients[leaf] = grad.detach() if owned else grad.detach().clone()
+            else:
+                self.gradients[leaf] = old + grad
 
     def __repr__(self) -> str:
         return f"DistAutogradContext(id={self.id})"

@@ -132,9 +132,15 @@ class PassState:
             return
         res = torch.autograd.grad([o for o, _ in pairs], inputs, grad_outputs=[g for _, g in pairs],
                                   retain_graph=self.retain_graph, allow_unused=True)
+        # Keep returned gradients without a copy unless their memory is shared: the
+        # engine may hand one tensor to several leaves (x + y) or pass a given
+        # gradient through views.
+        seen = {g.untyped_storage().data_ptr() for _, g in pairs}
         for leaf, g in zip(region.leaves, res):
             if g is not None:
-                self.ctx.accumulate(leaf, g)
+                ptr = g.untyped_storage().data_ptr()
+                self.ctx.accumulate(leaf, g, owned=ptr not in seen)
+                seen.add(ptr)
 
     def _feed(self, outputs: list, grads: list) -> None:
         ready: list = []
