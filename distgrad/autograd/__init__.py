@@ -21,9 +21,10 @@ from ..rpc.agent import agent_or_none
 from . import recording as _recording  # noqa: F401  (registers the agent extension)
 from .context import CONTAINER, DistAutogradContext
 from .engine import ENGINE, _fire_and_forget, backward_async as _backward_async
+from .graph_export import export_graph
 
 __all__ = ["context", "backward", "backward_async", "get_gradients", "DistAutogradContext",
-           "is_available", "get_engine_stats"]
+           "is_available", "get_engine_stats", "export_graph"]
 
 
 def is_available() -> bool:

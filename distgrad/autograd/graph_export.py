@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ from ..rpc.agent import agent_or_none
 from .context import CONTAINER
 from .recording import _ANCHOR, _node_types
 
-__all__ = ["export_graph", "describe_graph", "to_dot"]
+__all__ = ["describe_graph", "export_graph", "to_dot"]
 
 _RENDER_FORMATS = {"svg", "png", "pdf"}
 _DOT_FORMATS = {"dot", "gv"}
@@ -56,8 +57,8 @@ def _meta_list(node: Any) -> list[dict]:
         try:
             out.append({"shape": [int(s) for s in m.shape], "dtype": str(m.dtype).replace("torch.", ""),
                         "bytes": _nbytes(m)})
-        except Exception:  # noqa: BLE001 - exotic metadata (nested tensors...): skip
-            pass
+        except Exception:  # noqa: BLE001 - exotic metadata (nested tensors...)
+            out.append({"shape": [], "dtype": "?", "bytes": 0})
     return out
 
 
@@ -94,10 +95,10 @@ def _local_description(context_id: int, roots: Sequence[Any] = ()) -> dict:
     stack: list[Any] = []
     seen: set[int] = set()
     start_kind: dict[int, str] = {}
-    for m, n in sends.items():
+    for n in sends.values():
         start_kind[id(n)] = "send"
         stack.append(n)
-    for m, n in recvs.items():
+    for n in recvs.values():
         start_kind[id(n)] = "recv"
         stack.append(n)
     for r in roots:

@@ -1,0 +1,56 @@
+"""The ``distgrad`` command.
+
+Examples::
+
+    distgrad demo                                  # train the demo on a 4-process local cluster
+    distgrad demo --workers 5 --steps 300 --out /tmp/demo
+    distgrad launch --nproc-per-node 2 train.py    # like torchrun --nproc-per-node 2
+    python -m distgrad demo                        # same as `distgrad demo`
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .launch.launcher import build_parser as build_launch_parser
+
+    parser = argparse.ArgumentParser(
+        prog="distgrad",
+        description="distgrad: distributed autograd for PyTorch and the RPC framework under it.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    from .demo import add_arguments
+    add_arguments(sub.add_parser(
+        "demo", help="train a model-parallel digits classifier on a local cluster",
+        description="Start a local cluster (driver, parameter server, model stages) and train a "
+                    "model-parallel classifier on scikit-learn's digits with distributed autograd "
+                    "and DistributedOptimizer; writes training curves and the autograd graph."))
+    build_launch_parser(sub.add_parser(
+        "launch", help="start N local worker processes (like torchrun --nproc-per-node N)",
+        description="Start N local worker processes with torchrun-style environment variables."))
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``distgrad`` command; returns the exit code."""
+    args = build_parser().parse_args(None if argv is None else list(argv))
+    if args.command == "demo":
+        from .demo import run
+        return run(args)
+    if args.command == "launch":
+        from .launch.launcher import launch
+        return launch(args)
+    raise AssertionError(args.command)  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())
