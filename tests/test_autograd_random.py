@@ -176,6 +176,7 @@ def _random_programs(rank, world_size, seeds):
         modes.update(rpc.rpc_sync(w, dist_autograd.get_engine_stats))
     # both ways of running a worker's share were exercised
     assert modes["passes_native"] > 0 and modes["passes_shared"] > 0, modes
+    assert modes["passes_discovered"] > 0, modes  # the unused-RPC fallback ran too
     return checked
 
 

@@ -13,18 +13,27 @@ Example (worker0, with worker1 up)::
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from ..rpc.agent import agent_or_none
 from . import recording as _recording  # noqa: F401  (registers the agent extension)
 from .context import CONTAINER, DistAutogradContext
-from .engine import ENGINE, _fire_and_forget, backward_async as _backward_async
+from .engine import ENGINE, _fire_and_forget
+from .engine import backward_async as _backward_async
 from .graph_export import export_graph
 
-__all__ = ["context", "backward", "backward_async", "get_gradients", "DistAutogradContext",
-           "is_available", "get_engine_stats", "export_graph"]
+__all__ = [
+    "DistAutogradContext",
+    "backward",
+    "backward_async",
+    "context",
+    "export_graph",
+    "get_engine_stats",
+    "get_gradients",
+    "is_available",
+]
 
 
 def is_available() -> bool:
@@ -160,7 +169,9 @@ def get_engine_stats() -> dict[str, int]:
     """distgrad's own engine counters on this worker (torch's two keys stay in
     :func:`_get_debug_info`): ``passes_native`` (this worker's share ran as
     native engine calls), ``passes_shared`` (entries shared nodes, so the
-    node-by-node executor ran it), ``executor_nodes_run``.
+    node-by-node executor ran it), ``executor_nodes_run``, ``passes_discovered``
+    (passes this worker started that needed the discovery fallback because a
+    shared node waited for an RPC result that never reached the loss).
 
     Example::
 
@@ -169,13 +180,12 @@ def get_engine_stats() -> dict[str, int]:
     """
     with ENGINE.lock:
         return {k: ENGINE.stats.get(k, 0) for k in ("passes_native", "passes_shared",
-                                                    "executor_nodes_run")}
+                                                    "executor_nodes_run", "passes_discovered")}
 
 
 def _get_debug_info() -> dict[str, int]:
     """torch's two counters: ``num_current_backward_passes`` and ``num_autograd_contexts``."""
-    with ENGINE.lock:
-        passes = len(ENGINE.passes)
+    passes = ENGINE.current_passes()
     with CONTAINER.lock:
         contexts = len(CONTAINER.contexts)
     return {"num_current_backward_passes": passes, "num_autograd_contexts": contexts}

@@ -38,6 +38,7 @@ class DistAutogradContext:
         self.recv_functions: dict[int, Any] = {}
         self.known_workers: set[int] = set()
         self.gradients: dict[torch.Tensor, torch.Tensor] = {}
+        self.passes: dict[tuple, Any] = {}         # backward passes' state on this worker
         self.released = False
 
     def _context_id(self) -> int:

@@ -139,8 +139,6 @@ class AutogradExtension(AgentExtension):
         (its creator's user code may still be inside ``context()``; the
         creator's own copy goes when that block ends), so nothing lingers when a
         worker in the middle of a chain dies (pytorch issue 26379)."""
-        from .engine import ENGINE
-        ENGINE.on_peer_lost(peer)
         with CONTAINER.lock:
             doomed = [c for c in CONTAINER.contexts.values()
                       if peer in c.known_workers and (c.id >> 48) != CONTAINER.worker_id]
