@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -71,6 +71,24 @@ class DistAutogradContext:
                 self.gradients[leaf] = grad.detach() if owned else grad.detach().clone()
             else:
                 self.gradients[leaf] = old + grad
+
+    def accumulate_fresh(self, leaves: list, grads: Sequence, given: Sequence) -> None:
+        """Accumulate an engine call's results for ``leaves``. Results are kept
+        without a copy unless their memory is shared: the engine may hand one
+        tensor to several leaves (x + y) or pass a ``given`` gradient through views."""
+        seen = {g.untyped_storage().data_ptr() for g in given}
+        grads_of = self.gradients
+        with self.lock:
+            for leaf, g in zip(leaves, grads):
+                if g is None:
+                    continue
+                ptr = g.untyped_storage().data_ptr()
+                old = grads_of.get(leaf)
+                if old is not None:
+                    grads_of[leaf] = old + g
+                else:
+                    grads_of[leaf] = g.clone() if ptr in seen else g
+                seen.add(ptr)
 
     def __repr__(self) -> str:
         return f"DistAutogradContext(id={self.id})"

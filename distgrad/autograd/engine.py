@@ -50,6 +50,22 @@ _tls = threading.local()
 _MAX_RESUMES = 8
 
 
+def _grad(outputs: tuple, grads: tuple, inputs: tuple, retain_graph: bool) -> tuple:
+    """``torch.autograd.grad(..., allow_unused=True)`` minus its per-input Python checks
+    (we built every argument ourselves); falls back to the public call."""
+    if _engine_run_backward is None:
+        return torch.autograd.grad(outputs, inputs, grad_outputs=grads, retain_graph=retain_graph,
+                                   allow_unused=True)
+    return _engine_run_backward(outputs, grads, retain_graph, False, inputs, True,
+                                accumulate_grad=False)
+
+
+try:
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # older torch
+    _engine_run_backward = None
+
+
 def _accumulate_type() -> type:
     global _ACCUMULATE
     if _ACCUMULATE is None:
@@ -94,18 +110,30 @@ class PassState:
         with self.ctx.lock:
             sends = dict(self.ctx.send_functions)
         if self.roots:
-            for r in self.roots:
-                self.deps[r.grad_fn] += 1
             self._walk("root", [r.grad_fn for r in self.roots])
         for msg_id, node in sends.items():
-            self.deps[node] += 1  # its gradient comes over the network
             self._walk(msg_id, [node])
+        if self.shared:  # the executor needs every node's count of inputs
+            _, recv_t = _node_types()
+            acc_t = _accumulate_type()
+            deps = self.deps
+            for r in self.roots:
+                deps[r.grad_fn] += 1
+            for node in sends.values():
+                deps[node] += 1  # its gradient comes over the network
+            for n in self.owner:
+                t = type(n)
+                if t is recv_t or t is acc_t:
+                    continue
+                for nxt, _ in n.next_functions:
+                    if nxt is not None:
+                        deps[nxt] += 1
 
     def _walk(self, key: Any, starts: Sequence[Any]) -> None:
         _, recv_t = _node_types()
         acc_t = _accumulate_type()
         region = self.regions.setdefault(key, _Region())
-        owner, deps = self.owner, self.deps
+        owner = self.owner
         stack = []
         for n in starts:
             o = owner.get(n)
@@ -126,7 +154,6 @@ class PassState:
             for nxt, _ in n.next_functions:
                 if nxt is None:
                     continue
-                deps[nxt] += 1
                 o = owner.get(nxt)
                 if o is None:
                     owner[nxt] = key
@@ -170,17 +197,9 @@ class PassState:
         inputs = region.leaves + ([_ANCHOR] if region.has_recv else [])
         if not pairs or not inputs:
             return
-        res = torch.autograd.grad([o for o, _ in pairs], inputs, grad_outputs=[g for _, g in pairs],
-                                  retain_graph=self.retain_graph, allow_unused=True)
-        # Keep returned gradients without a copy unless their memory is shared: the
-        # engine may hand one tensor to several leaves (x + y) or pass a given
-        # gradient through views.
-        seen = {g.untyped_storage().data_ptr() for _, g in pairs}
-        for leaf, g in zip(region.leaves, res):
-            if g is not None:
-                ptr = g.untyped_storage().data_ptr()
-                self.ctx.accumulate(leaf, g, owned=ptr not in seen)
-                seen.add(ptr)
+        res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
+                    self.retain_graph)
+        self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs])
 
     def resume(self) -> None:
         """After discovery: count only reachable inputs and run what is complete."""
