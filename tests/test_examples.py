@@ -1,0 +1,80 @@
+"""Each example runs as its own command, exits 0 and prints a falling loss."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+TIMEOUT = 240          # each example takes seconds on an idle machine; CI boxes are not idle
+LOSS_RE = re.compile(r"^(?P<who>\S+)?\s*step\s+(?P<step>\d+)\s+loss\s+(?P<loss>[0-9.eE+-]+)\s*$")
+
+
+def run_example(name: str, *args: str) -> str:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{proc.stdout[-5000:]}"
+    return proc.stdout
+
+
+def losses(output: str) -> dict[str, list[float]]:
+    """``who -> [loss, ...]`` from lines like ``trainer1 step   10 loss 0.123``."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for line in output.splitlines():
+        m = LOSS_RE.match(line.strip())
+        if m:
+            out[m["who"] or "main"].append(float(m["loss"]))
+    return dict(out)
+
+
+def assert_falls(output: str, expected_series: int, factor: float = 0.7) -> dict[str, list[float]]:
+    series = losses(output)
+    assert len(series) == expected_series, output
+    for who, vals in series.items():
+        assert len(vals) >= 3, (who, vals, output)
+        assert vals[-1] < factor * vals[0], f"{who}: loss did not fall: {vals}"
+    return series
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_parameter_server():
+    out = run_example("parameter_server.py")
+    series = assert_falls(out, expected_series=2)
+    assert set(series) == {"trainer1", "trainer2"}
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_model_parallel_rnn():
+    out = run_example("model_parallel_rnn.py")
+    assert_falls(out, expected_series=1)
+    assert "emb_worker" in out and "lstm_worker" in out
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("flag", ["", "--torch"])
+def test_migrate_from_torch(flag):
+    out = run_example("migrate_from_torch.py", *([flag] if flag else []))
+    expected = "torch.distributed.rpc" if flag else "distgrad.rpc"
+    assert f"backend: {expected}" in out
+    assert_falls(out, expected_series=1)
+    assert "done" in out
+
+
+def test_migration_differs_only_in_imports():
+    """The distgrad-specific lines of the migration script are its three imports."""
+    with open(os.path.join(EXAMPLES, "migrate_from_torch.py")) as f:
+        src = f.read()
+    body = src.split("# ------------------------- unchanged torch.distributed.rpc code")[1]
+    assert "distgrad" not in body
+    distgrad_imports = [ln.strip() for ln in src.splitlines()
+                        if ln.strip().startswith(("import distgrad.", "from distgrad."))]
+    assert distgrad_imports == ["import distgrad.rpc as rpc",
+                                "import distgrad.autograd as dist_autograd",
+                                "from distgrad.optim import DistributedOptimizer"]

@@ -1,0 +1,270 @@
+"""distgrad.optim.DistributedOptimizer on real worker processes."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mp_utils import run_workers
+
+STEPS = 5
+
+
+# ---------------------------------------------------------------------------
+# helpers that run on the owners (module-level: pickled by reference)
+# ---------------------------------------------------------------------------
+def _make_linear(in_f: int, out_f: int, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_f, out_f)
+
+
+def _param_rrefs(module_rref):
+    import distgrad.rpc as rpc
+    return [rpc.RRef(p) for p in module_rref.local_value().parameters()]
+
+
+def _state(module_rref):
+    m = module_rref.local_value()
+    return {"params": [p.detach().clone() for p in m.parameters()],
+            "grads_none": all(p.grad is None for p in m.parameters())}
+
+
+def _data(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+
+
+OPTIMS = {
+    "SGD": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "Adam": (torch.optim.Adam, {"lr": 0.01}),
+    "AdamW": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+}
+
+
+def _match_local(rank, world_size, optim_name):
+    """worker0 drives: layer1 on worker1, layer2 on worker2, a bias on worker0 itself."""
+    if rank != 0:
+        return None
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    from distgrad.optim import DistributedOptimizer
+
+    cls, kw = OPTIMS[optim_name]
+    l1 = rpc.remote("worker1", _make_linear, args=(4, 8, 1))
+    l2 = rpc.remote("worker2", _make_linear, args=(8, 2, 2))
+    bias = torch.zeros(2, requires_grad=True)
+    params = (rpc.rpc_sync("worker1", _param_rrefs, args=(l1,))
+              + rpc.rpc_sync("worker2", _param_rrefs, args=(l2,)) + [rpc.RRef(bias)])
+    opt = DistributedOptimizer(cls, params, **kw)
+    assert len(opt.remote_optimizers) == 3
+
+    # the same model, trained in this process with plain autograd
+    ref1, ref2 = _make_linear(4, 8, 1), _make_linear(8, 2, 2)
+    ref_bias = torch.zeros(2, requires_grad=True)
+    ref_opt = cls(list(ref1.parameters()) + list(ref2.parameters()) + [ref_bias], **kw)
+
+    losses = []
+    for step in range(STEPS):
+        x, y = _data(step)
+        with dist_autograd.context() as cid:
+            h = torch.relu(l1.rpc_sync().forward(x))
+            out = l2.rpc_sync().forward(h) + bias
+            loss = ((out - y) ** 2).mean()
+            dist_autograd.backward(cid, [loss])
+            opt.step(cid)
+        losses.append(loss.item())
+
+        ref_opt.zero_grad()
+        ref_loss = ((ref2(torch.relu(ref1(x))) + ref_bias - y) ** 2).mean()
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach())
+
+    s1 = rpc.rpc_sync("worker1", _state, args=(l1,))
+    s2 = rpc.rpc_sync("worker2", _state, args=(l2,))
+    got = s1["params"] + s2["params"] + [bias.detach()]
+    want = [p.detach() for p in list(ref1.parameters()) + list(ref2.parameters())] + [ref_bias.detach()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    # gradients only lived in .grad during the step
+    assert s1["grads_none"] and s2["grads_none"] and bias.grad is None
+    # parameters really moved
+    assert not torch.allclose(got[0], _make_linear(4, 8, 1).weight)
+    return losses
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("optim_name", sorted(OPTIMS))
+def test_matches_local_optimizer(optim_name):
+    losses = run_workers(_match_local, world_size=3, timeout=200, args=(optim_name,))[0]
+    assert len(losses) == STEPS
+
+
+# ---------------------------------------------------------------------------
+# concurrent trainers on one parameter server
+# ---------------------------------------------------------------------------
+_SERVER: dict = {}
+LR = 0.25
+TRAIN_STEPS = 8
+
+
+class SlowSGD(torch.optim.SGD):
+    """SGD that dawdles inside step, widening any race on the parameters' .grad."""
+
+    def step(self, closure=None):
+        st = _SERVER.setdefault("stats", {"inside": 0, "max_inside": 0, "lock": threading.Lock()})
+        with st["lock"]:
+            st["inside"] += 1
+            st["max_inside"] = max(st["max_inside"], st["inside"])
+        try:
+            time.sleep(0.05)
+            return super().step(closure)
+        finally:
+            with st["lock"]:
+                st["inside"] -= 1
+
+
+def _server_param():
+    return _SERVER["w"]
+
+
+def _arrive():
+    """Both trainers call this before each step: returns when both are there."""
+    _SERVER["barrier"].wait()
+
+
+def _server_forward(x):
+    return (_SERVER["w"] * x).sum()
+
+
+def _trainer_x(rank: int, step: int) -> torch.Tensor:
+    return torch.full((4,), float(rank * 10 + step))
+
+
+def _trainer_loop(rank: int):
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    from distgrad.optim import DistributedOptimizer
+
+    w_rref = rpc.remote("worker0", _server_param)
+    opt = DistributedOptimizer(SlowSGD, [w_rref], lr=LR)
+    spans = []
+    for step in range(TRAIN_STEPS):
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync("worker0", _server_forward, args=(_trainer_x(rank, step),))
+            dist_autograd.backward(cid, [loss])
+            rpc.rpc_sync("worker0", _arrive)     # line the two trainers up: steps collide
+            t0 = time.time()
+            opt.step(cid)
+            spans.append((t0, time.time()))
+    return spans
+
+
+def _param_server(rank, world_size):
+    if rank != 0:
+        return None
+    import distgrad.rpc as rpc
+    w = torch.zeros(4, requires_grad=True)
+    _SERVER["w"] = w
+    _SERVER["barrier"] = threading.Barrier(2, timeout=120)
+    futs = [rpc.rpc_async(f"worker{r}", _trainer_loop, args=(r,)) for r in (1, 2)]
+    spans = [f.wait() for f in futs]
+    expected = torch.zeros(4)
+    for r in (1, 2):
+        for step in range(TRAIN_STEPS):
+            expected -= LR * _trainer_x(r, step)
+    overlapped = any(a0 < b1 and b0 < a1 for a0, a1 in spans[0] for b0, b1 in spans[1])
+    # plain lists: tensors in the result queue would travel as shared memory
+    return {"w": w.detach().tolist(), "expected": expected.tolist(), "grad_none": w.grad is None,
+            "max_inside": _SERVER["stats"]["max_inside"], "overlapped": overlapped}
+
+
+@pytest.mark.timeout(240)
+def test_concurrent_trainers_on_parameter_server():
+    res = run_workers(_param_server, world_size=3, timeout=200)[0]
+    assert res["w"] == res["expected"]
+    assert res["grad_none"]
+    assert res["max_inside"] == 1        # steps on the same parameter never overlapped
+    assert res["overlapped"]             # ... although the trainers' step() calls did
+
+
+# ---------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------
+class BoomOptimizer(torch.optim.SGD):
+    def step(self, closure=None):
+        raise ValueError("boom from the optimizer")
+
+
+def _make_param():
+    return torch.ones(3, requires_grad=True)
+
+
+def _forward(p_rref, x):
+    return (p_rref.local_value() * x).sum()
+
+
+def _errors(rank, world_size):
+    if rank != 0:
+        return None
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    from distgrad.optim import DistributedOptimizer
+
+    out = {}
+    p1 = rpc.remote("worker1", _make_param)
+    p2 = rpc.remote("worker2", _make_param)
+
+    # 1. the optimizer's step raises on worker2 only (worker1 steps fine)
+    good = DistributedOptimizer(torch.optim.SGD, [p1], lr=0.5)
+    bad = DistributedOptimizer(BoomOptimizer, [p2], lr=0.5)
+    with dist_autograd.context() as cid:
+        loss = (rpc.rpc_sync("worker1", _forward, args=(p1, torch.ones(3)))
+                + rpc.rpc_sync("worker2", _forward, args=(p2, torch.ones(3))))
+        dist_autograd.backward(cid, [loss])
+        good.step(cid)
+        try:
+            bad.step(cid)
+        except Exception as e:  # noqa: BLE001
+            out["step"] = (type(e).__name__, str(e))
+        both = DistributedOptimizer(BoomOptimizer, [p1, p2], lr=0.5)
+        try:
+            both.step(cid)
+        except Exception as e:  # noqa: BLE001
+            out["both"] = (type(e).__name__, str(e), getattr(e, "__notes__", []))
+    out["p1"] = p1.to_here().detach().tolist()
+
+    # 2. a bad hyper-parameter fails at construction, naming the owner
+    try:
+        DistributedOptimizer(torch.optim.SGD, [p2], lr=-1.0)
+    except Exception as e:  # noqa: BLE001
+        out["init"] = (type(e).__name__, str(e))
+
+    # 3. a context the owner never saw (outside any context, so no RPC carries it there)
+    try:
+        good.step(123456789)
+    except Exception as e:  # noqa: BLE001
+        out["context"] = (type(e).__name__, str(e))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_errors_propagate_and_name_the_worker():
+    out = run_workers(_errors, world_size=3, timeout=200)[0]
+    kind, msg = out["step"]
+    assert kind == "ValueError" and "boom from the optimizer" in msg and "worker2" in msg
+    kind, msg, notes = out["both"]
+    assert "boom from the optimizer" in msg
+    named = [n for n in ("worker1", "worker2") if n in msg]
+    assert named, msg
+    other = ({"worker1", "worker2"} - set(named)).pop()
+    assert len(named) == 2 or any(other in n for n in notes), (msg, notes)
+    # the good optimizer stepped once: 1 - 0.5 * 1
+    assert out["p1"] == [0.5, 0.5, 0.5]
+    kind, msg = out["init"]
+    assert kind == "ValueError" and "worker2" in msg and "learning rate" in msg.lower()
+    kind, msg = out["context"]
+    assert "worker1" in msg and "context" in msg.lower()
