@@ -15,6 +15,13 @@ MAC (see :mod:`.auth`) and nothing reaches the handler before it verified;
 forged, replayed or foreign messages are dropped and logged with the sending
 address. The listening address carries this worker's auth nonce.
 
+With ``encrypt`` (needs the secret), every connection is a ZeroMQ CURVE
+session (Curve25519 + XSalsa20-Poly1305): the server keypair and each
+client's keypair are derived from the cluster secret (:func:`curve_keys`),
+so no key is distributed; a peer without the secret cannot complete the
+handshake, and one without CURVE is refused at the greeting. The listening
+address carries ``#curve=1`` so that a mixed cluster fails at start-up.
+
 Between workers on the same host (same hostname and boot id, learnt from the
 listening address) frames of at least ``shm_threshold`` bytes travel through
 /dev/shm instead of TCP (see :mod:`.shm`): one copy on the sending thread
@@ -23,9 +30,11 @@ instead of two through the kernel, and a zero-copy mapping on the receiver.
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
 import heapq
 import logging
+import math
 import socket
 import struct
 import threading
@@ -33,6 +42,7 @@ import time
 from typing import Callable, Mapping, Sequence
 
 import zmq
+from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from . import shm
@@ -46,12 +56,22 @@ _GOODBYE = b"\xffBYE"
 _RANK = struct.Struct("!I")
 _SHM_TAG = "shm"
 _AUTH_TAG = "auth"
+_CURVE_TAG = "curve"
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 33  # bytes per frame; bounds what a peer can make us allocate
 # Frames at least DISTGRAD_SHM_THRESHOLD bytes go through /dev/shm between
 # same-host workers (0 or unset: never). Off by default: every message takes
 # fresh tmpfs pages, and on the reference VM writing them ran at ~1 GB/s, slower
 # than TCP over loopback; worth turning on once segments are reused.
 DEFAULT_SHM_THRESHOLD = 0
+
+
+def curve_keys(secret: bytes, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 CURVE keypair for ``role`` ("server" or "client<rank>"),
+    derived from the cluster secret: every worker computes every key it needs."""
+    seed = hashlib.blake2b(role.encode(), key=hashlib.sha256(secret).digest(), digest_size=32,
+                           person=b"distgrad-curve").digest()
+    private = z85.encode(seed)
+    return zmq.curve_public(private), private
 
 
 def _default_shm_threshold() -> int:
@@ -72,8 +92,14 @@ class ZmqTransport(Transport):
 
     def __init__(self, rank: int, heartbeat_interval: float = 0.5,
                  heartbeat_deadline: float = 4.0, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-                 shm_threshold: int | None = None, secret: bytes | None = None) -> None:
+                 shm_threshold: int | None = None, secret: bytes | None = None,
+                 encrypt: bool = False) -> None:
+        if encrypt and not secret:
+            raise ValueError("encryption (DISTGRAD_ENCRYPT / encrypt=True) derives its keys from "
+                             "the cluster secret: set DISTGRAD_SECRET")
         self.rank = rank
+        self.encrypt = bool(encrypt)
+        self._secret = secret
         self._auth = Authenticator(secret, rank) if secret else None
         self._rank_bytes = _RANK.pack(rank)
         self._rejected: collections.Counter = collections.Counter()
@@ -89,6 +115,9 @@ class ZmqTransport(Transport):
         self._router.setsockopt(zmq.RCVHWM, 0)
         if max_message_size > 0:
             self._router.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        if self.encrypt:
+            self._router.curve_server = True
+            self._router.curve_secretkey = curve_keys(secret, "server")[1]
         self._dealers: dict[int, zmq.Socket] = {}
         self._monitors: dict[zmq.Socket, int] = {}
         self._last_recv: dict[int, float] = {}
@@ -114,6 +143,8 @@ class ZmqTransport(Transport):
             addr += f"#{_SHM_TAG}={self.host_id}|{os.getpid()}"
         if self._auth is not None:
             addr += f"#{_AUTH_TAG}={self._auth.nonce.hex()}"
+        if self.encrypt:
+            addr += f"#{_CURVE_TAG}=1"
         return addr
 
     def start(self, handler: TransportHandler, peers: Mapping[int, str]) -> None:
@@ -130,12 +161,19 @@ class ZmqTransport(Transport):
             elif _AUTH_TAG in tags:
                 raise RuntimeError(f"worker {peer} ({addr}) requires the cluster secret "
                                    "(DISTGRAD_SECRET) and this worker has none")
+            if (_CURVE_TAG in tags) != self.encrypt:
+                raise RuntimeError(f"worker {peer} ({addr}) runs with encryption "
+                                   f"{'on' if _CURVE_TAG in tags else 'off'} and this worker with it "
+                                   f"{'on' if self.encrypt else 'off'} (DISTGRAD_ENCRYPT)")
             peer_host, _, peer_pid = tags.get(_SHM_TAG, "").rpartition("|")
             if self.host_id and peer_host == self.host_id and peer_pid.isdigit():
                 self._shm_peers[peer] = shm.owner_prefix(int(peer_pid), peer)
             d = self._ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.SNDHWM, 0)
             d.setsockopt(zmq.LINGER, 0)
+            if self.encrypt:
+                d.curve_serverkey = curve_keys(self._secret, "server")[0]
+                d.curve_publickey, d.curve_secretkey = curve_keys(self._secret, f"client{self.rank}")
             mon = d.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             d.connect(addr)
             self._dealers[peer] = d
@@ -218,6 +256,7 @@ class ZmqTransport(Transport):
     def _loop(self) -> None:
         poller = zmq.Poller()
         router, wake_r = self._router, self._wake_r
+        wake_fd = wake_r.fileno()  # pyzmq reports plain sockets by file descriptor
         poller.register(router, zmq.POLLIN)
         poller.register(wake_r, zmq.POLLIN)
         for mon in self._monitors:
@@ -227,7 +266,9 @@ class ZmqTransport(Transport):
         timers = self._timers
         monotonic = time.monotonic
         poll = poller.poll
-        interval = self.heartbeat_interval
+        # Check twice per interval: a peer hears from us at least every 1.5
+        # intervals, and a silent one is noticed at most interval/2 past its deadline.
+        interval = self.heartbeat_interval / 2
         next_beat = monotonic()
         while self._running:
             now = monotonic()
@@ -240,7 +281,8 @@ class ZmqTransport(Transport):
                 wait = next_beat - now
                 if timers and timers[0].when - now < wait:
                     wait = timers[0].when - now
-                wait = wait * 1000 if wait > 0 else 0
+                # whole milliseconds, rounded up: zmq would turn 0.4 ms into 0 and spin
+                wait = math.ceil(wait * 1000) if wait > 0 else 0
             try:
                 events = poll(wait)
             except zmq.ZMQError:
@@ -249,14 +291,14 @@ class ZmqTransport(Transport):
                 raise
             if events:
                 for sock, _ in events:
-                    if sock is wake_r:
+                    if sock is wake_r or sock == wake_fd:
                         self._clear_wake()
                 if queue:
                     self._drain()
                 for sock, _ in events:
                     if sock is router:
                         self._receive()
-                    elif sock is not wake_r:
+                    elif sock is not wake_r and sock != wake_fd:
                         peer = monitors.get(sock)
                         if peer is not None:
                             self._on_monitor(sock, peer)
@@ -266,14 +308,16 @@ class ZmqTransport(Transport):
                 self._run_timers()
 
     def _clear_wake(self) -> None:
-        # Reset the flag before reading: a wake-up after this point sends a
-        # new byte, so no queued item is left without one.
-        self._wake_pending = False
+        # Read first, then reset the flag, then (the caller) drain the queue: an
+        # item queued before the reset is drained now; one queued after it sees
+        # the flag down and writes a new byte. Resetting first could swallow the
+        # byte of a wake-up that raced in between and leave the flag up forever.
         try:
             while self._wake_r.recv(4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        self._wake_pending = False
 
     def _drain(self) -> None:
         q = self._queue
@@ -369,10 +413,23 @@ class ZmqTransport(Transport):
             pass
 
     def _heartbeat(self, now: float) -> None:
+        deadline = self.heartbeat_deadline
+        stalled = now - getattr(self, "_last_beat", now) - self.heartbeat_interval
+        self._last_beat = now
+        if stalled > self.heartbeat_interval:
+            # This loop did not run for a while (the process was starved or
+            # stopped): peers' silence over that time is not theirs to answer for.
+            for p in self._last_recv:
+                self._last_recv[p] += stalled
+        if any(now - t > deadline for p, t in self._last_recv.items() if p not in self._lost):
+            # This thread may itself have been starved (CPU contention, a long GIL
+            # hold, SIGSTOP): read what already arrived before calling anyone silent.
+            self._receive()
+            now = time.monotonic()
         for peer in self._dealers:
             if peer in self._lost:
                 continue
-            if now - self._last_recv[peer] > self.heartbeat_deadline:
+            if now - self._last_recv[peer] > deadline:
                 self._lose(peer, f"no heartbeat for {now - self._last_recv[peer]:.1f} s",
                            graceful=False)
                 continue
