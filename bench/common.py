@@ -38,6 +38,9 @@ for _p in (BENCH_DIR, REPO_ROOT):
     if _p not in _pp.split(os.pathsep):
         _pp = _p + (os.pathsep + _pp if _pp else "")
 os.environ["PYTHONPATH"] = _pp
+# distgrad runs authenticated, as deployed (torch ignores the variable): the
+# figures include the cost of the per-message MAC.
+os.environ.setdefault("DISTGRAD_SECRET", "bench-" + os.urandom(8).hex())
 
 IMPL_MODULES = {
     "torch": "torch.distributed.rpc",
