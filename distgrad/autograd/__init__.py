@@ -20,7 +20,7 @@ import torch
 from ..rpc.agent import agent_or_none
 from . import recording as _recording  # noqa: F401  (registers the agent extension)
 from .context import CONTAINER, DistAutogradContext
-from .engine import ENGINE, _fire_and_forget
+from .engine import ENGINE
 from .engine import backward_async as _backward_async
 from .graph_export import export_graph
 
@@ -86,15 +86,18 @@ def _release_context(context_id: int) -> None:
 
 
 def _spread_release(ctx: DistAutogradContext, exclude: int | None) -> None:
+    """Tell every worker this context reached to release it (one-way control
+    messages; each receiver passes it on to the workers it reached)."""
     agent = agent_or_none()
     if agent is None:
         return
     for w in ctx._known_worker_ids():
         if w != exclude and w != agent.rank:
-            _fire_and_forget(w, _release_remote, (ctx.id, agent.rank))
+            agent.send_control(w, "ag_release", ctx.id)
 
 
-def _release_remote(context_id: int, sender: int) -> None:
+def _release_remote(sender: int, context_id: int) -> None:
+    """Control handler (I/O thread): release a context another worker left."""
     ctx = CONTAINER.release(context_id)
     if ctx is not None:
         _spread_release(ctx, exclude=sender)

@@ -39,7 +39,6 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from ..rpc import api as rpc_api
-from ..rpc.agent import agent_or_none
 from ..rpc.functions import async_execution
 from .context import CONTAINER, DistAutogradContext
 from .recording import _ANCHOR, _node_types
@@ -547,24 +546,6 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
 
     _run(state, state.run_entry, "root", list(roots), grads).add_done_callback(settled)
     return result
-
-
-def _fire_and_forget(to: int, fn, args: tuple) -> None:
-    agent = agent_or_none()
-    if agent is None or to in agent.lost:
-        return
-    try:
-        fut = rpc_api.rpc_async(to, fn, args=args, timeout=0)
-    except Exception:
-        return
-    fut.add_done_callback(_swallow)
-
-
-def _swallow(f: torch.futures.Future) -> None:
-    try:
-        f.wait()
-    except Exception as e:  # the peer may be gone; nothing to do
-        log.debug("fire-and-forget call failed: %s", e)
 
 
 def _check_roots(roots: Any, grad_tensors: Any) -> tuple[list, list]:

@@ -89,6 +89,8 @@ class AutogradExtension(AgentExtension):
         self.agent = agent
         CONTAINER.init(agent.rank)
         _node_types()
+        from . import _release_remote
+        agent.control_handlers["ag_release"] = _release_remote
 
     def current(self) -> Any:
         return CONTAINER.current()

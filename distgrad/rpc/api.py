@@ -5,6 +5,7 @@ import logging
 import re
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -13,6 +14,7 @@ from ..errors import DistgradError
 from ..launch import rendezvous
 from ..transport import ZmqTransport
 from ..transport.auth import secret_from_env
+from ..transport.faults import FaultyTransport, config_from
 from ..wire import Kind
 from .agent import RpcAgent, _holder, _qualname, agent_or_none, current_agent
 from .options import BackendType, RpcBackendOptions
@@ -22,7 +24,10 @@ from .worker_info import WorkerInfo
 log = logging.getLogger(__name__)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]{1,128}$")
 _init_lock = threading.Lock()
-_DEFAULT_SHUTDOWN_TIMEOUT = 60.0
+# torch's default: a worker whose peers are still training waits for them; a lost
+# peer (crash, silence) does not hold the barrier, so the wait is bounded by failure
+# detection, not by this number.
+_DEFAULT_SHUTDOWN_TIMEOUT = 100000.0
 
 
 def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
@@ -59,14 +64,23 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         if secret is None:
             log.warning("worker %s: no cluster secret (DISTGRAD_SECRET): messages are not "
                         "authenticated and anyone who can connect can run code here", name)
-        transport = ZmqTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
-                                 opts.max_message_size, secret=secret)
+        faults = config_from(opts)
+        if faults is not None:  # tests only: see distgrad/transport/faults.py
+            transport = FaultyTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
+                                        opts.max_message_size, secret=secret, faults=faults,
+                                        encrypt=getattr(opts, "encrypt", False))
+        else:
+            transport = ZmqTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
+                                     opts.max_message_size, secret=secret,
+                                     encrypt=getattr(opts, "encrypt", False))
         try:
             address = transport.listen(host)
             peers = rendezvous.exchange(store, rank, world_size, name, address, rdv_timeout)
             workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
             agent = RpcAgent(name, rank, world_size, workers, transport, opts)
             agent.store = store
+            agent.shutdown_arrivals = set()  # ranks that announced their shutdown (see shutdown)
+            agent.control_handlers["shutdown_arrived"] = lambda peer: agent.shutdown_arrivals.add(peer)
             agent.start({r: a for r, (_, a) in enumerate(peers) if r != rank})
         except BaseException:
             transport.close(0)
@@ -78,7 +92,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Stop RPC on this worker.
 
     With ``graceful=True`` (default) it waits until every worker has finished
-    its outstanding work (all call it), bounded by ``timeout`` seconds (0: 60 s).
+    its outstanding work (all call it). Workers found lost are not waited for;
+    ``timeout`` (seconds; 0 means torch's default of 100000) bounds the rest.
     Returns quietly when RPC was never initialized (e.g. after a failed init).
 
     Example::
@@ -98,12 +113,24 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             if not agent.idle():
                 log.warning("worker %s: shutdown timed out with %d calls pending", agent.name,
                             len(agent.pending))
+            # The barrier: every worker not lost must arrive. Arrivals are announced
+            # to the peers too, so that the survivors still meet when the store's
+            # host (rank 0) is gone.
+            for peer in range(agent.world_size):
+                if peer != agent.rank:
+                    agent.send_control(peer, "shutdown_arrived")
             try:
+                # Bound every store operation too: the store's host (rank 0) may be
+                # gone or stopped, and a store call would then wait for its timeout.
+                agent.store.set_timeout(timedelta(seconds=max(0.1, deadline - time.monotonic())))
                 rendezvous.barrier(agent.store, "shutdown", agent.rank, agent.world_size,
                                    max(0.1, deadline - time.monotonic()),
-                                   give_up=lambda: len(agent.lost) >= agent.world_size - 1)
+                                   lost=lambda: set(agent.lost))
             except Exception as e:  # a lost peer must not make shutdown hang or fail
-                log.warning("worker %s: shutdown barrier incomplete: %s", agent.name, e)
+                log.info("worker %s: shutdown barrier on the store failed (%s); waiting for the "
+                         "survivors' announcements", agent.name, e)
+                if not _await_arrivals(agent, deadline):
+                    log.warning("worker %s: shutdown barrier incomplete: %s", agent.name, e)
     finally:
         agent.shutting_down = True
         for ext in agent.extensions:
@@ -119,6 +146,17 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         agent.pool.shutdown(wait=graceful, cancel_futures=not graceful)
         agent.callbacks.shutdown(wait=graceful)
         _holder.pop("agent", None)
+
+
+def _await_arrivals(agent: RpcAgent, deadline: float) -> bool:
+    """Wait until every peer not lost announced its shutdown; False on the deadline."""
+    while True:
+        lost, arrived = set(agent.lost), agent.shutdown_arrivals
+        if all(p in lost or p in arrived for p in range(agent.world_size) if p != agent.rank):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
 
 
 def rpc_sync(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | None = None,
