@@ -6,6 +6,7 @@ autograd and RRefs plug in through :class:`AgentExtension` objects.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -17,7 +18,7 @@ import torch
 from ..errors import DistgradError, ProtocolError, RPCTimeoutError, SerializationError, WorkerLostError
 from ..transport import Transport
 from ..wire import Kind, decode, dumps, encode, loads
-from ..wire.messages import peek_header
+from ..wire.messages import peek_header, request_id
 from .pool import WorkerPool
 from .remote_exc import pack_exception, unpack_exception
 from .worker_info import WorkerInfo
@@ -25,6 +26,9 @@ from .worker_info import WorkerInfo
 log = logging.getLogger(__name__)
 
 _holder: dict[str, "RpcAgent"] = {}
+# Requests remembered per sender to serve each (sender, request id) at most once
+# (a repeated CALL/REMOTE, e.g. from fault injection, is dropped).
+_DEDUP_WINDOW = 1 << 16
 _extension_types: list[Callable[["RpcAgent"], "AgentExtension"]] = []
 
 
@@ -124,6 +128,7 @@ class RpcAgent:
         self._tls = threading.local()
         self.extensions: list[AgentExtension] = [f(self) for f in _extension_types]
         self.shutting_down = False
+        self._seen_rids: dict[int, tuple[set, collections.deque]] = {}
 
     # -- start/stop ----------------------------------------------------------
     def start(self, addresses: dict[int, str]) -> None:
@@ -205,6 +210,9 @@ class RpcAgent:
             kind, rid, _ = peek_header(frames)
         except ProtocolError as e:
             log.warning("worker %s: dropped a malformed message from worker %d: %s", self.name, peer, e)
+            rid = request_id(frames)
+            if rid is not None:  # a request whose header decoded: tell the caller
+                self._send_error(peer, rid, e, None)
             return
         if kind in (Kind.REPLY, Kind.ERROR):
             p = self.pending.pop(rid, None)
@@ -213,6 +221,9 @@ class RpcAgent:
             if p.timer is not None:
                 p.timer.cancel()
             self._complete(p, (kind, frames))
+            return
+        if kind != Kind.CONTROL and self._repeated(peer, rid):
+            log.debug("worker %s: dropped a repeated request %d from worker %d", self.name, rid, peer)
             return
         try:
             msg = decode(frames, peer)
@@ -224,6 +235,10 @@ class RpcAgent:
         if kind == Kind.CONTROL:
             self._on_control(peer, msg)
             return
+        if not (isinstance(msg.meta, tuple) and len(msg.meta) == 3):
+            log.warning("worker %s: malformed request meta from worker %d", self.name, peer)
+            self._send_error(peer, rid, ProtocolError("malformed request meta"), None)
+            return
         if msg.meta[2] is not None and self.pre_dispatch is not None:
             try:
                 if not self.pre_dispatch(peer, msg):
@@ -234,6 +249,22 @@ class RpcAgent:
         with self._count_lock:
             self.inflight += 1
         self.pool.submit(self._serve, peer, msg)
+
+    def _repeated(self, peer: int, rid: int) -> bool:
+        """Whether request ``rid`` of ``peer`` was seen among its last _DEDUP_WINDOW
+        requests (I/O thread only). Request ids come from one counter per agent
+        and are never reused, so a repeat is a duplicate: at most once."""
+        seen = self._seen_rids.get(peer)
+        if seen is None:
+            seen = self._seen_rids[peer] = (set(), collections.deque())
+        ids, order = seen
+        if rid in ids:
+            return True
+        ids.add(rid)
+        order.append(rid)
+        if len(order) > _DEDUP_WINDOW:
+            ids.discard(order.popleft())
+        return False
 
     def _on_control(self, peer: int, msg) -> None:
         try:

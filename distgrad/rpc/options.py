@@ -27,9 +27,11 @@ class RpcBackendOptions:
     ``$DISTGRAD_LISTEN_ADDR``, else ``MASTER_ADDR`` or the ``tcp://`` host, else
     127.0.0.1), ``heartbeat_interval``/``heartbeat_deadline`` (s),
     ``max_message_size`` (bytes per frame a peer may send, default 8 GiB, -1
-    for no limit) and ``secret`` (the cluster secret; default
+    for no limit), ``secret`` (the cluster secret; default
     ``$DISTGRAD_SECRET``; all workers need the same one; see the README's
-    trust model).
+    trust model) and ``encrypt`` (ZeroMQ CURVE encryption of every
+    connection, keys derived from the secret; default ``$DISTGRAD_ENCRYPT``
+    = 1/true/yes, else off; all workers must agree).
 
     Example::
 
@@ -45,7 +47,7 @@ class RpcBackendOptions:
                  _transports: list | None = None, _channels: list | None = None,
                  listen_addr: str | None = None, heartbeat_interval: float = 0.5,
                  heartbeat_deadline: float = 4.0, max_message_size: int = 1 << 33,
-                 secret: str | bytes | None = None) -> None:
+                 secret: str | bytes | None = None, encrypt: bool | None = None) -> None:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
         if rpc_timeout < 0:
@@ -68,6 +70,9 @@ class RpcBackendOptions:
         self.heartbeat_deadline = heartbeat_deadline
         self.max_message_size = max_message_size
         self.secret = secret.encode() if isinstance(secret, str) else secret
+        if encrypt is None:
+            encrypt = os.environ.get("DISTGRAD_ENCRYPT", "").strip().lower() in ("1", "true", "yes", "on")
+        self.encrypt = bool(encrypt)
 
     def set_device_map(self, to: str, device_map: dict) -> None:
         """torch's device map setter; distgrad moves CPU tensors only, so only cpu->cpu."""

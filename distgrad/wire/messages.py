@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import ProtocolError
-from .pickler import tensor_frames
+from .pickler import check_pickle, tensor_frames
 
 MAGIC = b"DG"
 VERSION = 1
@@ -80,10 +80,33 @@ def peek_header(frames: Sequence) -> tuple[int, int, int]:
     return kind, rid, nbuf
 
 
+def request_id(frames: Sequence) -> int | None:
+    """The request id of a CALL/REMOTE whose header frame is well formed, even
+    when the rest of the message is not (so the sender can get an error
+    reply); None otherwise. Never raises."""
+    try:
+        magic, version, kind, _, rid = HEADER.unpack(frames[0])
+    except Exception:  # noqa: BLE001 - no frame, or one of the wrong size or type
+        return None
+    if magic == MAGIC and version == VERSION and kind in (Kind.CALL, Kind.REMOTE):
+        return rid
+    return None
+
+
 def decode(frames: Sequence, sender: Any = None) -> Message:
-    """Parse frames (bytes or buffers) into a :class:`Message`; raises ProtocolError."""
+    """Parse frames (bytes or buffers) into a :class:`Message`.
+
+    Raises ProtocolError and nothing else: wrong frame count, header, magic,
+    version or kind; a buffer count other than the header's; a meta frame that
+    does not unpickle to ``(meta, specs)`` with ``specs`` a tuple (or declares
+    more bytes than it has: nothing is allocated for it). The specs themselves
+    and the buffer sizes are checked by :func:`~.pickler.rebuild_tensors`
+    (ProtocolError too) and the payload by :func:`~.pickler.loads`
+    (SerializationError); decode touches neither.
+    """
     kind, rid, _ = peek_header(frames)
     try:
+        check_pickle(frames[1])
         meta, specs = pickle.loads(frames[1])
     except Exception as e:
         raise ProtocolError(f"malformed meta frame: {type(e).__name__}: {e}") from e

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
+import re
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..errors import ProtocolError, SerializationError
+from ..errors import DistgradError, ProtocolError, SerializationError
 
 _DENSE, _PARAMETER = 0, 1
 # Names of dtypes that may travel; the receiver accepts nothing else.
@@ -150,36 +152,102 @@ def tensor_frames(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], li
     return specs, buffers
 
 
+MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
+
+
+def check_specs(specs: Any, nbuffers: int | None = None) -> tuple[TensorSpec, ...]:
+    """Validate received tensor specs (types, dtypes, shapes, flags) and, when
+    ``nbuffers`` is given, that exactly that many buffers are needed; raises
+    ProtocolError. Sizes are computed with Python integers (no overflow) and
+    nothing is allocated here.
+    """
+    if not isinstance(specs, tuple):
+        raise ProtocolError("malformed tensor specs")
+    out, nonempty = [], 0
+    for spec in specs:
+        if not isinstance(spec, tuple) or len(spec) != 4 or not isinstance(spec[0], str) \
+                or spec[0] not in _DTYPES or not isinstance(spec[1], tuple):
+            raise ProtocolError(f"malformed tensor spec {_describe(spec)}")
+        spec = TensorSpec._make(spec)
+        if len(spec.shape) > MAX_DIMS or any(type(s) is not int or s < 0 for s in spec.shape):
+            raise ProtocolError(f"malformed tensor shape {_describe(spec.shape)}")
+        if type(spec.requires_grad) is not bool or spec.kind not in (_DENSE, _PARAMETER):
+            raise ProtocolError(f"malformed tensor spec {_describe(tuple(spec))}")
+        dtype = _DTYPES[spec.dtype]
+        if spec.requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+            raise ProtocolError(f"a {spec.dtype} tensor cannot require grad")
+        if spec.nbytes:
+            nonempty += 1
+        out.append(spec)
+    if nbuffers is not None and nonempty != nbuffers:
+        raise ProtocolError(f"{nbuffers} tensor buffers for {nonempty} non-empty tensors")
+    return tuple(out)
+
+
 def rebuild_tensors(specs: Sequence[TensorSpec], buffers: Sequence) -> list[torch.Tensor]:
-    """Tensors on the received buffers (no copy); checks every size first."""
+    """Tensors on the received buffers (no copy); raises ProtocolError.
+
+    Every spec and every buffer size is checked before a tensor is built, so a
+    spec declaring a huge shape never makes this allocate: a non-empty tensor
+    only ever views its received buffer, and an empty one holds no storage.
+    """
+    specs = check_specs(tuple(specs), len(buffers))
     out, i = [], 0
     for spec in specs:
-        if not isinstance(spec, tuple) or len(spec) != 4 or spec[0] not in _DTYPES \
-                or not isinstance(spec[1], tuple):
-            raise ProtocolError(f"malformed tensor spec {spec!r}")
-        spec = TensorSpec._make(spec)
-        if any((not isinstance(s, int)) or s < 0 for s in spec.shape):
-            raise ProtocolError(f"malformed tensor shape {spec.shape!r}")
         dtype = _DTYPES[spec.dtype]
         nbytes = spec.nbytes
-        if nbytes == 0:
-            t = torch.empty(spec.shape, dtype=dtype)
-        else:
-            if i >= len(buffers):
-                raise ProtocolError("fewer tensor buffers than tensor specs")
-            buf = buffers[i]
-            i += 1
-            if len(buf) != nbytes:
-                raise ProtocolError(f"tensor buffer holds {len(buf)} bytes, spec needs {nbytes}")
-            t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(spec.shape)
-        if spec.kind == _PARAMETER:
-            t = torch.nn.Parameter(t, requires_grad=spec.requires_grad)
-        elif spec.requires_grad:
-            t.requires_grad_(True)
+        try:
+            if nbytes == 0:
+                t = torch.empty(spec.shape, dtype=dtype)  # some dimension is 0: no storage
+            else:
+                buf = buffers[i]
+                i += 1
+                have = memoryview(buf).nbytes
+                if have != nbytes:
+                    raise ProtocolError(f"tensor buffer holds {have} bytes, spec needs {nbytes}")
+                t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(spec.shape)
+            if spec.kind == _PARAMETER:
+                t = torch.nn.Parameter(t, requires_grad=spec.requires_grad)
+            elif spec.requires_grad:
+                t.requires_grad_(True)
+        except ProtocolError:
+            raise
+        except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+            raise ProtocolError(f"cannot rebuild tensor {_describe(tuple(spec))}: {e}") from e
         out.append(t)
-    if i != len(buffers):
-        raise ProtocolError(f"{len(buffers)} tensor buffers for {i} non-empty tensors")
     return out
+
+
+# CPython's unpickler allocates the length a BINBYTES / BINBYTES8 / BYTEARRAY8
+# opcode declares before it reads the bytes (other opcodes check the length
+# against the data first), so ``b"\x8e" + 8-byte length`` makes it allocate up to
+# 2**63 bytes. check_pickle refuses such pickles without allocating.
+_ALLOC_OPS = re.compile(rb"[B\x8e\x96]")
+CHECK_PICKLE_LIMIT = 1 << 20  # bytes; larger pickles are not scanned (cost)
+
+
+def check_pickle(data: Any) -> None:
+    """Raise ValueError when ``data`` (up to CHECK_PICKLE_LIMIT bytes) holds an
+    opcode declaring more bytes than the pickle has.
+
+    Fast path: a regex finds every byte that could be such an opcode; only when
+    one is followed by a length larger than the rest of the data (a real opcode
+    or an unlucky data byte) is the pickle walked opcode by opcode
+    (pickletools, which reads without pre-allocating).
+    """
+    mv = memoryview(data).cast("B")
+    n = mv.nbytes
+    if n > CHECK_PICKLE_LIMIT:
+        return
+    for m in _ALLOC_OPS.finditer(mv):
+        i = m.start()
+        width = 4 if mv[i] == 0x42 else 8
+        if int.from_bytes(mv[i + 1:i + 1 + width], "little") > n - i - 1 - width:
+            break
+    else:
+        return
+    for _ in pickletools.genops(io.BytesIO(mv)):  # raises ValueError on a truncated argument
+        pass
 
 
 class _Unpickler(pickle.Unpickler):
@@ -200,9 +268,24 @@ def loads(data: bytes, specs: Sequence[TensorSpec] = (), buffers: Sequence = (),
 
     ``tensor_hook`` may replace the rebuilt tensors before the object graph is
     built (distributed autograd attaches its recv function there).
+
+    Raises ProtocolError (malformed specs, buffers or tensor references);
+    ImportError / AttributeError as pickle raised them when the payload names a
+    module or attribute this process lacks (as torch does); a DistgradError a
+    reducer raised on purpose; SerializationError for every other unpickling
+    failure (the original error is its ``__cause__``). Never allocates for a
+    size a frame declares beyond the received bytes.
     """
     if tensors is None:
         tensors = rebuild_tensors(specs, buffers)
     if tensor_hook is not None:
         tensors = tensor_hook(tensors)
-    return _Unpickler(io.BytesIO(data), tensors).load()
+    try:
+        check_pickle(data)
+        return _Unpickler(io.BytesIO(data), tensors).load()
+    except (DistgradError, ImportError, AttributeError):
+        # ProtocolError (bad tensor reference), an error a reducer raised on purpose, or a
+        # module/attribute the sender has and this process lacks (torch raises these as is)
+        raise
+    except Exception as e:  # a garbled pickle raises any of pickle's many error types
+        raise SerializationError(f"cannot unpickle the payload: {type(e).__name__}: {e}") from e
