@@ -165,7 +165,7 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """
     ctx = CONTAINER.retrieve(context_id)
     with ctx.lock:
-        return dict(ctx.gradients)
+        return ctx.leaf_gradients()
 
 
 def get_engine_stats() -> dict[str, int]:

@@ -37,7 +37,9 @@ class DistAutogradContext:
         self.send_outputs: dict[int, tuple] = {}   # keeps each send node alive
         self.recv_functions: dict[int, Any] = {}
         self.known_workers: set[int] = set()
-        self.gradients: dict[torch.Tensor, torch.Tensor] = {}
+        # keyed by the leaf's AccumulateGrad node (held here, so it stays the
+        # leaf's one node); get_gradients() maps them to the leaf tensors
+        self.gradients: dict[Any, torch.Tensor] = {}
         self.passes: dict[tuple, Any] = {}         # backward passes' state on this worker
         self.released = False
 
@@ -60,8 +62,14 @@ class DistAutogradContext:
         with self.lock:
             return set(self.known_workers)
 
-    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor, owned: bool = False) -> None:
-        """Add ``grad`` to ``leaf``'s gradient in this context (never ``.grad``).
+    def leaf_gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Leaf tensor -> its accumulated gradient."""
+        with self.lock:
+            return {node.variable: g for node, g in self.gradients.items()}
+
+    def accumulate(self, leaf: Any, grad: torch.Tensor, owned: bool = False) -> None:
+        """Add ``grad`` to the gradient of ``leaf`` (its AccumulateGrad node) in this
+        context (never ``.grad``).
 
         ``owned``: ``grad`` is a fresh tensor nobody else holds, kept without a copy.
         """
@@ -73,7 +81,8 @@ class DistAutogradContext:
                 self.gradients[leaf] = old + grad
 
     def accumulate_fresh(self, leaves: list, grads: Sequence, given: Sequence) -> None:
-        """Accumulate an engine call's results for ``leaves``. Results are kept
+        """Accumulate an engine call's results for ``leaves`` (AccumulateGrad
+        nodes). Results are kept
         without a copy unless their memory is shared: the engine may hand one
         tensor to several leaves (x + y) or pass a ``given`` gradient through views."""
         seen = {g.untyped_storage().data_ptr() for g in given}

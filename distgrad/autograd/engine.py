@@ -90,7 +90,7 @@ class PassState:
         self.retain_graph = retain_graph
         self.roots = list(roots)
         self.lock = threading.RLock()
-        self.owner: dict[Any, Any] = {}
+        self.nodes: set = set()         # every node some entry reaches
         self.deps: collections.Counter = collections.Counter()
         self.regions: dict[Any, _Region] = {}
         self.shared = False
@@ -108,10 +108,12 @@ class PassState:
     def _prepare(self) -> None:
         with self.ctx.lock:
             sends = dict(self.ctx.send_functions)
+        seen = 0
         if self.roots:
-            self._walk("root", [r.grad_fn for r in self.roots])
+            seen += self._walk("root", [r.grad_fn for r in self.roots])
         for msg_id, node in sends.items():
-            self._walk(msg_id, [node])
+            seen += self._walk(msg_id, [node])
+        self.shared = seen > len(self.nodes)  # some node was reached from two entries
         if self.shared:  # the executor needs every node's count of inputs
             _, recv_t = _node_types()
             acc_t = _accumulate_type()
@@ -120,7 +122,7 @@ class PassState:
                 deps[r.grad_fn] += 1
             for node in sends.values():
                 deps[node] += 1  # its gradient comes over the network
-            for n in self.owner:
+            for n in self.nodes:
                 t = type(n)
                 if t is recv_t or t is acc_t:
                     continue
@@ -128,37 +130,30 @@ class PassState:
                     if nxt is not None:
                         deps[nxt] += 1
 
-    def _walk(self, key: Any, starts: Sequence[Any]) -> None:
+    def _walk(self, key: Any, starts: Sequence[Any]) -> int:
+        """Collect ``key``'s region (its leaves, whether it holds recv functions);
+        returns how many nodes it has. Kept minimal: it runs on every backward."""
         _, recv_t = _node_types()
         acc_t = _accumulate_type()
         region = self.regions.setdefault(key, _Region())
-        owner = self.owner
-        stack = []
-        for n in starts:
-            o = owner.get(n)
-            if o is None:
-                owner[n] = key
-                stack.append(n)
-            elif o != key:
-                self.shared = True
+        leaves = region.leaves
+        seen = set(starts)
+        stack = list(seen)
         while stack:
             n = stack.pop()
             t = type(n)
+            if t is acc_t:
+                leaves.append(n)  # its .variable costs a tensor wrapper: only on demand
+                continue
             if t is recv_t:
                 region.has_recv = True
                 continue
-            if t is acc_t:
-                region.leaves.append(n.variable)
-                continue
             for nxt, _ in n.next_functions:
-                if nxt is None:
-                    continue
-                o = owner.get(nxt)
-                if o is None:
-                    owner[nxt] = key
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
                     stack.append(nxt)
-                elif o != key:
-                    self.shared = True
+        self.nodes |= seen
+        return len(seen)
 
     def walk_reach(self, starts: Sequence[Any]) -> list:
         """Discovery: mark what ``starts`` reach; returns the recv functions met."""
@@ -193,9 +188,11 @@ class PassState:
         if region is None:
             return
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
-        inputs = region.leaves + ([_ANCHOR] if region.has_recv else [])
-        if not pairs or not inputs:
+        if not pairs or not (region.leaves or region.has_recv):
             return
+        inputs = [GradientEdge(n, 0) for n in region.leaves]
+        if region.has_recv:
+            inputs.append(_ANCHOR)
         res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
                     self.retain_graph)
         self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs])
@@ -266,13 +263,12 @@ class PassState:
         t = type(node)
         if t is _accumulate_type():
             if grads[0] is not None:
-                leaf = node.variable
                 g = grads[0]
-                for hook in (getattr(leaf, "_backward_hooks", None) or {}).values():
+                for hook in (getattr(node.variable, "_backward_hooks", None) or {}).values():
                     out = hook(g)
                     if out is not None:
                         g = out
-                self.ctx.accumulate(leaf, g)
+                self.ctx.accumulate(node, g)
             return
         if t is recv_t:
             ship_gradients(node.dg_info, grads)
