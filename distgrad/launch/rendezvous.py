@@ -9,7 +9,7 @@ import os
 import pickle
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Collection
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -118,12 +118,21 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
 
 
 def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: float,
-            give_up: Callable[[], bool] | None = None) -> None:
+            give_up: Callable[[], bool] | None = None,
+            lost: Callable[[], Collection[int]] | None = None) -> None:
     """Wait until all ranks reached ``key``; rank 0 (the store's host) leaves last.
 
     ``give_up()`` returning True (e.g. every other worker is gone) ends the wait
     early and quietly; otherwise a timeout raises.
+
+    With ``lost()`` (the ranks known to be gone) it is a barrier of the
+    survivors, polled: it completes once every rank not lost has arrived, and
+    rank 0 waits (at most 10 s) for the survivors only to leave. Rank 0 hosts
+    the store, so once it is lost this raises at once.
     """
+    if lost is not None:
+        _survivor_barrier(store, _PREFIX + key, rank, world_size, timeout, lost)
+        return
     key = _PREFIX + key
     if store.add(key, 1) == world_size:
         store.set(key + "/done", b"1")
@@ -143,3 +152,30 @@ def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: fl
         while n < world_size and time.monotonic() < deadline and not (give_up and give_up()):
             time.sleep(0.005)
             n = store.add(key + "/left", 0)
+
+
+def _survivor_barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: float,
+                      lost: Callable[[], Collection[int]]) -> None:
+    def check_host() -> None:
+        if rank != 0 and 0 in lost():
+            raise RuntimeError(f"barrier {key!r}: rank 0, which hosts the store, is lost")
+
+    def wait_for(tag: str, limit: float) -> bool:
+        deadline = time.monotonic() + limit
+        while True:
+            check_host()
+            gone = lost()
+            keys = [f"{key}/{tag}/{r}" for r in range(world_size) if r != rank and r not in gone]
+            if not keys or store.check(keys):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+    check_host()
+    store.set(f"{key}/arrived/{rank}", b"1")
+    if not wait_for("arrived", timeout):
+        raise RuntimeError(f"barrier {key!r} timed out after {timeout:.1f} s")
+    store.set(f"{key}/left/{rank}", b"1")
+    if rank == 0:
+        wait_for("left", min(timeout, 10.0))
