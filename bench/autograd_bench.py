@@ -219,9 +219,9 @@ def engine_stats(autograd_mod):
 
 
 def pipeline_workload(rpc, quick=False, profile=False):
+    import autograd_bench as ab  # importable name for the RPC targets
     import torch
     import torch.nn.functional as F
-    import autograd_bench as ab  # importable name for the RPC targets
     dist_autograd = _dist_autograd(rpc)
     ag_name = dist_autograd.__name__
     torch.manual_seed(0)
@@ -310,7 +310,7 @@ def pipeline_workload(rpc, quick=False, profile=False):
         n = done
         res["pipe_profile_steps"] = n
         res["pipe_profile"] = _profile_text(prof, 40)
-    del s1, s2
+    s1 = s2 = None  # drop the stages' RRefs before shutdown
     return res
 
 
@@ -405,7 +405,7 @@ def main(argv=None):
                 print(f"\n=== {impl} {k} ===")
                 print(results[impl][k])
     for k, err in errors.items():
-        last = [l for l in err.splitlines() if l.strip()]
+        last = [line for line in err.splitlines() if line.strip()]
         print(f"\n{k}: FAILED: {last[-1] if last else err}")
     if args.json:
         common.dump_json(args.json, {"results": results, "errors": errors,

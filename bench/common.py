@@ -190,7 +190,7 @@ def run_cluster(impl, world_size, worker_fn, timeout=300.0, *,
                     except queue_mod.Empty:
                         raise RuntimeError(
                             f"{impl}: worker(s) died: " + ", ".join(
-                                f"{p.name} exitcode={p.exitcode}" for p in dead))
+                                f"{p.name} exitcode={p.exitcode}" for p in dead)) from None
                 else:
                     continue
             if kind == "result":

@@ -28,7 +28,6 @@ for _p in (_BENCH_DIR, os.path.dirname(_BENCH_DIR)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import common  # noqa: E402
 
 SIZES = [(0.90, 16, 1024), (0.09, 1024, 256 << 10), (0.01, 1 << 20, 16 << 20)]  # (share, lo, hi) bytes
 ECHO_LIMIT = 64 << 10  # replies echo tensors up to this size, else a checksum
@@ -57,6 +56,7 @@ def _pid():
 def _drive(me, world, calls, inflight, seed):
     """Runs on a worker: ``calls`` calls to random peers, checked; returns stats."""
     import torch
+
     import distgrad.rpc as rpc
     rng = random.Random(seed)
     sem = threading.Semaphore(inflight)
@@ -113,6 +113,7 @@ def _rank_fn(rank, world, calls, inflight):
     """Every rank drives its share; rank 0 also samples every worker's RSS. Ranks
     wait for each other on the store before returning (and shutting down)."""
     from datetime import timedelta
+
     import distgrad.rpc as rpc
     store = rpc.api.current_agent().store
     samples, stop = [], threading.Event()

@@ -50,11 +50,10 @@ def _percentile(sorted_vals, q):
 
 def rpc_workload(rpc, quick=False):
     """Runs on rank 0 (worker0) with the implementation's rpc module."""
-    import torch
-
     # Refer to `identity` through the importable module name `rpc_bench`
     # (not __main__/__mp_main__) so the callee can unpickle it.
     import rpc_bench
+    import torch
 
     dst = common.worker_name(1)
     res = {"quick": quick}
@@ -182,7 +181,7 @@ def main(argv=None):
     cols = list(dict.fromkeys(["torch", "distgrad"] + impls))
     common.print_table(metrics(), results, impls=cols)
     for impl, err in errors.items():
-        last = [l for l in err.splitlines() if l.strip()]
+        last = [line for line in err.splitlines() if line.strip()]
         print(f"\n{impl}: FAILED: {last[-1] if last else err}")
     if args.json:
         common.dump_json(args.json, {"results": results, "errors": errors,

@@ -7,7 +7,10 @@ torch.distributed.optim.DistributedOptimizer runs after swapping the imports::
     import distgrad.autograd as dist_autograd
     from distgrad.optim import DistributedOptimizer
 """
-from . import errors, rpc  # noqa: F401
-from . import autograd  # noqa: F401,E402  (registers its agent extension)
+from . import (  # noqa: F401
+    autograd,  # noqa: F401,E402  (registers its agent extension)
+    errors,
+    rpc,
+)
 
 __version__ = "0.1.0"

@@ -26,8 +26,8 @@ else:
     except ImportError:  # a source checkout without `pip install -e .`
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # ---- the three lines that move a torch.distributed.rpc program to distgrad ----
-    import distgrad.rpc as rpc
     import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
     from distgrad.optim import DistributedOptimizer
 
 # ------------------------- unchanged torch.distributed.rpc code -------------------------

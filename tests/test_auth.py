@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 import zmq
-
-from distgrad.transport.auth import AuthError, Authenticator
 from mp_utils import run_workers
+
+from distgrad.transport.auth import Authenticator, AuthError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,6 @@ import time
 
 import pytest
 import torch
-
 from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(120)
@@ -294,7 +293,7 @@ def _errors(rank, ws):
             dist_autograd.backward(cid, [(y + z).sum()])
         assert "worker1" in str(ei.value)
     for w in ("worker0", "worker1", "worker2"):
-        assert _wait_until(lambda: rpc.rpc_sync(w, debug_info)["num_current_backward_passes"] == 0)
+        assert _wait_until(lambda w=w: rpc.rpc_sync(w, debug_info)["num_current_backward_passes"] == 0)
     with dist_autograd.context() as cid:
         y = rpc.rpc_sync("worker1", torch.mul, args=(a, 3.0))
         dist_autograd.backward(cid, [y.sum()])

@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-
 from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(300)

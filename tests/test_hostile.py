@@ -22,7 +22,6 @@ import time
 import pytest
 import torch
 import zmq
-
 from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(240)

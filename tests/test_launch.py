@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 
@@ -20,7 +19,7 @@ LAUNCH = [sys.executable, "-m", "distgrad.launch"]
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signal semantics")
 
 
-def _env(**extra: str) -> Dict[str, str]:
+def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.pop("DISTGRAD_SECRET", None)
@@ -28,7 +27,7 @@ def _env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def _run_cmd(cmd: List[str], timeout: float = 45, **extra: str) -> subprocess.CompletedProcess:
+def _run_cmd(cmd: list[str], timeout: float = 45, **extra: str) -> subprocess.CompletedProcess:
     """Run ``cmd``; on timeout SIGTERM it first so a launcher can clean up its workers."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(**extra), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -41,11 +40,11 @@ def _run_cmd(cmd: List[str], timeout: float = 45, **extra: str) -> subprocess.Co
         finally:
             proc.kill()
             proc.wait()
-        raise AssertionError(f"{cmd} timed out\nstdout:\n{out}\nstderr:\n{err}")
+        raise AssertionError(f"{cmd} timed out\nstdout:\n{out}\nstderr:\n{err}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _run(args: List[str], timeout: float = 45, **extra: str) -> subprocess.CompletedProcess:
+def _run(args: list[str], timeout: float = 45, **extra: str) -> subprocess.CompletedProcess:
     return _run_cmd(LAUNCH + args, timeout, **extra)
 
 
@@ -62,12 +61,12 @@ def _alive(pid: int) -> bool:
         return False
     try:  # a zombie (not yet reaped by init) counts as gone
         with open(f"/proc/{pid}/status") as f:
-            return not any(l.startswith("State:") and "Z" in l.split()[1] for l in f)
+            return not any(ln.startswith("State:") and "Z" in ln.split()[1] for ln in f)
     except OSError:
         return True
 
 
-def _wait_gone(pids: List[int], timeout: float = 10) -> List[int]:
+def _wait_gone(pids: list[int], timeout: float = 10) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = [p for p in pids if _alive(p)]
@@ -77,7 +76,7 @@ def _wait_gone(pids: List[int], timeout: float = 10) -> List[int]:
     return [p for p in pids if _alive(p)]
 
 
-def _read_pids(pid_dir: Path, n: int, timeout: float = 30) -> List[int]:
+def _read_pids(pid_dir: Path, n: int, timeout: float = 30) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         files = [pid_dir / f"pid{r}" for r in range(n)]
@@ -121,7 +120,8 @@ def test_default_port_secret_passthrough_and_module() -> None:
     res = _run(["--nproc-per-node", "2", "--master-addr", "localhost", "-m",
                 "tests.launch_scripts.print_env", "a"], DISTGRAD_SECRET="s3cret")
     assert res.returncode == 0, res.stderr
-    infos = [json.loads(l.partition(": ")[2][4:]) for l in res.stdout.splitlines() if ": ENV " in l]
+    infos = [json.loads(ln.partition(": ")[2][4:]) for ln in res.stdout.splitlines()
+             if ": ENV " in ln]
     assert len(infos) == 2
     ports = {i["env"]["MASTER_PORT"] for i in infos}
     assert len(ports) == 1 and 0 < int(ports.pop()) < 65536

@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-
 from mp_utils import run_workers
 
 STEPS = 5

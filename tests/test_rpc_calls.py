@@ -3,9 +3,9 @@ import time
 
 import pytest
 import torch
+from mp_utils import run_workers
 
 import distgrad.rpc as rpc
-from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,7 +55,8 @@ def _calls(rank, world_size):
     assert (me.name, me.id, w1.name, w1.id) == ("worker0", 0, "worker1", 1)
     # destinations as name, rank and WorkerInfo, and to self
     for to in ("worker1", 1, w1):
-        assert rpc.rpc_sync(to, whoami, args=(to if not isinstance(to, rpc.WorkerInfo) else 1,))[0] == "worker1"
+        arg = to if not isinstance(to, rpc.WorkerInfo) else 1
+        assert rpc.rpc_sync(to, whoami, args=(arg,))[0] == "worker1"
     for to in ("worker0", 0, me):
         assert rpc.rpc_sync(to, whoami)[0] == "worker0"
         assert rpc.rpc_async(to, torch.add, args=(1, 2)).wait() == 3

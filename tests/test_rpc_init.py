@@ -4,9 +4,9 @@ import threading
 
 import pytest
 import torch
+from mp_utils import free_port, run_workers, tmp_path_for
 
 import distgrad.rpc as rpc
-from mp_utils import free_port, run_workers, tmp_path_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,7 +75,8 @@ def _duplicate_names(rank, world_size, port, port2):
     with pytest.raises(RuntimeError) as ei:
         rpc.init_rpc("dup", rank=rank, world_size=world_size, rpc_backend_options=opts)
     msg = str(ei.value)
-    assert msg == f"RPC worker name dup is not unique. Workers {rank} and {1 - rank} share the same name.", msg
+    want = f"RPC worker name dup is not unique. Workers {rank} and {1 - rank} share the same name."
+    assert msg == want, msg
     rpc.shutdown()  # after a failed init: returns
     assert _distgrad_threads() == []
     # a failed init leaves the process able to init properly

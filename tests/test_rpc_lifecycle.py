@@ -6,9 +6,9 @@ import time
 
 import pytest
 import torch
+from mp_utils import run_workers
 
 import distgrad.rpc as rpc
-from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(120)
 

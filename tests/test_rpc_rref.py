@@ -4,10 +4,10 @@ import time
 
 import pytest
 import torch
+from mp_utils import run_workers
 
 import distgrad.rpc as rpc
 from distgrad.rpc import RRef
-from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(180)
 

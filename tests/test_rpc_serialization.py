@@ -5,9 +5,9 @@ import tempfile
 
 import pytest
 import torch
+from mp_utils import run_workers
 
 import distgrad.rpc as rpc
-from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,5 +1,4 @@
 import torch
-
 from mp_utils import run_workers
 
 

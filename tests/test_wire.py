@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from distgrad.errors import ProtocolError, SerializationError
 from distgrad.wire import Kind, decode, dumps, encode, loads
 from distgrad.wire.messages import HEADER, MAGIC, VERSION
-from distgrad.wire.pickler import tensor_frames
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,7 +21,8 @@ def plot_curves(hist: dict[str, list], path: str) -> str:
     ax1.set_title("training loss")
     ax1.grid(alpha=0.3)
     ax1.legend()
-    ax2.plot(hist["step"], _smooth(hist["acc"]), color="#1b7837", lw=1.5, label="train batch (mean of last 10)")
+    ax2.plot(hist["step"], _smooth(hist["acc"]), color="#1b7837", lw=1.5,
+             label="train batch (mean of last 10)")
     ax2.plot(hist["eval_step"], hist["test_acc"], "o-", color="#b2182b", ms=3, lw=1.5,
              label="held-out test")
     ax2.set_xlabel("step")

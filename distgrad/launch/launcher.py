@@ -15,14 +15,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import IO
 
 _IS_WINDOWS = sys.platform == "win32"
 _SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)
 _POLL_S = 0.05
 
 
-def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Add the launcher's arguments to ``parser`` (or a new parser) and return it.
 
     Reusable as a subcommand parser, e.g.::
@@ -131,7 +132,7 @@ def launch(args: argparse.Namespace) -> int:
                     ROLE_RANK="0", ROLE_WORLD_SIZE=str(nproc), PYTHONUNBUFFERED="1")
     cmd = [sys.executable] + (["-m"] if args.module else []) + [args.script] + list(args.script_args)
 
-    stop_signal: List[int] = []
+    stop_signal: list[int] = []
 
     def _on_signal(signum: int, _frame: object) -> None:
         stop_signal.append(signum)
@@ -142,8 +143,8 @@ def launch(args: argparse.Namespace) -> int:
         for s in handled:
             previous[s] = signal.signal(s, _on_signal)
 
-    procs: List[subprocess.Popen] = []
-    threads: List[threading.Thread] = []
+    procs: list[subprocess.Popen] = []
+    threads: list[threading.Thread] = []
     lock = threading.Lock()
     popen_kw: dict = ({"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}  # type: ignore[attr-defined]
                       if _IS_WINDOWS else {"start_new_session": True})
@@ -193,7 +194,7 @@ def launch(args: argparse.Namespace) -> int:
             signal.signal(s, h)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), launch the workers, return the exit code.
 
     Example::

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from collections.abc import Callable, Collection
 from datetime import timedelta
-from typing import Callable, Collection
 from urllib.parse import urlparse
 
 import torch.distributed as dist

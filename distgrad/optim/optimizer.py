@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -7,13 +7,30 @@ Example::
     print(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)))
     rpc.shutdown()
 """
-from ..errors import (DistgradError, ProtocolError, RemoteError, RPCTimeoutError,
-                      SerializationError, WorkerLostError)
+from ..errors import (
+                      DistgradError,
+                      ProtocolError,
+                      RemoteError,
+                      RPCTimeoutError,
+                      SerializationError,
+                      WorkerLostError,
+)
 from . import functions
-from .api import (_get_debug_info, _rref_context_get_debug_info, _set_rpc_timeout, get_rpc_timeout,
-                  get_worker_info, init_rpc, is_available, remote, rpc_async, rpc_sync, shutdown)
-from .options import (BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions,
-                      DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC)
+from .api import (
+                      _get_debug_info,
+                      _rref_context_get_debug_info,
+                      _set_rpc_timeout,
+                      get_rpc_timeout,
+                      get_worker_info,
+                      init_rpc,
+                      is_available,
+                      remote,
+                      rpc_async,
+                      rpc_sync,
+                      shutdown,
+)
+from .options import DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC
+from .options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
 from .rref import RRef
 from .worker_info import WorkerInfo
 

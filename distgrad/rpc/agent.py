@@ -10,8 +10,8 @@ import collections
 import itertools
 import logging
 import threading
-import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,14 +25,14 @@ from .worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
 
-_holder: dict[str, "RpcAgent"] = {}
+_holder: dict[str, RpcAgent] = {}
 # Requests remembered per sender to serve each (sender, request id) at most once
 # (a repeated CALL/REMOTE, e.g. from fault injection, is dropped).
 _DEDUP_WINDOW = 1 << 16
-_extension_types: list[Callable[["RpcAgent"], "AgentExtension"]] = []
+_extension_types: list[Callable[[RpcAgent], AgentExtension]] = []
 
 
-def current_agent() -> "RpcAgent":
+def current_agent() -> RpcAgent:
     """The running agent; raises RuntimeError when RPC is not initialized."""
     agent = _holder.get("agent")
     if agent is None:
@@ -40,11 +40,11 @@ def current_agent() -> "RpcAgent":
     return agent
 
 
-def agent_or_none() -> "RpcAgent | None":
+def agent_or_none() -> RpcAgent | None:
     return _holder.get("agent")
 
 
-def register_extension(factory: Callable[["RpcAgent"], "AgentExtension"]) -> None:
+def register_extension(factory: Callable[[RpcAgent], AgentExtension]) -> None:
     """Have ``factory(agent)`` build an extension for every agent created from now on."""
     _extension_types.append(factory)
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from queue import Empty, SimpleQueue
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 

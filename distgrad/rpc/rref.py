@@ -191,7 +191,7 @@ class RRef(Generic[T]):
 
     @classmethod
     def _user(cls, agent, owner: int, rref_id: tuple, fork_id: tuple, future, type_hint=None,
-              confirmed: bool = True) -> "RRef":
+              confirmed: bool = True) -> RRef:
         self = cls.__new__(cls)
         if future is None:
             future = torch.futures.Future()
@@ -202,7 +202,7 @@ class RRef(Generic[T]):
         return self
 
     @classmethod
-    def _owner_side(cls, agent, rref_id: tuple, future, type_hint=None) -> "RRef":
+    def _owner_side(cls, agent, rref_id: tuple, future, type_hint=None) -> RRef:
         self = cls.__new__(cls)
         self._init(agent, agent.rank, rref_id, None, future, type_hint)
         return self
@@ -249,15 +249,15 @@ class RRef(Generic[T]):
         return agent.wait(p)
 
     # -- proxies --------------------------------------------------------------
-    def rpc_sync(self, timeout: float = -1) -> "_Proxy":
+    def rpc_sync(self, timeout: float = -1) -> _Proxy:
         """Proxy whose method calls run ``rpc_sync`` on the owner's value."""
         return _Proxy(self, "rpc_sync", timeout)
 
-    def rpc_async(self, timeout: float = -1) -> "_Proxy":
+    def rpc_async(self, timeout: float = -1) -> _Proxy:
         """Proxy whose method calls run ``rpc_async`` on the owner's value."""
         return _Proxy(self, "rpc_async", timeout)
 
-    def remote(self, timeout: float = -1) -> "_Proxy":
+    def remote(self, timeout: float = -1) -> _Proxy:
         """Proxy whose method calls run ``remote`` on the owner's value."""
         return _Proxy(self, "remote", timeout)
 
@@ -390,7 +390,8 @@ def _rref_invoke(method: str, args: tuple, kwargs: dict):
     fn = getattr(value, method)
     target = getattr(type(value), method, None)
     result = fn(*args, **kwargs)
-    if getattr(target, "_wrapped_async_rpc_function", None) or getattr(fn, "_wrapped_async_rpc_function", None):
+    if getattr(target, "_wrapped_async_rpc_function", None) or \
+            getattr(fn, "_wrapped_async_rpc_function", None):
         return AsyncResult(result)
     return result
 

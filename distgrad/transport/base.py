@@ -8,7 +8,8 @@ a :class:`TransportHandler` on the I/O thread.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 
 class TransportHandler(Protocol):
@@ -30,7 +31,7 @@ class Timer:
     def cancel(self) -> None:
         self.cancelled = True
 
-    def __lt__(self, other: "Timer") -> bool:
+    def __lt__(self, other: Timer) -> bool:
         return self.when < other.when
 
 

@@ -73,7 +73,8 @@ import logging
 import os
 import random
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..errors import ProtocolError
 from ..wire.messages import Kind, peek_header

@@ -31,22 +31,22 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import os
 import heapq
 import logging
 import math
+import os
 import socket
 import struct
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from . import shm
-from .auth import AuthError, Authenticator
+from .auth import Authenticator, AuthError
 from .base import Timer, Transport, TransportHandler
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Turns Python objects into frames and back (no sockets here)."""
-from .pickler import TensorSpec, dumps, loads
 from .messages import Kind, Message, decode, encode
+from .pickler import TensorSpec, dumps, loads
 
 __all__ = ["TensorSpec", "dumps", "loads", "Kind", "Message", "encode", "decode"]

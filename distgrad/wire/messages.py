@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pickle
 import struct
+from collections.abc import Sequence
 from enum import IntEnum
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -18,7 +18,8 @@ import pickle
 import pickletools
 import re
 import threading
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
