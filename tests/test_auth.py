@@ -90,3 +90,32 @@ def test_wrong_secret_is_rejected_at_init():
     with pytest.raises(AssertionError, match="cluster secret"):
         run_workers(_mismatch, world_size=2, timeout=60,
                     env_per_rank={0: {"DISTGRAD_SECRET": None}})
+
+
+_HOT = {}
+
+
+def _hot_tensor():
+    """A small tensor another thread keeps changing in place (an optimizer, say)."""
+    import threading
+    if "t" not in _HOT:
+        _HOT["t"] = torch.zeros(256)
+
+        def spin():
+            while True:
+                _HOT["t"].add_(1)
+        threading.Thread(target=spin, daemon=True).start()
+    return _HOT["t"]
+
+
+def _mutating(rank, world_size):
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    values = [rpc.rpc_sync("worker1", _hot_tensor, timeout=10) for _ in range(300)]
+    # every reply verified and arrived; each is one consistent snapshot
+    return all(bool((v == v[0]).all()) for v in values)
+
+
+def test_tensor_changed_in_place_while_replying_still_verifies():
+    assert run_workers(_mutating, world_size=2, timeout=90)[0]

@@ -26,7 +26,7 @@ import hmac
 import os
 import struct
 
-FULL_MAC_LIMIT = 64 * 1024
+FULL_MAC_LIMIT = 64 * 1024  # wire.pickler.SNAPSHOT_BYTES copies tensors below it at call time
 _SEQ = struct.Struct("!Q")
 TAG_BYTES = 16
 

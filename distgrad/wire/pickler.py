@@ -142,14 +142,24 @@ def _describe(obj: Any) -> str:
     return text if len(text) < 200 else text[:200] + "..."
 
 
+# Tensors of at most this many bytes are copied when the message is built, on the
+# calling thread: the message then holds their values at call time even if the
+# caller (or an optimizer on another thread) changes them in place right after,
+# and the transport's MAC covers exactly the bytes that leave. Larger tensors go
+# zero-copy, as in torch: do not modify them until the call completes.
+SNAPSHOT_BYTES = 64 * 1024
+
+
 def tensor_frames(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], list]:
-    """Specs and zero-copy buffers (numpy uint8 arrays) for a tensor table."""
+    """Specs and buffers for a tensor table: bytes copies of small tensors,
+    zero-copy numpy uint8 views of large ones."""
     specs, buffers = [], []
     for t in tensors:
         kind = _PARAMETER if isinstance(t, torch.nn.Parameter) else _DENSE
         specs.append(TensorSpec(str(t.dtype), tuple(t.shape), bool(t.requires_grad), kind))
         if t.numel():
-            buffers.append(_tensor_bytes(t).numpy())
+            view = _tensor_bytes(t).numpy()
+            buffers.append(view.tobytes() if view.nbytes <= SNAPSHOT_BYTES else view)
     return specs, buffers
 
 
