@@ -60,8 +60,10 @@ def rpc_workload(rpc, quick=False):
 
     # ---- 3. idle CPU (first, while the cluster is fresh and idle) ----------
     peer_pid = rpc.rpc_sync(dst, os.getpid)
-    idle_s = 2.0 if quick else 3.0
-    time.sleep(0.5)  # let startup work settle
+    idle_s = 2.0 if quick else 5.0
+    # let start-up work settle (the workers' first seconds still import and warm up
+    # lazily; an idle cluster is what is measured)
+    time.sleep(2.0)
     if common.can_read_proc_cpu():
         me = os.getpid()
         c1_0, c0_0 = common.proc_cpu_seconds(peer_pid), common.proc_cpu_seconds(me)
