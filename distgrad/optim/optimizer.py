@@ -219,8 +219,8 @@ class DistributedOptimizer:
             ...     dist_autograd.backward(cid, [loss])
             ...     dist_opt.step(cid)
         """
-        futs = [(o.owner_name(), rpc.rpc_async(o.owner(), _step_local_optimizer, args=(o, context_id)))
-                for o in self.remote_optimizers]
+        # the RRef's method proxy: no new fork of the optimizer's RRef per step
+        futs = [(o.owner_name(), o.rpc_async().step(context_id)) for o in self.remote_optimizers]
         _wait_all(futs, "step")
 
     def __repr__(self) -> str:
