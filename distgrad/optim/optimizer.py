@@ -117,11 +117,6 @@ def _check_local_optimizer(optim_rref: rpc.RRef) -> None:
     optim_rref.local_value()
 
 
-def _step_local_optimizer(optim_rref: rpc.RRef, context_id: int) -> None:
-    """Runs on the owner: one step of its local optimizer."""
-    optim_rref.local_value().step(context_id)
-
-
 # ---------------------------------------------------------------------------
 # caller side
 # ---------------------------------------------------------------------------
