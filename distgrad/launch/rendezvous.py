@@ -161,16 +161,26 @@ def _survivor_barrier(store: dist.Store, key: str, rank: int, world_size: int, t
             raise RuntimeError(f"barrier {key!r}: rank 0, which hosts the store, is lost")
 
     def wait_for(tag: str, limit: float) -> bool:
+        # Block in the store (no GIL held, no polling traffic) in short slices, and
+        # look at who is lost between them: a worker may wait here for a long time
+        # while its peers still work.
         deadline = time.monotonic() + limit
         while True:
             check_host()
             gone = lost()
             keys = [f"{key}/{tag}/{r}" for r in range(world_size) if r != rank and r not in gone]
-            if not keys or store.check(keys):
+            if not keys:
                 return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return store.check(keys)
+            started = time.monotonic()
+            try:
+                store.wait(keys, timedelta(seconds=min(0.25, left)))
+                return True
+            except Exception:  # noqa: BLE001 - a slice ran out (or the store failed): look again
+                if time.monotonic() - started < 0.05:
+                    time.sleep(0.05)  # failed at once (store host gone?): do not spin
 
     check_host()
     store.set(f"{key}/arrived/{rank}", b"1")
