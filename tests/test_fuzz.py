@@ -13,6 +13,12 @@ Contract checked here (see decode's and loads' docstrings):
   tracemalloc peak of every example stays under ``PEAK_BOUND`` (the frames
   are at most a few KiB).
 
+Unpickling a payload runs the callables it names: that is what RPC is for,
+and only authenticated peers get that far (see the README's trust model).
+A mutation can turn ``torch.add`` into ``torch.ones`` with a huge argument,
+so here the payload may only name what the seed messages name (an allow-list
+on ``find_class``); everything before unpickling is fuzzed unrestricted.
+
 Inputs: random frame lists, and valid encodings of assorted messages mutated by
 byte flips, bit flips, truncation, insertion, frame drops/duplications/swaps
 and header rewrites.
@@ -63,6 +69,43 @@ def _seeds():
 
 
 SEEDS = _seeds()
+
+
+def _seed_globals() -> set:
+    import pickletools
+    names, strings = set(), []
+    for frames in SEEDS:
+        for op, arg, _ in pickletools.genops(frames[2]):
+            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+                strings.append(arg)
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.add((strings[-2], strings[-1]))
+            elif op.name == "GLOBAL":
+                names.add(tuple(arg.split(" ", 1)))
+    return names
+
+
+_ALLOWED_GLOBALS = _seed_globals()
+
+
+@pytest.fixture(autouse=True)
+def _only_seed_globals(monkeypatch):
+    from distgrad.wire import pickler
+
+    def checked_getattr(obj, name, *default):
+        # torch functions pickle as getattr(torch._C._VariableFunctionsClass, "add"):
+        # a flipped byte must not make that "eye" or "ones"
+        if name != "add":
+            raise pickle.UnpicklingError(f"fuzzed payload asks for attribute {name!r}")
+        return getattr(obj, name, *default)
+
+    def find_class(self, module, name):
+        if (module, name) not in _ALLOWED_GLOBALS:
+            raise pickle.UnpicklingError(f"fuzzed payload names {module}.{name}")
+        if (module, name) == ("builtins", "getattr"):
+            return checked_getattr
+        return pickle.Unpickler.find_class(self, module, name)
+    monkeypatch.setattr(pickler._Unpickler, "find_class", find_class, raising=False)
 _ALLOWED_LOADS = (ProtocolError, SerializationError, ImportError, AttributeError)
 
 
