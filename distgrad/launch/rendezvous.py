@@ -161,26 +161,23 @@ def _survivor_barrier(store: dist.Store, key: str, rank: int, world_size: int, t
             raise RuntimeError(f"barrier {key!r}: rank 0, which hosts the store, is lost")
 
     def wait_for(tag: str, limit: float) -> bool:
-        # Block in the store (no GIL held, no polling traffic) in short slices, and
-        # look at who is lost between them: a worker may wait here for a long time
-        # while its peers still work.
+        # Poll with a growing pause (5 ms to 100 ms): a worker may wait here for a
+        # long time while its peers still work, and must not steal their CPU, GIL
+        # or store traffic meanwhile. (store.wait with short timeouts would block
+        # without polling, but torch logs a warning for every slice that runs out.)
         deadline = time.monotonic() + limit
+        pause = 0.005
         while True:
             check_host()
             gone = lost()
             keys = [f"{key}/{tag}/{r}" for r in range(world_size) if r != rank and r not in gone]
-            if not keys:
+            if not keys or store.check(keys):
                 return True
             left = deadline - time.monotonic()
             if left <= 0:
-                return store.check(keys)
-            started = time.monotonic()
-            try:
-                store.wait(keys, timedelta(seconds=min(0.25, left)))
-                return True
-            except Exception:  # noqa: BLE001 - a slice ran out (or the store failed): look again
-                if time.monotonic() - started < 0.05:
-                    time.sleep(0.05)  # failed at once (store host gone?): do not spin
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 1.5, 0.1)
 
     check_host()
     store.set(f"{key}/arrived/{rank}", b"1")
