@@ -114,7 +114,6 @@ class Container:
         self._counter = itertools.count()
         self._msg_counter = itertools.count()
         self._tls = threading.local()
-        self.num_backward_passes = 0
 
     def init(self, worker_id: int) -> None:
         if not 0 <= worker_id < (1 << 16):

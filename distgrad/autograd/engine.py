@@ -40,7 +40,12 @@ from torch.autograd.graph import GradientEdge
 
 from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
+from .checks import check_roots as _check_roots
 from .context import CONTAINER, DistAutogradContext
+from .futures import all_of as _all
+from .futures import chain as _chain
+from .futures import done as _done
+from .futures import failed as _failed
 from .recording import _ANCHOR, _node_types
 
 log = logging.getLogger(__name__)
@@ -343,61 +348,6 @@ class Engine:
 ENGINE = Engine()
 
 
-# -- futures helpers ------------------------------------------------------------
-def _done(value: Any = None) -> torch.futures.Future:
-    f = torch.futures.Future()
-    f.set_result(value)
-    return f
-
-
-def _failed(exc: BaseException) -> torch.futures.Future:
-    f = torch.futures.Future()
-    f.set_exception(exc)
-    return f
-
-
-def _all(futures: list) -> torch.futures.Future:
-    """Completes with the list of values when all complete; fails with the first
-    error, unwrapped (``then`` would wrap it in a "running the callback" error)."""
-    if not futures:
-        return _done([])
-    result = torch.futures.Future()
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one(_f: torch.futures.Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if not last:
-            return
-        try:
-            values = [f.wait() for f in futures]
-        except BaseException as e:  # noqa: BLE001
-            result.set_exception(e)
-            return
-        result.set_result(values)
-
-    for f in futures:
-        f.add_done_callback(one)
-    return result
-
-
-def _chain(fut: torch.futures.Future, fn) -> torch.futures.Future:
-    """``fut.then(fn)`` without wrapping errors raised by ``fn`` or by ``fut``."""
-    result = torch.futures.Future()
-
-    def done(f: torch.futures.Future) -> None:
-        try:
-            value = fn(f)
-        except BaseException as e:  # noqa: BLE001
-            result.set_exception(e)
-            return
-        result.set_result(value)
-    fut.add_done_callback(done)
-    return result
-
-
 def _union(f: torch.futures.Future) -> set:
     out: set = set()
     for s in f.wait():
@@ -542,34 +492,3 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
 
     _run(state, state.run_entry, "root", list(roots), grads).add_done_callback(settled)
     return result
-
-
-def _check_roots(roots: Any, grad_tensors: Any) -> tuple[list, list]:
-    if not roots:
-        raise RuntimeError("No tensors provided for gradient computation.")
-    if grad_tensors is not None:
-        if isinstance(grad_tensors, torch.Tensor):
-            grad_tensors = [grad_tensors]
-        if len(grad_tensors) != len(roots):
-            raise RuntimeError(f"grad_tensors has {len(grad_tensors)} tensors for {len(roots)} roots")
-    grads = []
-    for i, r in enumerate(roots):
-        if not isinstance(r, torch.Tensor):
-            raise TypeError(f"backward(): incompatible function arguments. root {i} is a "
-                            f"{type(r).__name__}, not a tensor")
-        if not r.requires_grad:
-            raise RuntimeError("requires_grad not set on root")
-        g = grad_tensors[i] if grad_tensors is not None else None
-        if g is None:
-            if r.numel() != 1:
-                raise RuntimeError(f"Tensor of shape {tuple(r.shape)} is not a scalar, all roots "
-                                   "need to be scalar (or pass grad_tensors)")
-            g = torch.ones_like(r)
-        elif g.shape != r.shape:
-            raise RuntimeError(f"grad_tensors[{i}] has shape {tuple(g.shape)}, root has "
-                               f"{tuple(r.shape)}")
-        if r.grad_fn is None:
-            raise RuntimeError(f"Tensor of shape {tuple(r.shape)} does not have a valid gradient "
-                               "function.")
-        grads.append(g)
-    return list(roots), grads

@@ -9,7 +9,6 @@ incoming gradients to the sender.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -152,4 +151,3 @@ class AutogradExtension(AgentExtension):
 
 
 register_extension(AutogradExtension)
-_thread_state = threading.local()
