@@ -119,3 +119,26 @@ def _mutating(rank, world_size):
 
 def test_tensor_changed_in_place_while_replying_still_verifies():
     assert run_workers(_mutating, world_size=2, timeout=90)[0]
+
+
+def _different_secrets(rank, world_size):
+    import distgrad.rpc as rpc
+    from distgrad.errors import RPCTimeoutError, WorkerLostError
+    other = f"worker{1 - rank}"
+    t0 = time.monotonic()
+    try:
+        rpc.rpc_sync(other, torch.add, args=(torch.ones(1), 1), timeout=20)
+    except (WorkerLostError, RPCTimeoutError) as e:
+        return type(e).__name__, other in str(e), time.monotonic() - t0
+    return "answered", False, 0.0
+
+
+def test_a_wrong_secret_is_rejected():
+    # Every message from a worker with another secret fails the MAC and is dropped,
+    # heartbeats included: neither side ever runs the other's call, and each
+    # declares the other lost once the heartbeat deadline passes.
+    res = run_workers(_different_secrets, world_size=2, timeout=90,
+                      env_per_rank={1: {"DISTGRAD_SECRET": "another-secret"}})
+    for kind, names_peer, seconds in res:
+        assert kind == "WorkerLostError" and names_peer, res
+        assert seconds < 10, res
