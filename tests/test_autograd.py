@@ -169,6 +169,9 @@ def _arg_checks(rank, ws):
         assert set(info) == {"num_current_backward_passes", "num_autograd_contexts"}
         assert info == {"num_current_backward_passes": 0, "num_autograd_contexts": 1}
         assert all(type(v) is int for v in info.values())
+        merged = rpc._get_debug_info()  # torch merges autograd's counters into rpc's
+        assert merged["num_autograd_contexts"] == 1
+        assert merged["num_current_backward_passes"] == 0
     return True
 
 

@@ -146,6 +146,10 @@ class AutogradExtension(AgentExtension):
         for ctx in doomed:
             CONTAINER.release(ctx.id)
 
+    def debug_info(self) -> dict[str, int]:
+        from . import _get_debug_info
+        return _get_debug_info()
+
     def on_shutdown(self) -> None:
         CONTAINER.clear()
 

@@ -74,6 +74,10 @@ class AgentExtension:
     def on_shutdown(self) -> None:
         pass
 
+    def debug_info(self) -> dict[str, Any]:
+        """Counters merged into ``rpc._get_debug_info()``."""
+        return {}
+
 
 class _NullScope:
     def __enter__(self):

@@ -245,10 +245,20 @@ def is_available() -> bool:
 
 def _get_debug_info() -> dict[str, Any]:
     """Agent statistics: pending calls, pool usage, messages and bytes per peer,
-    plus the RRef context's counters."""
+    the RRef context's counters, and (as torch merges them in) distributed
+    autograd's ``num_autograd_contexts`` and ``num_current_backward_passes``.
+
+    Example::
+
+        >>> rpc._get_debug_info()["peer.worker1"]["messages_sent"]
+        12
+    """
     agent = current_agent()
     info = agent.debug_info()
     info.update({f"rref.{k}": v for k, v in agent.rrefs.debug_info().items()})
+    for ext in agent.extensions:
+        if ext is not agent.rrefs:
+            info.update(ext.debug_info())
     return info
 
 
