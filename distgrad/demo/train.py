@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import socket
 import sys
 import time
@@ -199,6 +200,10 @@ class Driver:
 
         x, y = self.xtr[:self.cfg["batch_size"]], self.ytr[:self.cfg["batch_size"]]
         graph_path = os.path.join(self.cfg["out"], GRAPH_FILE)
+        if shutil.which("dot") is None:  # no Graphviz: keep the graph as DOT source
+            graph_path = os.path.splitext(graph_path)[0] + ".dot"
+            print("note: Graphviz's `dot` is not installed; writing the autograd graph as DOT "
+                  f"source ({graph_path}); install graphviz to get the SVG", flush=True)
         with dist_autograd.context() as cid:
             loss = F.cross_entropy(self.forward(x), y)
             desc = export_graph(cid, graph_path, roots=[loss])
