@@ -203,9 +203,6 @@ def remote(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | No
 
 def _remote_with(dest: WorkerInfo, payload: tuple, what: str, timeout: float, extra: dict) -> RRef:
     agent = current_agent()
-    if dest.id == agent.rank and not extra:
-        # torch runs remote() to self on the pool too; keep one road: loopback.
-        pass
     rref_id = agent.rrefs.new_id()
     extra = dict(extra, new=(rref_id, rref_id))
     p = agent.send_request(dest, Kind.REMOTE, payload, what, timeout, extra=extra)

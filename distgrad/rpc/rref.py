@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from ..wire import Kind
 from ..wire.pickler import current_destination
 from .agent import AgentExtension, AsyncResult, RpcAgent, agent_or_none, current_agent, register_extension
 from .worker_info import WorkerInfo
@@ -244,7 +245,7 @@ class RRef(Generic[T]):
         if self.is_owner():
             return self._future.wait()
         agent = self._agent
-        p = agent.send_request(self.owner(), _kind_call(), (_rref_fetch, (), {}), "RRef.to_here",
+        p = agent.send_request(self.owner(), Kind.CALL, (_rref_fetch, (), {}), "RRef.to_here",
                                timeout, sync=True, extra={"rref": self._rref_id})
         return agent.wait(p)
 
@@ -267,7 +268,7 @@ class RRef(Generic[T]):
         if mode == "remote":
             return api._remote_with(self.owner(), payload, f"RRef.{method}", timeout,
                                     {"rref": self._rref_id})
-        p = self._agent.send_request(self.owner(), _kind_call(), payload, f"RRef.{method}", timeout,
+        p = self._agent.send_request(self.owner(), Kind.CALL, payload, f"RRef.{method}", timeout,
                                      sync=(mode == "rpc_sync"), extra={"rref": self._rref_id})
         return self._agent.wait(p) if mode == "rpc_sync" else p.future
 
@@ -326,7 +327,7 @@ class RRef(Generic[T]):
             _rref_backward_local(self._future.wait(), *args[1:]).wait()
             return
         agent = self._agent
-        p = agent.send_request(self.owner(), _kind_call(), (_rref_backward, args[1:], {}),
+        p = agent.send_request(self.owner(), Kind.CALL, (_rref_backward, args[1:], {}),
                                "RRef.backward", -1, sync=True, extra={"rref": self._rref_id})
         agent.wait(p)
 
@@ -342,11 +343,6 @@ def _gid(ident: tuple) -> str:
     return f"GloballyUniqueId(created_on={ident[0]}, local_id={ident[1]})"
 
 
-def _kind_call():
-    from ..wire import Kind
-    return Kind.CALL
-
-
 def _unpickle_rref(owner: int, rref_id: tuple, fork_id: tuple, sender: int, type_hint) -> RRef:
     agent = current_agent()
     if owner == agent.rank:
@@ -356,7 +352,7 @@ def _unpickle_rref(owner: int, rref_id: tuple, fork_id: tuple, sender: int, type
             if entry is None:
                 raise RuntimeError(f"RRef {rref_id} arrived at its owner {agent.name} after it was freed")
             rref = RRef._owner_side(agent, rref_id, entry.future, type_hint)
-            ctx.del_fork(rref_id, fork_id, agent.rank if sender == owner else agent.rank)
+            ctx.del_fork(rref_id, fork_id, agent.rank)  # the fork that carried it here
         return rref
     confirmed = sender == owner
     return RRef._user(agent, owner, rref_id, fork_id, None, type_hint, confirmed=confirmed)

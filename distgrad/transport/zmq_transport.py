@@ -210,9 +210,6 @@ class ZmqTransport(Transport):
         self._wake()
         return timer
 
-    def on_io_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
     def close(self, linger: float = 1.0) -> None:
         if self._thread is None:
             self._close_sockets(0)
