@@ -479,8 +479,7 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
             disc = _discover_remote(state, recvs)
         else:
             disc = _done([])
-        _chain(disc, lambda f: f.wait()).add_done_callback(
-            lambda f: _after_discovery(f, blocked))
+        disc.add_done_callback(lambda f: _after_discovery(f, blocked))
 
     def _after_discovery(f: torch.futures.Future, blocked: set) -> None:
         try:
