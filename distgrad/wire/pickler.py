@@ -145,8 +145,9 @@ def _describe(obj: Any) -> str:
 # Tensors of at most this many bytes are copied when the message is built, on the
 # calling thread: the message then holds their values at call time even if the
 # caller (or an optimizer on another thread) changes them in place right after,
-# and the transport's MAC covers exactly the bytes that leave. Larger tensors go
-# zero-copy, as in torch: do not modify them until the call completes.
+# and the transport's MAC covers exactly the bytes that leave (a write racing the
+# copy itself can still tear it, as in torch). Larger tensors go zero-copy, as
+# in torch: do not modify them until the call completes.
 SNAPSHOT_BYTES = 64 * 1024
 
 
