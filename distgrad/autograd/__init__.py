@@ -22,6 +22,7 @@ from . import recording as _recording  # noqa: F401  (registers the agent extens
 from .context import CONTAINER, DistAutogradContext
 from .engine import ENGINE
 from .engine import backward_async as _backward_async
+from .engine import backward_sync as _backward_sync
 from .graph_export import export_graph
 
 __all__ = [
@@ -140,7 +141,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         ...     dist_autograd.get_gradients(cid)[x]
         tensor([3., 3.])
     """
-    _backward_async(context_id, roots, retain_graph, grad_tensors).wait()
+    _backward_sync(context_id, roots, retain_graph, grad_tensors)
 
 
 def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,

@@ -32,7 +32,8 @@ import collections
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -40,12 +41,11 @@ from torch.autograd.graph import GradientEdge
 
 from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
+from ..rpc.remote_exc import pack_exception, unpack_exception
 from .checks import check_roots as _check_roots
 from .context import CONTAINER, DistAutogradContext
 from .futures import all_of as _all
-from .futures import chain as _chain
 from .futures import done as _done
-from .futures import failed as _failed
 from .recording import _ANCHOR, _node_types
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,12 @@ class PassState:
         self.discovered: set[int] = set()
         self.nodes_run = 0
         self.running = 0
+        # initiator only: termination (see "execution and termination" below)
+        self.weight = Fraction(0)       # returned in this round
+        self.round_blocked: set = set()  # workers that reported waiting nodes in it
+        self.participants: set = {CONTAINER.worker_id}
+        self.finished = False
+        self.on_round: Callable[[BaseException | None, set], None] | None = None
         self._prepare()
 
     # -- the walk ---------------------------------------------------------------
@@ -304,6 +310,7 @@ class Engine:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._ids = itertools.count()
+        self.initiated: dict[tuple, PassState] = {}  # passes started here, until they end
         # how this worker's shares ran: native calls or the executor; executor node count
         self.stats: collections.Counter = collections.Counter()
 
@@ -316,7 +323,9 @@ class Engine:
 
     def new_pass(self, ctx: DistAutogradContext, retain_graph: bool, roots: list) -> PassState:
         pass_id = (CONTAINER.worker_id, next(self._ids))
-        return self._register(PassState(ctx, pass_id, CONTAINER.worker_id, retain_graph, roots))
+        state = self._register(PassState(ctx, pass_id, CONTAINER.worker_id, retain_graph, roots))
+        self.initiated[pass_id] = state
+        return state
 
     def get_or_create(self, context_id: int, pass_id: tuple, initiator: int,
                       retain_graph: bool) -> PassState:
@@ -329,6 +338,7 @@ class Engine:
             return state
 
     def finish(self, state: PassState) -> None:
+        self.initiated.pop(state.pass_id, None)
         with state.ctx.lock:
             state.ctx.passes.pop(state.pass_id, None)
         with self.lock:
@@ -338,24 +348,31 @@ class Engine:
         """Passes with work running or waiting on this worker."""
         with CONTAINER.lock:
             contexts = list(CONTAINER.contexts.values())
-        n = 0
+        ids = {pid for pid, s in list(self.initiated.items()) if not s.finished}
         for ctx in contexts:
             with ctx.lock:
-                n += sum(1 for s in ctx.passes.values() if s.running or s.blocked())
-        return n
+                ids.update(pid for pid, s in ctx.passes.items() if s.running or s.blocked())
+        return len(ids)
 
 
 ENGINE = Engine()
 
 
-def _union(f: torch.futures.Future) -> set:
-    out: set = set()
-    for s in f.wait():
-        out |= s
-    return out
+# -- execution and termination ----------------------------------------------------
+# Termination by weight throwing: a backward round starts with weight 1 at the
+# initiator. Every run of a share (the roots, a gradient arriving, a resume)
+# holds a weight 2**-exp; each gradient it ships takes half of what it holds
+# (so every weight is a power of two and travels as its exponent), and when the
+# run ends it returns the rest straight to the initiator with whether this
+# worker is left waiting. The round is over exactly when the initiator holds 1
+# again: no gradient is in flight and no run is active anywhere. One message
+# per worker run reaches the initiator directly, instead of a reply climbing
+# back through every hop of the chain.
+def _agent():
+    from ..rpc.agent import current_agent
+    return current_agent()
 
 
-# -- execution ------------------------------------------------------------------
 def ship_gradients(dg_info: tuple, grads: Sequence) -> None:
     """Send a recv function's gradients to the worker that sent its tensors."""
     context_id, msg_id, sender = dg_info
@@ -363,37 +380,96 @@ def ship_gradients(dg_info: tuple, grads: Sequence) -> None:
     if state is None or state.ctx.id != context_id:
         raise RuntimeError(f"recv function of context {context_id} ran outside a distributed "
                            "backward pass (use distgrad.autograd.backward)")
-    fut = rpc_api.rpc_async(sender, _propagate, timeout=0,
-                            args=(context_id, state.pass_id, state.initiator, state.retain_graph,
-                                  msg_id, list(grads)))
-    _tls.collector.append(fut)
+    _tls.exp += 1
+    _tls.targets.add(sender)
+    _agent().notify(sender, _propagate, (context_id, state.pass_id, state.initiator,
+                                         state.retain_graph, msg_id, list(grads), _tls.exp))
 
 
-def _run(state: PassState, fn, *args) -> torch.futures.Future:
-    """Run ``fn(*args)`` for ``state`` on this thread. The future covers the
-    gradients it shipped and gives the set of workers left with waiting nodes."""
-    prev = getattr(_tls, "state", None), getattr(_tls, "collector", None)
-    _tls.state, _tls.collector = state, []
+def _run(state: PassState, exp: int, fn, *args) -> None:
+    """Run ``fn(*args)`` for ``state`` on this thread holding weight ``2**-exp``;
+    then return what is left of it to the initiator."""
+    prev = getattr(_tls, "state", None), getattr(_tls, "exp", 0), getattr(_tls, "targets", None)
+    _tls.state, _tls.exp, _tls.targets = state, exp, set()
     state.running += 1
+    err = None
     try:
         fn(*args)
-        shipped = _all(_tls.collector)
-    except BaseException as e:  # noqa: BLE001
-        return _failed(e)
+    except BaseException as e:  # noqa: BLE001 - reported to the initiator
+        err = e
     finally:
         state.running -= 1
-        _tls.state, _tls.collector = prev
+        exp, targets = _tls.exp, _tls.targets
+        _tls.state, _tls.exp, _tls.targets = prev
+    _report(state.ctx.id, state.pass_id, state.initiator, exp, state.blocked(), targets, err)
+
+
+def _report(context_id: int, pass_id: tuple, initiator: int, exp: int, blocked: bool,
+            targets: set, err: BaseException | None) -> None:
     me = CONTAINER.worker_id
-    return _chain(shipped, lambda f: _union(f) | ({me} if state.blocked() else set()))
+    if initiator == me:
+        _returned(pass_id, me, exp, blocked, targets, err)
+        return
+    agent = _agent()
+    blob = pack_exception(err, agent.name, agent.rank) if err is not None else None
+    agent.send_control(initiator, "ag_report", context_id, pass_id, exp, blocked, sorted(targets), blob)
 
 
-@async_execution
+def on_report(sender: int, context_id: int, pass_id: tuple, exp: int, blocked: bool,
+              targets: list, blob: bytes | None) -> None:
+    """Control message (I/O thread): a worker's run of one of our passes ended."""
+    err = unpack_exception(blob) if blob is not None else None
+    _returned(tuple(pass_id), sender, int(exp), bool(blocked), set(targets), err)
+
+
+def _returned(pass_id: tuple, worker: int, exp: int, blocked: bool, targets: set,
+              err: BaseException | None) -> None:
+    """Initiator: weight ``2**-exp`` came back from ``worker``."""
+    state = ENGINE.initiated.get(pass_id)
+    if state is None:
+        return  # finished (an error came first)
+    with state.lock:
+        if state.finished:
+            return
+        if err is None:
+            state.participants |= targets
+            lost = _agent().lost
+            gone = next((w for w in state.participants if w in lost), None)
+            if gone is not None:
+                err = _agent()._lost_error(gone)
+        if err is None:
+            state.weight += Fraction(1, 1 << exp)
+            if blocked:
+                state.round_blocked.add(worker)
+            if state.weight != 1:
+                return
+            waiting, state.round_blocked, state.weight = state.round_blocked, set(), Fraction(0)
+        else:
+            state.finished = True
+    state.on_round(err, waiting if err is None else set())
+
+
+def fail_passes(peer: int, err_for: Any) -> None:
+    """``peer`` is lost: fail the passes started here that it took part in."""
+    for state in list(ENGINE.initiated.values()):
+        with state.lock:
+            if state.finished or peer not in state.participants:
+                continue
+            state.finished = True
+        state.on_round(err_for(peer), set())
+
+
 def _propagate(context_id: int, pass_id: tuple, initiator: int, retain_graph: bool,
-               msg_id: int, grads: list) -> torch.futures.Future:
-    state = ENGINE.get_or_create(context_id, pass_id, initiator, retain_graph)
-    node = state.ctx.send_functions[msg_id]
+               msg_id: int, grads: list, exp: int) -> None:
+    """One-way request: gradients for send function ``msg_id`` of this worker."""
+    try:
+        state = ENGINE.get_or_create(context_id, pass_id, initiator, retain_graph)
+        node = state.ctx.send_functions[msg_id]
+    except BaseException as e:  # noqa: BLE001
+        _report(context_id, pass_id, initiator, exp, False, set(), e)
+        return
     outputs = [GradientEdge(node, i) for i in range(len(grads))]
-    return _run(state, state.run_entry, msg_id, outputs, grads)
+    _run(state, exp, state.run_entry, msg_id, outputs, grads)
 
 
 # -- the fallback: discovery, then resume ------------------------------------------
@@ -423,55 +499,67 @@ def _discover(context_id: int, pass_id: tuple, initiator: int, retain_graph: boo
     return _discover_remote(state, recvs)
 
 
-@async_execution
-def _resume(context_id: int, pass_id: tuple) -> torch.futures.Future:
-    state = ENGINE.get_or_create(context_id, pass_id, -1, True)
-    return _run(state, state.resume)
+def _resume(context_id: int, pass_id: tuple, exp: int) -> None:
+    """One-way request: recount over what discovery reached and run what is complete."""
+    try:
+        state = ENGINE.get_or_create(context_id, pass_id, pass_id[0], True)
+    except BaseException as e:  # noqa: BLE001
+        _report(context_id, pass_id, pass_id[0], exp, False, set(), e)
+        return
+    _run(state, exp, state.resume)
 
 
-def _resume_all(state: PassState, blocked: set) -> torch.futures.Future:
-    futs = [_run(state, state.resume) if w == CONTAINER.worker_id
-            else rpc_api.rpc_async(w, _resume, args=(state.ctx.id, state.pass_id), timeout=0)
-            for w in blocked]
-    return _chain(_all(futs), _union)
+def _resume_all(state: PassState, blocked: set) -> None:
+    """A new round: each waiting worker resumes with a share of weight 1."""
+    me, exp, mine = CONTAINER.worker_id, 0, None
+    agent = _agent()
+    for w in sorted(blocked):
+        exp += 1
+        if w == me:
+            mine = exp
+        elif not agent.notify(w, _resume, (state.ctx.id, state.pass_id, exp)):
+            _returned(state.pass_id, me, 0, False, {w}, None)  # lost: fails the pass
+            return
+    if mine is not None:
+        _run(state, mine, state.resume)
+    _returned(state.pass_id, me, exp, False, set(), None)  # the rest of the round's weight
 
 
 # -- the public entry ---------------------------------------------------------------
-def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
-                   grad_tensors: Sequence[torch.Tensor] | None = None) -> torch.futures.Future:
-    """Start a distributed backward pass; returns a Future done when every worker is done."""
+def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool,
+                   grad_tensors: Sequence[torch.Tensor] | None,
+                   deliver: Callable[[BaseException | None], None]) -> None:
+    """Start a distributed backward pass; ``deliver(error or None)`` is called once,
+    on whichever thread sees the pass end (the I/O thread included)."""
     if isinstance(roots, torch.Tensor) or not isinstance(roots, (list, tuple)):
         raise TypeError("backward(): incompatible function arguments. roots must be a list of "
                         f"tensors, got {type(roots).__name__}")
     ctx = CONTAINER.retrieve(context_id)
     roots, grads = _check_roots(roots, grad_tensors)
     state = ENGINE.new_pass(ctx, retain_graph, roots)
-    result = torch.futures.Future()
-    resumes = [0]
+    rounds = [0]
 
     def finish(exc: BaseException | None) -> None:
         ENGINE.finish(state)
-        if exc is None:
-            result.set_result(None)
-        else:
-            result.set_exception(exc)
+        deliver(exc)
 
-    def settled(f: torch.futures.Future) -> None:
-        try:
-            blocked = f.wait()
-        except BaseException as e:  # noqa: BLE001
-            finish(e)
+    def on_round(exc: BaseException | None, blocked: set) -> None:
+        if exc is not None or not blocked:
+            finish(exc)
             return
-        if not blocked:
-            finish(None)
-            return
-        resumes[0] += 1
-        if resumes[0] > _MAX_RESUMES:
+        rounds[0] += 1
+        if rounds[0] > _MAX_RESUMES:
+            with state.lock:
+                state.finished = True
             finish(RuntimeError(f"distributed backward in context {ctx.id} did not settle: "
                                 f"workers {sorted(blocked)} still wait for gradients"))
             return
-        # Someone waits for a gradient that may never come: find what is reachable.
-        if resumes[0] == 1:
+        # Someone waits for a gradient that may never come: find what is reachable
+        # (not on the I/O thread: it walks graphs and waits for replies).
+        _agent().callbacks.submit(discover, blocked)
+
+    def discover(blocked: set) -> None:
+        if rounds[0] == 1:
             with ENGINE.lock:
                 ENGINE.stats["passes_discovered"] += 1
             with state.lock:
@@ -479,15 +567,58 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
             disc = _discover_remote(state, recvs)
         else:
             disc = _done([])
-        disc.add_done_callback(lambda f: _after_discovery(f, blocked))
+        disc.add_done_callback(lambda f: after_discovery(f, blocked))
 
-    def _after_discovery(f: torch.futures.Future, blocked: set) -> None:
+    def after_discovery(f: torch.futures.Future, blocked: set) -> None:
         try:
             f.wait()
         except BaseException as e:  # noqa: BLE001
+            with state.lock:
+                if state.finished:
+                    return
+                state.finished = True
             finish(e)
             return
-        _resume_all(state, blocked).add_done_callback(settled)
+        _resume_all(state, blocked)
 
-    _run(state, state.run_entry, "root", list(roots), grads).add_done_callback(settled)
+    state.on_round = on_round
+    _run(state, 0, state.run_entry, "root", list(roots), grads)
+
+
+def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
+                   grad_tensors: Sequence[torch.Tensor] | None = None) -> torch.futures.Future:
+    """Start a distributed backward pass; returns a Future done when every worker is done."""
+    result = torch.futures.Future()
+    agent = _agent()
+
+    def complete(exc: BaseException | None) -> None:
+        if exc is None:
+            result.set_result(None)
+        else:
+            result.set_exception(exc)
+
+    def deliver(exc: BaseException | None) -> None:
+        # never run the caller's callbacks on the I/O thread
+        if agent.transport.on_io_thread():
+            agent.callbacks.submit(complete, exc)
+        else:
+            complete(exc)
+
+    start_backward(context_id, roots, retain_graph, grad_tensors, deliver)
     return result
+
+
+def backward_sync(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
+                  grad_tensors: Sequence[torch.Tensor] | None = None) -> None:
+    """:func:`backward_async` + wait, woken straight from the thread that sees the end."""
+    lock, box = threading.Lock(), []
+    lock.acquire()
+
+    def deliver(exc: BaseException | None) -> None:
+        box.append(exc)
+        lock.release()
+
+    start_backward(context_id, roots, retain_graph, grad_tensors, deliver)
+    lock.acquire()
+    if box[0] is not None:
+        raise box[0]

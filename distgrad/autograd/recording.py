@@ -89,7 +89,9 @@ class AutogradExtension(AgentExtension):
         CONTAINER.init(agent.rank)
         _node_types()
         from . import _release_remote
+        from .engine import on_report
         agent.control_handlers["ag_release"] = _release_remote
+        agent.control_handlers["ag_report"] = on_report
 
     def current(self) -> Any:
         return CONTAINER.current()
@@ -139,7 +141,10 @@ class AutogradExtension(AgentExtension):
         """Release every context that involved ``peer`` and was created elsewhere
         (its creator's user code may still be inside ``context()``; the
         creator's own copy goes when that block ends), so nothing lingers when a
-        worker in the middle of a chain dies (pytorch issue 26379)."""
+        worker in the middle of a chain dies (pytorch issue 26379); and fail the
+        backward passes started here that ``peer`` took part in."""
+        from .engine import fail_passes
+        fail_passes(peer, self.agent._lost_error)
         with CONTAINER.lock:
             doomed = [c for c in CONTAINER.contexts.values()
                       if peer in c.known_workers and (c.id >> 48) != CONTAINER.worker_id]

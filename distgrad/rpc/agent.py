@@ -180,7 +180,7 @@ class RpcAgent:
             return p
         self.pending[rid] = p
         if timeout > 0:
-            p.timer = self.transport.call_later(timeout, lambda: self._expire(rid))
+            p.timer = self.transport.call_later(timeout, lambda: self._expire(rid), wake=False)
         self.transport.send(dest.id, frames)
         return p
 
@@ -200,6 +200,19 @@ class RpcAgent:
         if kind is None:
             raise value
         return self._decode_reply(p, kind, value)
+
+    def notify(self, to: Any, func: Callable, args: tuple = (), kwargs: dict | None = None) -> bool:
+        """One-way request: ``func(*args, **kwargs)`` runs on the receiver's pool and
+        nothing is sent back (its errors are logged there). Returns False, sending
+        nothing, when ``to`` is known to be lost. Pickling errors raise here."""
+        dest = self.resolve(to)
+        payload, tensors = dumps((func, tuple(args), kwargs or {}), dest=dest)
+        ag_meta = self._outgoing(dest.id, tensors, self._current_ctx())
+        if dest.id in self.lost:
+            return False
+        self.transport.send(dest.id, encode(Kind.NOTIFY, next(self._rids), (_qualname(func), ag_meta, None),
+                                            payload, tensors))
+        return True
 
     def send_control(self, dest: int, op: str, *args: Any) -> None:
         """One-way message handled in order on the receiver's I/O thread."""
@@ -224,7 +237,7 @@ class RpcAgent:
                 return  # late (timed out) or duplicated reply
             if p.timer is not None:
                 p.timer.cancel()
-            self._complete(p, (kind, frames))
+            self.transport.after_batch(lambda: self._complete(p, (kind, frames)))
             return
         if kind != Kind.CONTROL and self._repeated(peer, rid):
             log.debug("worker %s: dropped a repeated request %d from worker %d", self.name, rid, peer)
@@ -252,7 +265,7 @@ class RpcAgent:
                 return
         with self._count_lock:
             self.inflight += 1
-        self.pool.submit(self._serve, peer, msg)
+        self.transport.after_batch(lambda: self.pool.submit(self._serve, peer, msg))
 
     def _repeated(self, peer: int, rid: int) -> bool:
         """Whether request ``rid`` of ``peer`` was seen among its last _DEDUP_WINDOW
@@ -385,6 +398,11 @@ class RpcAgent:
 
     def _finish_request(self, peer: int, msg, value: Any, exc: BaseException | None, ctx: Any) -> None:
         try:
+            if msg.kind == Kind.NOTIFY:
+                if exc is not None:
+                    log.error("worker %s: one-way call %s from worker %s failed: %s: %s", self.name,
+                              msg.meta[0], self.workers[peer].name, type(exc).__name__, exc)
+                return
             if msg.kind == Kind.REMOTE:
                 value, exc = self.remote_done(peer, msg, value, exc)
             if exc is None:

@@ -55,8 +55,22 @@ class Transport(ABC):
         """Run ``fn`` on the I/O thread; thread safe."""
 
     @abstractmethod
-    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
-        """Run ``fn`` on the I/O thread after ``delay`` seconds; thread safe."""
+    def call_later(self, delay: float, fn: Callable[[], None], wake: bool = True) -> Timer:
+        """Run ``fn`` on the I/O thread after ``delay`` seconds; thread safe.
+
+        ``wake=False`` saves waking the I/O thread when a :meth:`send` follows at
+        once (which wakes it and so registers the timer too)."""
+
+    def on_io_thread(self) -> bool:
+        """Whether the caller runs on this transport's I/O thread."""
+        return False
+
+    def after_batch(self, fn: Callable[[], None]) -> None:
+        """On the I/O thread only: run ``fn`` once the messages received so far are
+        handled, just before the thread waits again. Handing work to other threads
+        there, rather than message by message, lets the woken thread take the GIL
+        at once instead of waking, waiting for the I/O thread, and waking again."""
+        fn()
 
     @abstractmethod
     def close(self, linger: float = 1.0) -> None:

@@ -207,6 +207,7 @@ class FaultyTransport(ZmqTransport):
                     pass
             os._exit(kill)
         if drop:
+            self._wake()  # what the send would have done: a timer queued with wake=False waits on it
             return
         send = super().send
         for _ in range(1 + copies):

@@ -125,12 +125,14 @@ class ZmqTransport(Transport):
         self._lost: set[int] = set()
         self._queue: collections.deque = collections.deque()
         self._timers: list[Timer] = []
+        self._after: list[Callable[[], None]] = []
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._wake_pending = False
         self._handler: TransportHandler | None = None
         self._thread: threading.Thread | None = None
+        self._io_ident: int | None = None
         self._running = False
         self._closing = False
         self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
@@ -204,10 +206,17 @@ class ZmqTransport(Transport):
         self._queue.append((None, fn))
         self._wake()
 
-    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
+    def on_io_thread(self) -> bool:
+        return threading.get_ident() == self._io_ident
+
+    def after_batch(self, fn: Callable[[], None]) -> None:
+        self._after.append(fn)
+
+    def call_later(self, delay: float, fn: Callable[[], None], wake: bool = True) -> Timer:
         timer = Timer(time.monotonic() + delay, fn)
         self._queue.append((None, lambda: heapq.heappush(self._timers, timer)))
-        self._wake()
+        if wake:
+            self._wake()
         return timer
 
     def close(self, linger: float = 1.0) -> None:
@@ -242,7 +251,9 @@ class ZmqTransport(Transport):
         self._ctx.term()
 
     def _wake(self) -> None:
-        if not self._wake_pending:
+        # On the I/O thread the loop drains the queue before it polls again; a wake-up
+        # byte there is a wasted syscall (and a chance to lose the GIL).
+        if not self._wake_pending and threading.get_ident() != self._io_ident:
             self._wake_pending = True
             try:
                 self._wake_w.send(b"x")
@@ -251,6 +262,7 @@ class ZmqTransport(Transport):
 
     # -- I/O thread --------------------------------------------------------
     def _loop(self) -> None:
+        self._io_ident = threading.get_ident()
         poller = zmq.Poller()
         router, wake_r = self._router, self._wake_r
         wake_fd = wake_r.fileno()  # pyzmq reports plain sockets by file descriptor
@@ -261,6 +273,7 @@ class ZmqTransport(Transport):
         monitors = self._monitors
         queue = self._queue
         timers = self._timers
+        after = self._after
         monotonic = time.monotonic
         poll = poller.poll
         # Check twice per interval: a peer hears from us at least every 1.5
@@ -280,6 +293,10 @@ class ZmqTransport(Transport):
                     wait = timers[0].when - now
                 # whole milliseconds, rounded up: zmq would turn 0.4 ms into 0 and spin
                 wait = math.ceil(wait * 1000) if wait > 0 else 0
+            if after:  # hand-offs last: the threads they wake find the GIL free soon
+                self._run_after()
+                if queue:
+                    wait = 0
             try:
                 events = poll(wait)
             except zmq.ZMQError:
@@ -303,6 +320,7 @@ class ZmqTransport(Transport):
                 self._drain()
             if timers and timers[0].when <= monotonic():
                 self._run_timers()
+        self._run_after()
 
     def _clear_wake(self) -> None:
         # Read first, then reset the flag, then (the caller) drain the queue: an
@@ -442,6 +460,14 @@ class ZmqTransport(Transport):
         if prefix is not None:  # its files that never reached us
             shm.remove_prefix(prefix)
         self._guard(lambda: self._handler.on_peer_lost(peer, reason, graceful))
+
+    def _run_after(self) -> None:
+        after = self._after
+        i = 0
+        while i < len(after):  # in order; one may add more
+            self._guard(after[i])
+            i += 1
+        after.clear()
 
     def _run_timers(self) -> None:
         now = time.monotonic()

@@ -34,6 +34,7 @@ class Kind(IntEnum):
     ERROR = 4     # the CALL/REMOTE raised; payload describes the exception
     CONTROL = 5   # one-way message handled on the I/O thread (RRef forks...)
     GOODBYE = 6   # the sender is shutting down on purpose
+    NOTIFY = 7    # run a function on the pool, no reply (distributed autograd's gradients)
 
 
 class Message:
@@ -89,7 +90,7 @@ def request_id(frames: Sequence) -> int | None:
         magic, version, kind, _, rid = HEADER.unpack(frames[0])
     except Exception:  # noqa: BLE001 - no frame, or one of the wrong size or type
         return None
-    if magic == MAGIC and version == VERSION and kind in (Kind.CALL, Kind.REMOTE):
+    if magic == MAGIC and version == VERSION and kind in (Kind.CALL, Kind.REMOTE):  # not NOTIFY
         return rid
     return None
 
