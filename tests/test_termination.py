@@ -26,6 +26,10 @@ def recall():
     return _state.get("v")
 
 
+def mark_done():
+    _state["done"] = True
+
+
 def explode():
     raise ValueError("one-way boom")
 
@@ -66,9 +70,13 @@ def test_pipeline_backward_sends_one_message_per_hop():
 def _notify(rank, world_size):
     import distgrad.rpc as rpc
     from distgrad.rpc.agent import current_agent
-    if rank != 0:
+    if rank != 0:  # stay out of shutdown (whose barrier sends messages) until rank 0 is done
+        deadline = time.monotonic() + 30
+        while "done" not in _state and time.monotonic() < deadline:
+            time.sleep(0.01)
         return None
     agent = current_agent()
+    assert rpc.rpc_sync(1, recall) is None  # (per-peer counters exist once a peer spoke)
     before = rpc._get_debug_info()["peer.worker1"]["messages_received"]
     assert agent.notify("worker1", remember, (7,)) is True
     deadline = time.monotonic() + 10
@@ -82,7 +90,9 @@ def _notify(rank, world_size):
     calls += 1
     assert agent.pending == {}
     # only the rpc_sync replies came back: none for either one-way call
-    return rpc._get_debug_info()["peer.worker1"]["messages_received"] - before, calls
+    received = rpc._get_debug_info()["peer.worker1"]["messages_received"] - before
+    rpc.rpc_sync(1, mark_done)
+    return received, calls
 
 
 def test_one_way_requests_run_remotely_without_reply():

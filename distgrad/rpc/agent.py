@@ -168,7 +168,10 @@ class RpcAgent:
         """Pickle and send a CALL/REMOTE; returns the pending entry (its future or lock)."""
         if self.shutting_down and kind != Kind.CALL:
             raise DistgradError(f"worker {self.name} is shutting down", self.name)
-        payload, tensors = dumps(payload_obj, dest=dest)
+        pins: list = []
+        payload, tensors = dumps(payload_obj, dest=dest, pins=pins)
+        if pins:  # RRefs going back to their owner: this request keeps their values alive
+            extra = {**(extra or {}), "pins": pins}
         ctx = self._current_ctx()
         ag_meta = self._outgoing(dest.id, tensors, ctx)
         rid = next(self._rids)

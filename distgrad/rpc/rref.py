@@ -10,7 +10,12 @@ and a sender's own ``fork_del`` always follows its ``fork_add``, so the owner
 never sees zero forks while a fork is in flight. A fork deleted before its
 ``fork_add`` arrives leaves a count of -1 that the late ``fork_add`` cancels.
 An RRef sent to its owner comes back as the owner's local RRef and drops the
-fork that carried it. Forks held by a lost worker are dropped.
+fork that carried it; inside a request (rpc_sync/rpc_async/remote, e.g. every
+``DistributedOptimizer.step`` and every call on a model stage held by an RRef)
+no fork is made at all: the request names the RRef in its meta and the owner's
+I/O thread, handling it in arrival order (so before any later ``fork_del`` of
+the sender), pins the value for the request, which saves a control message per
+call. Forks held by a lost worker are dropped.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ..wire import Kind
-from ..wire.pickler import current_destination
+from ..wire.pickler import current_destination, current_pins
 from .agent import AgentExtension, AsyncResult, RpcAgent, agent_or_none, current_agent, register_extension
 from .worker_info import WorkerInfo
 
@@ -105,6 +110,15 @@ class RRefContext(AgentExtension):
                 raise RuntimeError(f"RRef {src} is not known to its owner {self.agent.name} "
                                    "(deleted or never created)")
             local["source"] = entry.future
+        pins = extra.get("pins")
+        if pins is not None:
+            local["pins"] = {}
+            for rref_id in pins:
+                entry = self.owned.get(tuple(rref_id))
+                if entry is None:
+                    raise RuntimeError(f"RRef {tuple(rref_id)} is not known to its owner "
+                                       f"{self.agent.name} (deleted or never created)")
+                local["pins"][tuple(rref_id)] = entry.future
         new = extra.get("new")
         if new is not None:
             rref_id, fork_id = new
@@ -279,6 +293,10 @@ class RRef(Generic[T]):
         if dest is None or agent_or_none() is not agent:
             raise RuntimeError("RRef can only be pickled inside an RPC call (rpc_sync, rpc_async, "
                                "remote) while RPC is running")
+        pins = current_pins()
+        if pins is not None and dest.id == self._owner and not self.is_owner():
+            pins.append(self._rref_id)  # the request pins it on the owner: no fork
+            return (_unpickle_rref, (self._owner, self._rref_id, None, agent.rank, self._type_hint))
         fork_id = agent.rrefs.new_id()
         if self.is_owner():
             agent.rrefs.add_fork(self._rref_id, fork_id, dest.id, self._future)
@@ -345,6 +363,12 @@ def _gid(ident: tuple) -> str:
 
 def _unpickle_rref(owner: int, rref_id: tuple, fork_id: tuple, sender: int, type_hint) -> RRef:
     agent = current_agent()
+    if fork_id is None:  # carried to its owner by a request that pinned it
+        msg = agent.current_request()
+        fut = ((msg.local or {}).get("pins") or {}).get(rref_id) if msg is not None else None
+        if owner != agent.rank or fut is None:
+            raise RuntimeError(f"RRef {rref_id} arrived at {agent.name} without its owner's pin")
+        return RRef._owner_side(agent, rref_id, fut, type_hint)
     if owner == agent.rank:
         ctx = agent.rrefs
         with ctx.lock:

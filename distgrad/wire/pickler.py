@@ -62,6 +62,13 @@ def current_destination() -> Any:
     return getattr(_local, "dest", None)
 
 
+def current_pins() -> list | None:
+    """While pickling a request's payload: the list where an RRef going to its own
+    owner puts its id, so that the request itself keeps the value alive there
+    (see :mod:`distgrad.rpc.rref`); None elsewhere (replies, control messages)."""
+    return getattr(_local, "pins", None)
+
+
 def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view over exactly the bytes of ``t`` (compacting if needed)."""
     t = t.detach()
@@ -108,12 +115,13 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def dumps(obj: Any, dest: Any = None) -> tuple[bytes, list[torch.Tensor]]:
+def dumps(obj: Any, dest: Any = None, pins: list | None = None) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj``; returns the pickle bytes and the tensor table.
 
     ``dest`` is the destination worker, visible to reducers through
-    :func:`current_destination`. Raises :class:`SerializationError` (and sends
-    nothing) when something in ``obj`` cannot be pickled.
+    :func:`current_destination`, and ``pins`` through :func:`current_pins`.
+    Raises :class:`SerializationError` (and sends nothing) when something in
+    ``obj`` cannot be pickled.
 
     Example::
 
@@ -124,8 +132,8 @@ def dumps(obj: Any, dest: Any = None) -> tuple[bytes, list[torch.Tensor]]:
     """
     buf = io.BytesIO()
     tensors: list[torch.Tensor] = []
-    prev = getattr(_local, "dest", None)
-    _local.dest = dest
+    prev, prev_pins = getattr(_local, "dest", None), getattr(_local, "pins", None)
+    _local.dest, _local.pins = dest, pins
     try:
         _Pickler(buf, tensors).dump(obj)
     except SerializationError:
@@ -133,7 +141,7 @@ def dumps(obj: Any, dest: Any = None) -> tuple[bytes, list[torch.Tensor]]:
     except Exception as e:  # pickle raises many types: normalise at this boundary
         raise SerializationError(f"cannot pickle {_describe(obj)}: {type(e).__name__}: {e}") from e
     finally:
-        _local.dest = prev
+        _local.dest, _local.pins = prev, prev_pins
     return buf.getvalue(), tensors
 
 
