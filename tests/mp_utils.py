@@ -74,6 +74,7 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
         p.start()
     out: dict[int, Any] = {}
     errors: list[str] = []
+    failed: set[int] = set()  # ranks whose error already arrived (they exit next)
     expect_exit = expect_exit or set()
     deadline = time.monotonic() + timeout
     try:
@@ -87,7 +88,8 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
                 rank, status, value = results.get(timeout=min(left, 0.2))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs)
-                        if not p.is_alive() and r not in out and r not in expect_exit]
+                        if not p.is_alive() and r not in out and r not in failed
+                        and r not in expect_exit]
                 if dead:
                     # a worker that exited cleanly queued its result before it left:
                     # give it time to arrive, even on a loaded machine
@@ -105,6 +107,7 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
             if status == "ok":
                 out[rank] = value
             else:
+                failed.add(rank)
                 errors.append(f"--- worker{rank} ---\n{value}")
         if errors:
             raise AssertionError("\n".join(errors))
