@@ -1,11 +1,10 @@
-"""Small helpers for chaining ``torch.futures.Future`` without blocking a thread
-and without ``then``'s habit of wrapping errors raised in callbacks.
+"""Small helpers for ``torch.futures.Future`` (used by the engine's discovery)
+that neither block a thread nor wrap errors as ``then`` does.
 
 Example::
 
-    >>> f = chain(all_of([done(1), done(2)]), lambda f: sum(f.wait()))
-    >>> f.wait()
-    3
+    >>> all_of([done(1), done(2)]).wait()
+    [1, 2]
 """
 from __future__ import annotations
 
@@ -18,12 +17,6 @@ import torch
 def done(value: Any = None) -> torch.futures.Future:
     f = torch.futures.Future()
     f.set_result(value)
-    return f
-
-
-def failed(exc: BaseException) -> torch.futures.Future:
-    f = torch.futures.Future()
-    f.set_exception(exc)
     return f
 
 
@@ -51,19 +44,4 @@ def all_of(futures: list) -> torch.futures.Future:
 
     for f in futures:
         f.add_done_callback(one)
-    return result
-
-
-def chain(fut: torch.futures.Future, fn) -> torch.futures.Future:
-    """``fut.then(fn)`` without wrapping errors raised by ``fn`` or by ``fut``."""
-    result = torch.futures.Future()
-
-    def done(f: torch.futures.Future) -> None:
-        try:
-            value = fn(f)
-        except BaseException as e:  # noqa: BLE001
-            result.set_exception(e)
-            return
-        result.set_result(value)
-    fut.add_done_callback(done)
     return result
