@@ -168,16 +168,11 @@ class RpcAgent:
         """Pickle and send a CALL/REMOTE; returns the pending entry (its future or lock)."""
         if self.shutting_down and kind != Kind.CALL:
             raise DistgradError(f"worker {self.name} is shutting down", self.name)
-        pins: list = []
-        payload, tensors = dumps(payload_obj, dest=dest, pins=pins)
-        if pins:  # RRefs going back to their owner: this request keeps their values alive
-            extra = {**(extra or {}), "pins": pins}
         ctx = self._current_ctx()
-        ag_meta = self._outgoing(dest.id, tensors, ctx)
         rid = next(self._rids)
+        frames = self._request_frames(dest, kind, rid, payload_obj, what, extra, ctx)
         timeout = self.effective_timeout(timeout)
         p = _Pending(dest.id, what, timeout, sync, ctx)
-        frames = encode(kind, rid, (what, ag_meta, extra), payload, tensors)
         if dest.id in self.lost:
             self._fail(p, self._lost_error(dest.id))
             return p
@@ -186,6 +181,16 @@ class RpcAgent:
             p.timer = self.transport.call_later(timeout, lambda: self._expire(rid), wake=False)
         self.transport.send(dest.id, frames)
         return p
+
+    def _request_frames(self, dest: WorkerInfo, kind: Kind, rid: int, payload_obj: Any, what: str,
+                        extra: Any, ctx: Any) -> list:
+        """Pickle a request (recording autograd functions in ``ctx``) into frames."""
+        pins: list = []
+        payload, tensors = dumps(payload_obj, dest=dest, pins=pins)
+        if pins:  # RRefs going back to their owner: this request keeps their values alive
+            extra = {**(extra or {}), "pins": pins}
+        ag_meta = self._outgoing(dest.id, tensors, ctx)
+        return encode(kind, rid, (what, ag_meta, extra), payload, tensors)
 
     def call(self, to: Any, func: Callable, args: tuple, kwargs: dict, timeout: float,
              sync: bool) -> Any:
@@ -209,12 +214,11 @@ class RpcAgent:
         nothing is sent back (its errors are logged there). Returns False, sending
         nothing, when ``to`` is known to be lost. Pickling errors raise here."""
         dest = self.resolve(to)
-        payload, tensors = dumps((func, tuple(args), kwargs or {}), dest=dest)
-        ag_meta = self._outgoing(dest.id, tensors, self._current_ctx())
+        frames = self._request_frames(dest, Kind.NOTIFY, next(self._rids), (func, tuple(args), kwargs or {}),
+                                      _qualname(func), None, self._current_ctx())
         if dest.id in self.lost:
             return False
-        self.transport.send(dest.id, encode(Kind.NOTIFY, next(self._rids), (_qualname(func), ag_meta, None),
-                                            payload, tensors))
+        self.transport.send(dest.id, frames)
         return True
 
     def send_control(self, dest: int, op: str, *args: Any) -> None:

@@ -253,7 +253,7 @@ class ZmqTransport(Transport):
     def _wake(self) -> None:
         # On the I/O thread the loop drains the queue before it polls again; a wake-up
         # byte there is a wasted syscall (and a chance to lose the GIL).
-        if not self._wake_pending and threading.get_ident() != self._io_ident:
+        if not self._wake_pending and not self.on_io_thread():
             self._wake_pending = True
             try:
                 self._wake_w.send(b"x")

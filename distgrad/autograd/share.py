@@ -1,0 +1,341 @@
+"""One worker's share of a distributed backward pass: the walk and the executor.
+
+A share (a :class:`PassState`, kept in the context) has *entries*: the roots
+(initiator only) and every send function of the context, whose gradients
+arrive over the network in any order. On first contact a worker walks its
+local graph from all its entries, noting each entry's leaves and whether two
+entries' regions share nodes.
+
+* **Disjoint regions** (the common case): each entry runs as soon as its
+  gradient arrives, as one native ``torch.autograd.grad`` call capturing the
+  region's leaves (hooks run) and the recv anchor (so recv functions run and
+  ship their gradients). Nothing ever waits, so an RPC whose result never
+  reaches the loss costs nothing (torch's FAST mode hangs there).
+* **Shared regions**: a node-by-node executor runs each node once, when all
+  its counted inputs arrived. A shared node may then wait for a send function
+  that will never receive a gradient (an unused RPC); :mod:`.engine` resolves
+  that at quiescence (discovery, then :meth:`PassState.resume`).
+
+How gradients travel between shares and how a pass ends is :mod:`.engine`'s.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from .context import CONTAINER, DistAutogradContext
+from .recording import _ANCHOR, _node_types
+
+_ACCUMULATE = None
+
+
+def _grad(outputs: tuple, grads: tuple, inputs: tuple, retain_graph: bool) -> tuple:
+    """``torch.autograd.grad(..., allow_unused=True)`` minus its per-input Python checks
+    (we built every argument ourselves); falls back to the public call."""
+    if _engine_run_backward is None:
+        return torch.autograd.grad(outputs, inputs, grad_outputs=grads, retain_graph=retain_graph,
+                                   allow_unused=True)
+    return _engine_run_backward(outputs, grads, retain_graph, False, inputs, True,
+                                accumulate_grad=False)
+
+
+try:
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # older torch
+    _engine_run_backward = None
+
+
+def _accumulate_type() -> type:
+    global _ACCUMULATE
+    if _ACCUMULATE is None:
+        a = torch.zeros(1, requires_grad=True)
+        _ACCUMULATE = type((a * 1).grad_fn.next_functions[0][0])
+    return _ACCUMULATE
+
+
+class _Region:
+    __slots__ = ("has_recv", "leaves")
+
+    def __init__(self) -> None:
+        self.leaves: list[torch.Tensor] = []
+        self.has_recv = False
+
+
+class PassState:
+    """One worker's share of one backward pass."""
+
+    def __init__(self, ctx: DistAutogradContext, pass_id: tuple, initiator: int,
+                 retain_graph: bool, roots: Sequence[torch.Tensor] = ()) -> None:
+        self.ctx, self.pass_id, self.initiator = ctx, pass_id, initiator
+        self.retain_graph = retain_graph
+        self.roots = list(roots)
+        self.lock = threading.RLock()
+        self.nodes: set = set()         # every node some entry reaches
+        self.deps: collections.Counter = collections.Counter()
+        self.regions: dict[Any, _Region] = {}
+        self.shared = False
+        self.buffers: dict[Any, list] = {}
+        self.waiting: set = set()       # nodes holding some but not all inputs
+        self.received: collections.Counter = collections.Counter()  # inputs arrived per node
+        self.done: set = set()          # nodes the executor ran
+        self.reach: set | None = None   # discovery's reachable nodes (fallback only)
+        self.discovered: set[int] = set()
+        self.nodes_run = 0
+        self.running = 0
+        # initiator only: termination (see "execution and termination" below)
+        self.weight = Fraction(0)       # returned in this round
+        self.round_blocked: set = set()  # workers that reported waiting nodes in it
+        self.participants: set = {CONTAINER.worker_id}
+        self.finished = False
+        self.on_round: Callable[[BaseException | None, set], None] | None = None
+        self._prepare()
+
+    # -- the walk ---------------------------------------------------------------
+    def _prepare(self) -> None:
+        with self.ctx.lock:
+            sends = dict(self.ctx.send_functions)
+        seen = 0
+        if self.roots:
+            seen += self._walk("root", [r.grad_fn for r in self.roots])
+        for msg_id, node in sends.items():
+            seen += self._walk(msg_id, [node])
+        self.shared = seen > len(self.nodes)  # some node was reached from two entries
+        if self.shared:  # the executor needs every node's count of inputs
+            _, recv_t = _node_types()
+            acc_t = _accumulate_type()
+            deps = self.deps
+            for r in self.roots:
+                deps[r.grad_fn] += 1
+            for node in sends.values():
+                deps[node] += 1  # its gradient comes over the network
+            for n in self.nodes:
+                t = type(n)
+                if t is recv_t or t is acc_t:
+                    continue
+                for nxt, _ in n.next_functions:
+                    if nxt is not None:
+                        deps[nxt] += 1
+
+    def _walk(self, key: Any, starts: Sequence[Any]) -> int:
+        """Collect ``key``'s region (its leaves, whether it holds recv functions);
+        returns how many nodes it has. Kept minimal: it runs on every backward."""
+        _, recv_t = _node_types()
+        acc_t = _accumulate_type()
+        region = self.regions.setdefault(key, _Region())
+        leaves = region.leaves
+        seen = set(starts)
+        stack = list(seen)
+        while stack:
+            n = stack.pop()
+            t = type(n)
+            if t is acc_t:
+                leaves.append(n)  # its .variable costs a tensor wrapper: only on demand
+                continue
+            if t is recv_t:
+                region.has_recv = True
+                continue
+            for nxt, _ in n.next_functions:
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        self.nodes |= seen
+        return len(seen)
+
+    def walk_reach(self, starts: Sequence[Any]) -> list:
+        """Discovery: mark what ``starts`` reach; returns the recv functions met."""
+        _, recv_t = _node_types()
+        if self.reach is None:
+            self.reach = set()
+        reach, recvs = self.reach, []
+        stack = [n for n in starts if n not in reach]
+        reach.update(stack)
+        while stack:
+            n = stack.pop()
+            if type(n) is recv_t:
+                recvs.append(n)
+                continue
+            for nxt, _ in n.next_functions:
+                if nxt is not None and nxt not in reach:
+                    reach.add(nxt)
+                    stack.append(nxt)
+        return recvs
+
+    def blocked(self) -> bool:
+        return bool(self.waiting)
+
+    # -- execution ----------------------------------------------------------------
+    def run_entry(self, key: Any, outputs: list, grads: list) -> None:
+        """Run ``key``'s region with gradients for ``outputs`` (tensors or edges)."""
+        if self.shared:
+            with self.lock:
+                self._feed(outputs, grads)
+            return
+        region = self.regions.get(key)
+        if region is None:
+            return
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+        if not pairs or not (region.leaves or region.has_recv):
+            return
+        inputs = [GradientEdge(n, 0) for n in region.leaves]
+        if region.has_recv:
+            inputs.append(_ANCHOR)
+        res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
+                    self.retain_graph)
+        self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs])
+
+    def resume(self) -> None:
+        """After discovery: count only reachable inputs and run what is complete."""
+        with self.lock:
+            reach = self.reach or set()
+            counted: collections.Counter = collections.Counter()
+            for r in self.roots:
+                counted[r.grad_fn] += 1
+            for node in self.ctx.send_functions.values():
+                if node in reach:
+                    counted[node] += 1
+            _, recv_t = _node_types()
+            for n in reach:
+                if type(n) is recv_t:
+                    continue
+                for nxt, _ in n.next_functions:
+                    if nxt is not None:
+                        counted[nxt] += 1
+            ready = []
+            for n in list(self.deps):
+                if n in self.done or n not in reach:
+                    continue
+                self.deps[n] = counted[n] - self.received[n]
+                if self.deps[n] == 0 and self.received[n]:
+                    ready.append(n)
+            self.waiting.difference_update(ready)
+            while ready:
+                self._execute(ready.pop(), ready)
+
+    def _feed(self, outputs: list, grads: list) -> None:
+        ready: list = []
+        if outputs and isinstance(outputs[0], GradientEdge):
+            # a send function: all its slots arrive in one message, one dependency
+            node = outputs[0].node
+            self.buffers[node] = list(grads)
+            self._arrived(node, ready)
+        else:
+            for o, g in zip(outputs, grads):  # roots: one dependency each
+                self._add(o.grad_fn, o.output_nr, g, ready)
+        while ready:
+            self._execute(ready.pop(), ready)
+
+    def _arrived(self, node: Any, ready: list) -> None:
+        self.received[node] += 1
+        self.deps[node] -= 1
+        if self.deps[node] == 0:
+            self.waiting.discard(node)
+            ready.append(node)
+        else:
+            self.waiting.add(node)
+
+    def _add(self, node: Any, slot: int, g: Any, ready: list) -> None:
+        if g is not None:
+            buf = self.buffers.get(node)
+            if buf is None:
+                buf = self.buffers[node] = [None] * len(node._input_metadata)
+            buf[slot] = g if buf[slot] is None else buf[slot] + g
+        self._arrived(node, ready)
+
+    def _execute(self, node: Any, ready: list) -> None:
+        send_t, recv_t = _node_types()
+        grads = self.buffers.pop(node, None) or [None] * len(node._input_metadata)
+        self.done.add(node)
+        self.nodes_run += 1
+        t = type(node)
+        if t is _accumulate_type():
+            if grads[0] is not None:
+                g = grads[0]
+                for hook in (getattr(node.variable, "_backward_hooks", None) or {}).values():
+                    out = hook(g)
+                    if out is not None:
+                        g = out
+                self.ctx.accumulate(node, g)
+            return
+        if t is recv_t:
+            from .engine import ship_gradients  # (engine imports this module)
+            ship_gradients(node.dg_info, grads)
+            return
+        if t is send_t:
+            outs = grads
+        else:
+            full = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype)
+                    for g, m in zip(grads, node._input_metadata)]
+            with torch.no_grad():
+                if hasattr(node, "_forward_cls"):  # a Python autograd.Function
+                    res = node.apply(*full)
+                    res = res if isinstance(res, tuple) else (res,)
+                    picked = iter([g for g, need in zip(res, node.needs_input_grad) if need])
+                    outs = [next(picked, None) if nxt is not None else None
+                            for nxt, _ in node.next_functions]
+                else:
+                    res = node(*full)
+                    outs = res if isinstance(res, (tuple, list)) else (res,)
+        for (nxt, slot), g in zip(node.next_functions, outs):
+            if nxt is not None:
+                self._add(nxt, slot, g, ready)
+
+
+class Engine:
+    """Creates and finds passes (kept in their contexts) and counts them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._ids = itertools.count()
+        self.initiated: dict[tuple, PassState] = {}  # passes started here, until they end
+        # how this worker's shares ran: native calls or the executor; executor node count
+        self.stats: collections.Counter = collections.Counter()
+
+    def _register(self, state: PassState) -> PassState:
+        with self.lock:
+            self.stats["passes_shared" if state.shared else "passes_native"] += 1
+        with state.ctx.lock:
+            state.ctx.passes[state.pass_id] = state
+        return state
+
+    def new_pass(self, ctx: DistAutogradContext, retain_graph: bool, roots: list) -> PassState:
+        pass_id = (CONTAINER.worker_id, next(self._ids))
+        state = self._register(PassState(ctx, pass_id, CONTAINER.worker_id, retain_graph, roots))
+        self.initiated[pass_id] = state
+        return state
+
+    def get_or_create(self, context_id: int, pass_id: tuple, initiator: int,
+                      retain_graph: bool) -> PassState:
+        ctx = CONTAINER.retrieve(context_id)
+        with ctx.lock:
+            state = ctx.passes.get(pass_id)
+            if state is None:
+                state = PassState(ctx, pass_id, initiator, retain_graph)
+                self._register(state)
+            return state
+
+    def finish(self, state: PassState) -> None:
+        self.initiated.pop(state.pass_id, None)
+        with state.ctx.lock:
+            state.ctx.passes.pop(state.pass_id, None)
+        with self.lock:
+            self.stats["executor_nodes_run"] += state.nodes_run
+
+    def current_passes(self) -> int:
+        """Passes with work running or waiting on this worker."""
+        with CONTAINER.lock:
+            contexts = list(CONTAINER.contexts.values())
+        ids = {pid for pid, s in list(self.initiated.items()) if not s.finished}
+        for ctx in contexts:
+            with ctx.lock:
+                ids.update(pid for pid, s in ctx.passes.items() if s.running or s.blocked())
+        return len(ids)
+
+
+ENGINE = Engine()
