@@ -1,12 +1,14 @@
 """The zmq transport on its own: two transports in one process over 127.0.0.1.
 
 Covers small and large messages, per-peer ordering, the same-host
-shared-memory path for large frames (and that it leaves no files behind),
+shared-memory path for large frames (segments returned, reused, bounded, and
+no files left behind),
 and the TCP fallback when the peers are not on the same host.
 """
 import glob
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -78,6 +80,13 @@ def test_small_and_large_messages_in_order(threshold):
     assert _my_shm_files() == []
 
 
+def _wait(cond, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
 @needs_shm
 def test_shm_path_is_used_on_same_host_and_cleans_up():
     a, b, ha, hb = _pair(threshold=4096)
@@ -87,18 +96,17 @@ def test_shm_path_is_used_on_same_host_and_cleans_up():
         a.send(1, [b"h", b"small", payload])
         (_, frames), = hb.wait_for(1)
         assert bytes(frames[1]) == b"small"
-        # the large frame is a writable mapping, not a copy through the socket
+        # the large frame is a writable view of a mapping, not a copy through the socket
         big = frames[2]
         assert isinstance(big, memoryview) and not big.readonly and big.nbytes == payload.nbytes
-        assert isinstance(big.obj, __import__("mmap").mmap)
+        assert isinstance(big.obj.base.obj, __import__("mmap").mmap)
         assert bytes(big) == payload.tobytes()
-        # the sender may reuse its buffer at once: the receiver holds a copy of its own
+        # the sender may reuse its buffer at once: the segment holds a copy
         payload[:] = 0
         assert big[5] == 5
-        # the file is unlinked as soon as it is mapped; the mapping stays valid
-        assert _my_shm_files() == []
-        # sent bytes were counted once, received ones too
+        # sent bytes were counted once (the frame's, not the descriptor's), received ones too
         assert a.stats[1][0] == 1 and b.stats[0][2] == 1
+        assert a.stats[1][1] == b.stats[0][3] == 1 + 5 + (1 << 20)
     finally:
         a.close(0)
         b.close(0)
@@ -106,9 +114,78 @@ def test_shm_path_is_used_on_same_host_and_cleans_up():
 
 
 @needs_shm
+def test_shm_segments_are_returned_and_reused():
+    a, b, ha, hb = _pair(threshold=4096)
+    try:
+        w = a._shm_writer
+        one = np.full(300_000, 1, np.uint8)
+        a.send(1, [b"h", one])
+        a.send(1, [b"h", one * 2])
+        got = hb.wait_for(2)
+        # both in flight at once: two segments, the second frame did not overwrite the first
+        assert w.created == 2
+        firsts = [bytes(frames[1][:1]) for _, frames in got]
+        assert firsts == [b"\x01", b"\x02"]
+        hb.messages.clear()
+        del got
+        # the receiver dropped its views: both segments come back and are reused
+        _wait(lambda: sum(len(v) for v in w._free.values()) == 2)
+        for i in range(10):
+            a.send(1, [b"h", np.full(300_000 + i, i, np.uint8)])  # same size class
+            (_, frames), = hb.wait_for(1)
+            seen = (frames[1].nbytes, bytes(frames[1][-2:]))  # (asserts would keep views alive)
+            hb.messages.clear()
+            del frames
+            assert seen == (300_000 + i, bytes([i, i]))
+            _wait(lambda: sum(len(v) for v in w._free.values()) == 2)
+        assert w.created == 2
+        assert w.pooled()[0] == 2 and len(_my_shm_files()) == 2
+    finally:
+        a.close(0)
+        b.close(0)
+    assert _my_shm_files() == []
+
+
+@needs_shm
+def test_shm_pool_bound_unlinks_and_tells_the_receiver():
+    a, b, ha, hb = _pair(threshold=4096)
+    try:
+        a._shm_writer.pool_bytes = 1 << 20  # keeps one free 1 MiB segment at most
+        a.send(1, [b"h", np.ones(1 << 20, np.uint8)])
+        a.send(1, [b"h", np.ones(1 << 20, np.uint8)])
+        got = hb.wait_for(2)
+        assert b._shm_reader.mapped() == 2 and len(_my_shm_files()) == 2
+        hb.messages.clear()
+        del got
+        _wait(lambda: len(_my_shm_files()) == 1)   # one over the bound: unlinked
+        _wait(lambda: b._shm_reader.mapped() == 1)  # and the receiver forgot it
+        # idle segments go too
+        a._shm_writer.idle_s = 0.0
+        _wait(lambda: len(_my_shm_files()) == 0 and b._shm_reader.mapped() == 0)
+    finally:
+        a.close(0)
+        b.close(0)
+
+
+@needs_shm
+def test_segments_held_by_a_lost_peer_are_unlinked():
+    a, b, ha, hb = _pair(threshold=4096)
+    try:
+        a.send(1, [b"h", np.ones(1 << 20, np.uint8)])
+        (_, frames), = hb.wait_for(1)  # b holds the view
+        assert len(_my_shm_files()) == 1
+        a.call_soon(lambda: a._lose(1, "test", graceful=False))
+        _wait(lambda: len(_my_shm_files()) == 0)
+        assert bytes(frames[1][:2]) == b"\x01\x01"  # the receiver's mapping stays valid
+    finally:
+        a.close(0)
+        b.close(0)
+
+
+@needs_shm
 def test_unreceived_shm_files_removed_at_close():
     w = shm.ShmWriter(rank=7)
-    frames = w.pack([b"h", np.ones(10_000, np.uint8)], threshold=1000)
+    frames = w.pack([b"h", np.ones(10_000, np.uint8)], threshold=1000, peer=1)
     assert frames is not None and frames[0].startswith(shm.MARK) and frames[2] == b""
     assert len(glob.glob(os.path.join(shm.SHM_DIR, w.prefix + "*"))) == 1
     w.cleanup()

@@ -1,12 +1,23 @@
-"""Same-host shared-memory path for large frames.
+"""Same-host shared-memory path for large frames, through reused segments.
 
-The sender writes a large frame into a fresh file under ``/dev/shm`` (one copy,
-done on the sending thread, not the I/O thread) and sends only its name and
-size; the receiver maps the file (no copy) and unlinks it at once, so the
-memory lives exactly as long as the received buffer is referenced and nothing
-is left behind once the message is delivered. Files of messages never
-delivered (a peer died mid-flight) are removed by name prefix when either side
-sees the other go, and by the sender when it closes.
+A sender keeps a pool of *segments*: files under ``/dev/shm`` (sizes rounded up
+to a power of two), each mapped once. A large frame is copied into a free
+segment on the sending thread (one copy, without the GIL) and the message
+carries only the segment's name and the frame's size. The receiver maps each
+segment once and hands out a zero-copy view of it; when the last tensor built
+on that view is gone, a finalizer tells the transport, which returns the
+segment to its sender (a ``FREE`` frame). The next frame of that size reuses
+it: both sides' pages are already mapped and faulted in, so a reused segment
+costs one warm memcpy, where TCP costs two copies through the kernel plus a
+fresh, page-faulting buffer per message.
+
+Bounds: free segments beyond ``pool_bytes`` (least recently used first) and
+those idle for ``idle_s`` are unlinked, and the receivers that mapped them are
+told to forget them (a ``DROP`` frame). A segment a receiver holds is never
+reused until it comes back. Segments in use by a lost peer are unlinked; all of
+a sender's files are removed when it closes, and a receiver removes a lost
+sender's files by name prefix. Names are never reused, so a stale mapping
+never aliases a new segment.
 
 Only used between workers that share a host *and* a boot (hostname + boot id,
 exchanged through the listening address at rendezvous); otherwise frames go
@@ -14,18 +25,30 @@ over TCP.
 """
 from __future__ import annotations
 
+import collections
 import glob
 import itertools
 import mmap
 import os
 import socket
 import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import numpy as np
 
 SHM_DIR = "/dev/shm"
-MARK = b"\xffSHM"
+MARK = b"\xffSHM"   # a message whose large frames are in segments
+FREE = b"\xffSHF"   # receiver -> sender: these segments of yours are free again
+DROP = b"\xffSHD"   # sender -> receiver: forget these segments (they are gone)
 _ENTRY = struct.Struct("!IQ")  # frame index, size; followed by the name
 _PREFIX = "distgrad-"
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MIN_SEGMENT = 1 << 16
+DEFAULT_POOL_BYTES = 512 << 20
+DEFAULT_IDLE_S = 60.0
 
 
 def host_id() -> str:
@@ -44,15 +67,44 @@ def owner_prefix(pid: int, rank: int) -> str:
     return f"{_PREFIX}{pid}-{rank}-"
 
 
+def names_frame(mark: bytes, names: list[str]) -> bytes:
+    """A FREE or DROP frame listing segment names."""
+    return mark + "\0".join(names).encode()
+
+
+def parse_names(frame) -> list[str]:
+    data = bytes(frame)[len(FREE):]
+    return data.decode().split("\0") if data else []
+
+
+class _Segment:
+    __slots__ = ("name", "size", "map", "array", "peer", "mapped_by", "last_used")
+
+    def __init__(self, name: str, size: int, m: mmap.mmap) -> None:
+        self.name, self.size, self.map = name, size, m
+        self.array = np.frombuffer(m, dtype=np.uint8)
+        self.peer: int | None = None      # the receiver holding it; None when free
+        self.mapped_by: set[int] = set()  # receivers that mapped it (told on drop)
+        self.last_used = time.monotonic()
+
+
 class ShmWriter:
-    """Writes large frames of one process into named /dev/shm files."""
+    """A sender's segments; see the module docstring. Thread safe."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, pool_bytes: int = DEFAULT_POOL_BYTES,
+                 idle_s: float = DEFAULT_IDLE_S) -> None:
         self.prefix = owner_prefix(os.getpid(), rank)
+        self.pool_bytes, self.idle_s = pool_bytes, idle_s
         self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._segments: dict[str, _Segment] = {}
+        self._free: dict[int, list[_Segment]] = collections.defaultdict(list)  # size -> LIFO
+        self._free_bytes = 0
+        self.created = 0  # segments ever created (reuse shows as sends > created)
 
-    def pack(self, frames, threshold: int) -> list | None:
-        """Frames with every frame >= ``threshold`` bytes moved to shm, or None if none is."""
+    def pack(self, frames, threshold: int, peer: int) -> list | None:
+        """Frames with every frame >= ``threshold`` bytes moved to a segment lent to
+        ``peer``, or None if none is that large."""
         out = None
         entries = []
         for i, f in enumerate(frames):
@@ -61,69 +113,186 @@ class ShmWriter:
                 continue
             if out is None:
                 out = list(frames)
-            name = self.write(mv)
+            seg = self._take(mv.nbytes, peer)
+            src = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, np.uint8)
+            np.copyto(seg.array[:mv.nbytes], src)  # releases the GIL
+            name = seg.name.encode()
             entries.append(_ENTRY.pack(i, mv.nbytes) + struct.pack("!H", len(name)) + name)
             out[i] = b""
         if out is None:
             return None
         return [MARK + b"".join(entries), *out]
 
-    def write(self, mv: memoryview) -> bytes:
+    def _take(self, nbytes: int, peer: int) -> _Segment:
+        size = max(_MIN_SEGMENT, 1 << (nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                seg = free.pop()
+                self._free_bytes -= size
+                seg.peer = peer
+                seg.mapped_by.add(peer)
+                return seg
+        return self._create(size, peer)
+
+    def _create(self, size: int, peer: int) -> _Segment:
         name = f"{self.prefix}{next(self._ids)}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-            done = 0
-            while done < len(mv):
-                done += os.write(fd, mv[done:])
+            os.ftruncate(fd, size)
+            m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
-            os.close(fd)
             _unlink(path)
             raise
-        os.close(fd)
-        return name.encode()
+        finally:
+            os.close(fd)
+        seg = _Segment(name, size, m)
+        seg.peer = peer
+        seg.mapped_by.add(peer)
+        with self._lock:
+            self._segments[name] = seg
+            self.created += 1
+        return seg
+
+    def released(self, peer: int, names: list[str]) -> dict[int, list[str]]:
+        """``peer`` gave these segments back; returns {receiver: names} to DROP
+        for segments unlinked because the pool is over its bound."""
+        now = time.monotonic()
+        with self._lock:
+            for name in names:
+                seg = self._segments.get(name)
+                if seg is None or seg.peer != peer:
+                    continue  # not lent to that peer: ignore
+                seg.peer = None
+                seg.last_used = now
+                self._free[seg.size].append(seg)
+                self._free_bytes += seg.size
+            victims = []
+            while self._free_bytes > self.pool_bytes:
+                victims.append(self._pop_oldest_free())
+        return self._drop(victims)
+
+    def expire(self) -> dict[int, list[str]]:
+        """Unlink free segments idle for ``idle_s``; returns {receiver: names} to DROP."""
+        limit = time.monotonic() - self.idle_s
+        with self._lock:
+            victims = [s for lst in self._free.values() for s in lst if s.last_used < limit]
+            for s in victims:
+                self._free[s.size].remove(s)
+                self._free_bytes -= s.size
+        return self._drop(victims)
+
+    def peer_lost(self, peer: int) -> None:
+        """Segments ``peer`` held will never come back: unlink them."""
+        with self._lock:
+            victims = [s for s in self._segments.values() if s.peer == peer]
+            for s in self._segments.values():
+                s.mapped_by.discard(peer)
+        self._drop(victims)
+
+    def _pop_oldest_free(self) -> _Segment:
+        seg = min((s for lst in self._free.values() for s in lst), key=lambda s: s.last_used)
+        self._free[seg.size].remove(seg)
+        self._free_bytes -= seg.size
+        return seg
+
+    def _drop(self, victims: list[_Segment]) -> dict[int, list[str]]:
+        tell: dict[int, list[str]] = collections.defaultdict(list)
+        for seg in victims:
+            with self._lock:
+                self._segments.pop(seg.name, None)
+            _unlink(os.path.join(SHM_DIR, seg.name))
+            seg.array = None
+            try:
+                seg.map.close()
+            except BufferError:  # a frame being copied right now still views it
+                pass
+            for p in seg.mapped_by:
+                tell[p].append(seg.name)
+        return dict(tell)
+
+    def pooled(self) -> tuple[int, int]:
+        """(segments, bytes) this writer holds, lent or free."""
+        with self._lock:
+            return len(self._segments), sum(s.size for s in self._segments.values())
 
     def cleanup(self) -> None:
-        """Remove this process's files that no receiver took (call at close)."""
+        """Remove every segment of this writer (call at close)."""
+        with self._lock:
+            segs = list(self._segments.values())
+        self._drop(segs)
         remove_prefix(self.prefix)
 
 
-def unpack(body: list) -> list:
-    """Replace the shm references of a received message by mapped buffers."""
-    desc = bytes(body[0])
-    frames = body[1:]
-    pos, end = len(MARK), len(desc)
-    entries = []
-    while pos < end:
-        i, size = _ENTRY.unpack_from(desc, pos)
-        pos += _ENTRY.size
-        (n,) = struct.unpack_from("!H", desc, pos)
-        pos += 2
-        name = desc[pos:pos + n].decode()
-        pos += n
-        entries.append((i, size, name))
-    try:
-        for i, size, name in entries:
-            if "/" in name or not name.startswith(_PREFIX) or i >= len(frames):
+class ShmReader:
+    """A receiver's mappings of its senders' segments. ``on_free(peer, name)`` is
+    called (on whichever thread drops the last view) when a received frame's view
+    is gone; the transport returns the segment to ``peer``."""
+
+    def __init__(self, on_free: Callable[[int, str], None]) -> None:
+        self._on_free = on_free
+        self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def unpack(self, peer: int, prefix: str, body: list) -> list:
+        """Replace the segment references of a message from ``peer`` (whose files
+        start with ``prefix``) by zero-copy views; raises ValueError on a bad one."""
+        desc = bytes(body[0])
+        frames = body[1:]
+        pos, end = len(MARK), len(desc)
+        while pos < end:
+            i, size = _ENTRY.unpack_from(desc, pos)
+            pos += _ENTRY.size
+            (n,) = struct.unpack_from("!H", desc, pos)
+            pos += 2
+            name = desc[pos:pos + n].decode()
+            pos += n
+            if "/" in name or not name.startswith(prefix) or i >= len(frames):
                 raise ValueError(f"bad shared-memory reference {name!r}")
-            frames[i] = _map(os.path.join(SHM_DIR, name), size)
-    finally:
-        for _, _, name in entries:
-            if "/" not in name and name.startswith(_PREFIX):
-                _unlink(os.path.join(SHM_DIR, name))
-    return frames
+            # A fresh exporter per message: every view, slice or tensor made from
+            # the frame keeps this array alive, so its finalizer runs only when
+            # nothing can touch the segment any more.
+            arr = np.frombuffer(self._map(name, size), np.uint8, count=size)
+            f = weakref.finalize(arr, self._on_free, peer, name)
+            f.atexit = False
+            frames[i] = memoryview(arr)
+        return frames
 
+    def _map(self, name: str, size: int) -> mmap.mmap:
+        with self._lock:
+            m = self._maps.get(name)
+        if m is None:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+            try:
+                have = os.fstat(fd).st_size
+                if have < size:
+                    raise ValueError(f"shared-memory segment {name} holds {have} bytes, "
+                                     f"the message needs {size}")
+                m = mmap.mmap(fd, have, flags=mmap.MAP_SHARED | _POPULATE)
+            finally:
+                os.close(fd)
+            with self._lock:
+                self._maps[name] = m
+        elif len(m) < size:
+            raise ValueError(f"shared-memory segment {name} holds {len(m)} bytes, "
+                             f"the message needs {size}")
+        return m
 
-def _map(path: str, size: int) -> memoryview:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        if os.fstat(fd).st_size != size:
-            raise ValueError(f"shared-memory file {path} has the wrong size")
-        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-    finally:
-        os.close(fd)
-    return memoryview(m)
+    def forget(self, names) -> None:
+        """Drop mappings (views still alive keep theirs until they go)."""
+        with self._lock:
+            for name in names:
+                self._maps.pop(name, None)
+
+    def forget_prefix(self, prefix: str) -> None:
+        with self._lock:
+            for name in [n for n in self._maps if n.startswith(prefix)]:
+                del self._maps[name]
+
+    def mapped(self) -> int:
+        with self._lock:
+            return len(self._maps)
 
 
 def _unlink(path: str) -> None:

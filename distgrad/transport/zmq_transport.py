@@ -24,8 +24,9 @@ address carries ``#curve=1`` so that a mixed cluster fails at start-up.
 
 Between workers on the same host (same hostname and boot id, learnt from the
 listening address) frames of at least ``shm_threshold`` bytes travel through
-/dev/shm instead of TCP (see :mod:`.shm`): one copy on the sending thread
-instead of two through the kernel, and a zero-copy mapping on the receiver.
+reused /dev/shm segments instead of TCP (see :mod:`.shm`): one warm copy on the
+sending thread instead of two through the kernel into a fresh buffer, and a
+zero-copy view on the receiver, whose release returns the segment.
 """
 from __future__ import annotations
 
@@ -58,11 +59,10 @@ _SHM_TAG = "shm"
 _AUTH_TAG = "auth"
 _CURVE_TAG = "curve"
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 33  # bytes per frame; bounds what a peer can make us allocate
-# Frames at least DISTGRAD_SHM_THRESHOLD bytes go through /dev/shm between
-# same-host workers (0 or unset: never). Off by default: every message takes
-# fresh tmpfs pages, and on the reference VM writing them ran at ~1 GB/s, slower
-# than TCP over loopback; worth turning on once segments are reused.
-DEFAULT_SHM_THRESHOLD = 0
+# Frames at least DISTGRAD_SHM_THRESHOLD bytes (0: never) go through reused
+# /dev/shm segments between same-host workers. Below ~256 KiB TCP over loopback
+# is as fast and needs no segment bookkeeping (bench/rpc_bench.py).
+DEFAULT_SHM_THRESHOLD = 256 << 10
 
 
 def curve_keys(secret: bytes, role: str) -> tuple[bytes, bytes]:
@@ -107,6 +107,9 @@ class ZmqTransport(Transport):
         self.host_id = shm.host_id() if self.shm_threshold > 0 else ""
         self._shm_peers: dict[int, str] = {}  # same-host peer -> its shm file prefix
         self._shm_writer = shm.ShmWriter(rank)
+        self._shm_reader = shm.ShmReader(self._shm_freed)
+        self._shm_frees: list[tuple[int, str]] = []  # views released, to return to their senders
+        self._shm_lock = threading.Lock()
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_deadline = heartbeat_deadline
         self._ctx = zmq.Context(io_threads=1)
@@ -192,10 +195,11 @@ class ZmqTransport(Transport):
             body = [bytearray(memoryview(f)) for f in frames]  # deliver in queue order
             self.call_soon(lambda: self._handler.on_message(self.rank, body))
             return
+        nbytes = sum(memoryview(f).nbytes for f in frames)
         if peer in self._shm_peers:
             # The copy into shared memory runs here, on the sending thread.
-            frames = self._shm_writer.pack(frames, self.shm_threshold) or frames
-        self._queue.append((peer, frames))
+            frames = self._shm_writer.pack(frames, self.shm_threshold, peer) or frames
+        self._queue.append((peer, frames, nbytes))
         self._wake()
 
     def uses_shm(self, peer: int) -> bool:
@@ -203,7 +207,7 @@ class ZmqTransport(Transport):
         return peer in self._shm_peers
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        self._queue.append((None, fn))
+        self._queue.append((None, fn, 0))
         self._wake()
 
     def on_io_thread(self) -> bool:
@@ -214,7 +218,7 @@ class ZmqTransport(Transport):
 
     def call_later(self, delay: float, fn: Callable[[], None], wake: bool = True) -> Timer:
         timer = Timer(time.monotonic() + delay, fn)
-        self._queue.append((None, lambda: heapq.heappush(self._timers, timer)))
+        self._queue.append((None, lambda: heapq.heappush(self._timers, timer), 0))
         if wake:
             self._wake()
         return timer
@@ -338,7 +342,7 @@ class ZmqTransport(Transport):
         q = self._queue
         now = time.monotonic()
         while q:
-            peer, item = q.popleft()
+            peer, item, nbytes = q.popleft()
             if peer is None:
                 self._guard(item)
                 continue
@@ -351,7 +355,7 @@ class ZmqTransport(Transport):
             self._last_sent[peer] = now
             st = self.stats[peer]
             st[0] += 1
-            st[1] += sum(memoryview(f).nbytes for f in item)
+            st[1] += nbytes
 
     def _send_now(self, peer: int, frames: Sequence) -> None:
         if self._auth is not None:
@@ -404,19 +408,56 @@ class ZmqTransport(Transport):
                 continue
             self._last_recv[peer] = now
             first = body[0]
-            if len(body) == 1 and first in (_HEARTBEAT, _GOODBYE):
-                if first == _GOODBYE:
-                    self._lose(peer, "shut down", graceful=True)
+            if len(body) == 1 and first[:1] == b"\xff":
+                self._on_transport_frame(peer, first)
                 continue
-            st = self.stats[peer]
-            st[2] += 1
-            st[3] += sum(b.nbytes for b in body)
             try:
                 if first[:4] == shm.MARK:
-                    body = shm.unpack(body)
+                    prefix = self._shm_peers.get(peer)
+                    if prefix is None:
+                        self._reject(frames[-1], f"worker {peer} sent shared memory, not on this host")
+                        continue
+                    body = self._shm_reader.unpack(peer, prefix, body)
+                st = self.stats[peer]
+                st[2] += 1
+                st[3] += sum(b.nbytes for b in body)
                 handler.on_message(peer, body)
             except Exception:
                 log.exception("worker %d: error on the I/O thread", self.rank)
+
+    def _on_transport_frame(self, peer: int, frame) -> None:
+        mark = frame[:4]
+        if frame == _GOODBYE:
+            self._lose(peer, "shut down", graceful=True)
+        elif mark == shm.FREE:
+            self._send_drops(self._shm_writer.released(peer, shm.parse_names(frame)))
+        elif mark == shm.DROP:
+            self._shm_reader.forget(shm.parse_names(frame))
+        # else a heartbeat: its arrival was all it had to say
+
+    # -- shared-memory segments --------------------------------------------
+    def _shm_freed(self, peer: int, name: str) -> None:
+        # Any thread (a finalizer): return the segment from the I/O thread, batched.
+        with self._shm_lock:
+            first = not self._shm_frees
+            self._shm_frees.append((peer, name))
+        if first and self._running:
+            self.call_soon(self._flush_frees)
+
+    def _flush_frees(self) -> None:
+        with self._shm_lock:
+            frees, self._shm_frees = self._shm_frees, []
+        by_peer: dict[int, list[str]] = collections.defaultdict(list)
+        for peer, name in frees:
+            by_peer[peer].append(name)
+        for peer, names in by_peer.items():
+            if peer not in self._lost:
+                self._send_now(peer, [shm.names_frame(shm.FREE, names)])
+
+    def _send_drops(self, drops: Mapping[int, list]) -> None:
+        for peer, names in drops.items():
+            if peer not in self._lost and peer in self._dealers:
+                self._send_now(peer, [shm.names_frame(shm.DROP, names)])
 
     def _on_monitor(self, mon, peer: int) -> None:
         try:
@@ -441,6 +482,8 @@ class ZmqTransport(Transport):
             # hold, SIGSTOP): read what already arrived before calling anyone silent.
             self._receive()
             now = time.monotonic()
+        if self._shm_peers:
+            self._send_drops(self._shm_writer.expire())
         for peer in self._dealers:
             if peer in self._lost:
                 continue
@@ -457,8 +500,10 @@ class ZmqTransport(Transport):
             return
         self._lost.add(peer)
         prefix = self._shm_peers.get(peer)
-        if prefix is not None:  # its files that never reached us
+        if prefix is not None:  # its segments, and ours it held
+            self._shm_reader.forget_prefix(prefix)
             shm.remove_prefix(prefix)
+            self._shm_writer.peer_lost(peer)
         self._guard(lambda: self._handler.on_peer_lost(peer, reason, graceful))
 
     def _run_after(self) -> None:
