@@ -22,14 +22,31 @@ def test_seal_open_roundtrip_and_rejections():
     assert [bytes(f) for f in b.open(0, sealed)] == [b"hdr", b"meta", big]
     with pytest.raises(AuthError, match="replayed"):
         b.open(0, sealed)
-    tampered = a.seal(1, [b"hdr", b"evil"])
-    tampered[2] = b"good"
+    tampered = a.seal(1, [b"evil envelope", b"bulk"])
+    tampered[1] = b"good envelope"  # the envelope is covered in full
     with pytest.raises(AuthError, match="bad authentication tag"):
         b.open(0, tampered)
     truncated = a.seal(1, [b"hdr", big])
     truncated[2] = big[:-1]  # bulk frames are bound by length
     with pytest.raises(AuthError):
         b.open(0, truncated)
+    # bulk bytes of the same length are not hashed (raw tensor data, never parsed)...
+    swapped = a.seal(1, [b"hdr", b"aaaa"])
+    swapped[2] = b"bbbb"
+    assert [bytes(f) for f in b.open(0, swapped)] == [b"hdr", b"bbbb"]
+    # ...unless the receiver demands it, or the sender covers more
+    strict = Authenticator(b"k", 1, mac_bulk=True)
+    strict.nonce = b.nonce
+    strict.set_peer_nonce(0, a.nonce)
+    with pytest.raises(AuthError, match="covers 1 of 2"):
+        strict.open(0, a.seal(1, [b"hdr", b"aaaa"]))
+    both = a.seal(1, [b"descriptor", b"envelope", b"bulk"], full=2)
+    both[2] = b"envelopf"
+    with pytest.raises(AuthError, match="bad authentication tag"):
+        b.open(0, both)
+    # a receiver that parses two frames refuses a message covering one in full
+    with pytest.raises(AuthError, match="covers 1 of 3"):
+        b.open(0, a.seal(1, [b"descriptor", b"envelope", b"bulk"]), min_full=2)
     # another secret, or an earlier session's nonce, never verifies
     c = Authenticator(b"other", 0)
     c.set_peer_nonce(1, b.nonce)
@@ -63,7 +80,7 @@ def _attack(rank, world_size, marker):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.IDENTITY, identity)
             s.connect(endpoint)
-            s.send_multipart([b"\x00\x00\x00\x00" + bytes(24)] + frames)  # made-up MAC
+            s.send_multipart([b"\x00\x00\x00\x00" + bytes(28)] + frames)  # made-up MAC
             s.send_multipart([b"\x00\x00\x00\x00"] + frames)  # none at all
             s.send_multipart(frames)  # no transport frame
             s.send_multipart([b"\x80\x04garbage"])

@@ -71,11 +71,21 @@ def _seeds():
 SEEDS = _seeds()
 
 
+def _payload(envelope: bytes) -> bytes:
+    return envelope[HEADER.size + HEADER.unpack_from(envelope)[-1]:]
+
+
+def _envelope(meta: bytes, payload: bytes, nbuf: int, version=VERSION, kind=int(Kind.CALL), rid=1,
+              meta_len=None) -> bytes:
+    n = len(meta) if meta_len is None else meta_len
+    return HEADER.pack(MAGIC, version, kind, nbuf, rid, n) + meta + payload
+
+
 def _seed_globals() -> set:
     import pickletools
     names, strings = set(), []
     for frames in SEEDS:
-        for op, arg, _ in pickletools.genops(frames[2]):
+        for op, arg, _ in pickletools.genops(_payload(frames[0])):
             if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
                 strings.append(arg)
             elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
@@ -140,17 +150,19 @@ def test_fuzz_random_frames(frames):
 
 
 @SETTINGS
-@given(st.lists(st.binary(max_size=200), min_size=0, max_size=5), st.integers(0, 255),
-       st.integers(0, 255), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1))
-def test_fuzz_valid_header_random_rest(rest, version, kind, nbuf, rid):
+@given(st.binary(max_size=200), st.binary(max_size=200), st.lists(st.binary(max_size=200), max_size=4),
+       st.integers(0, 255), st.integers(0, 255), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1),
+       st.integers(0, 2**32 - 1))
+def test_fuzz_valid_header_random_rest(meta, payload, rest, version, kind, nbuf, rid, meta_len):
     version = VERSION if version < 200 else version  # mostly the right version
-    nbuf = len(rest) - 2 if nbuf % 4 and len(rest) >= 2 else nbuf  # mostly a matching count
-    _check([HEADER.pack(MAGIC, version, kind, nbuf, rid), *rest])
+    nbuf = len(rest) if nbuf % 4 else nbuf  # mostly a matching count
+    meta_len = len(meta) if meta_len % 4 else meta_len  # mostly the true length
+    _check([_envelope(meta, payload, nbuf, version, kind, rid, meta_len), *rest])
 
 
 _MUTATION = st.tuples(
     st.sampled_from(["byte", "bit", "truncate", "insert", "drop", "dup", "swap", "nbuf",
-                     "declare"]),
+                     "metalen", "declare"]),
     st.integers(0, 2**16), st.integers(0, 2**16), st.integers(0, 255))
 
 
@@ -175,8 +187,10 @@ def _mutate(frames, how, a, b, byte):
     elif how == "swap":
         j = b % len(frames)
         frames[i], frames[j] = frames[j], frames[i]
-    elif how == "nbuf" and len(frames[0]) == HEADER.size:
+    elif how == "nbuf" and len(frames[0]) >= HEADER.size:
         struct.pack_into("!I", frames[0], 4, b)
+    elif how == "metalen" and len(frames[0]) >= HEADER.size:
+        struct.pack_into("!I", frames[0], 16, b * byte)
     elif how == "declare" and f:
         # a length-prefixed pickle opcode declaring a huge size, spliced in
         op = [b"B" + struct.pack("<I", 2**32 - 1), b"\x8e" + struct.pack("<Q", 2**62),
@@ -204,8 +218,7 @@ def test_fuzz_specs(dtype, shape, requires_grad, kind, nbuf):
     spec = (dtype, tuple(shape), requires_grad, kind)
     meta = pickle.dumps((("f", None, None), (spec,)), protocol=5)
     payload, _ = dumps([1, 2])
-    head = HEADER.pack(MAGIC, VERSION, int(Kind.CALL), nbuf, 1)
-    _check([head, meta, payload] + [bytes(16)] * nbuf)
+    _check([_envelope(meta, payload, nbuf)] + [bytes(16)] * nbuf)
 
 
 def test_seeds_decode_and_load():
@@ -215,11 +228,12 @@ def test_seeds_decode_and_load():
 def test_declared_sizes_never_allocate():
     payload = b"\x80\x05\x8e" + struct.pack("<Q", 2**40)
     frames = list(SEEDS[0])
-    frames[2] = payload
+    meta = frames[0][HEADER.size:len(frames[0]) - len(_payload(frames[0]))]
+    frames[0] = _envelope(meta, payload, len(frames) - 1)
     _check(frames)
     with pytest.raises(SerializationError):
         msg = decode(frames)
         loads(msg.payload, msg.specs, msg.buffers)
-    frames[1] = b"\x80\x05B" + struct.pack("<I", 2**32 - 1)
+    frames[0] = _envelope(b"\x80\x05B" + struct.pack("<I", 2**32 - 1), payload, len(frames) - 1)
     with pytest.raises(ProtocolError, match="meta"):
         decode(frames)

@@ -135,15 +135,15 @@ def _zmq_attacks(eps, big=0):
             s.connect(addr)
             for rank in (0, 1, 7, 2**32 - 1):
                 head = struct.pack("!I", rank)
-                s.send_multipart([head + os.urandom(24)] + frames)      # made-up MAC
-                s.send_multipart([head + bytes(24), b"\xffHB"])         # forged heartbeat
-                s.send_multipart([head + bytes(24), b"\xffBYE"])        # forged goodbye
+                s.send_multipart([head + os.urandom(28)] + frames)      # made-up MAC
+                s.send_multipart([head + bytes(28), b"\xffHB"])         # forged heartbeat
+                s.send_multipart([head + bytes(28), b"\xffBYE"])        # forged goodbye
                 s.send_multipart([head] + frames)                       # no MAC at all
             s.send_multipart([b""])
             s.send_multipart([b"x"] * 1000)
             s.send_multipart([os.urandom(100) for _ in range(5)])
             if big:
-                s.send_multipart([struct.pack("!I", 1) + bytes(24), os.urandom(big)])
+                s.send_multipart([struct.pack("!I", 1) + bytes(28), os.urandom(big)])
             s.close()
         time.sleep(0.5)
     finally:
@@ -203,9 +203,12 @@ def _bad_frames(agent_rid):
     payload, tensors = dumps((torch.numel, (torch.ones(4),), {}))
     good = [bytes(memoryview(f)) for f in encode(Kind.CALL, 0, ("torch.numel", None, None),
                                                     payload, tensors)]
+    good_meta = good[0][HEADER.size:HEADER.size + HEADER.unpack_from(good[0])[-1]]
+    buf = good[1]
 
-    def head(rid, nbuf, kind=Kind.CALL):
-        return HEADER.pack(MAGIC, VERSION, int(kind), nbuf, rid)
+    def env(m, p, nbuf, meta_len=None):
+        n = len(m) if meta_len is None else meta_len
+        return HEADER.pack(MAGIC, VERSION, int(Kind.CALL), nbuf, 0, n) + m + p
 
     def meta(specs, m=("torch.numel", None, None)):
         return pickle.dumps((m, specs), protocol=5)
@@ -214,31 +217,31 @@ def _bad_frames(agent_rid):
     cases["truncated header"] = ([good[0][:7], *good[1:]], False)
     cases["empty message"] = ([b""], False)
     for name, frames in {
-        "too few buffers": [head(0, 3), good[1], good[2], good[3]],
-        "too many buffers": [head(0, 0), good[1], good[2], good[3]],
-        "garbage meta": [head(0, 1), b"\x80\x05garbage", good[2], good[3]],
-        "meta declares 2**62 bytes": [head(0, 1), b"\x80\x05\x8e" + struct.pack("<Q", 2**62),
-                                      good[2], good[3]],
-        "meta not a pair": [head(0, 1), pickle.dumps(42), good[2], good[3]],
-        "meta not a 3-tuple": [head(0, 1), meta((("torch.float32", (4,), False, 0),), m="x"),
-                               good[2], good[3]],
-        "specs not a tuple": [head(0, 1), meta("nope"), good[2], good[3]],
-        "shape 2**40, no buffer": [head(0, 0), meta((("torch.float32", (2**40,), False, 0),)),
-                                   good[2]],
-        "shape 2**40, small buffer": [head(0, 1), meta((("torch.float32", (2**40,), False, 0),)),
-                                      good[2], good[3]],
-        "shape 2**62 x 2**62 x 0": [head(0, 0), meta((("torch.float32", (2**62, 2**62, 0), False,
-                                                        0),)), good[2]],
-        "100 dims": [head(0, 0), meta((("torch.float32", (0,) * 100, False, 0),)), good[2]],
-        "negative shape": [head(0, 1), meta((("torch.float32", (-4,), False, 0),)), good[2], good[3]],
-        "unknown dtype": [head(0, 1), meta((("torch.evil", (4,), False, 0),)), good[2], good[3]],
-        "int requires grad": [head(0, 1), meta((("torch.int32", (4,), True, 0),)), good[2], good[3]],
-        "bad spec kind": [head(0, 1), meta((("torch.float32", (4,), False, 9),)), good[2], good[3]],
-        "payload declares 2**62 bytes": [head(0, 1), good[1], b"\x80\x05\x8e" + struct.pack(
-            "<Q", 2**62), good[3]],
-        "garbage payload": [head(0, 1), good[1], os.urandom(200), good[3]],
-        "bad tensor reference": [head(0, 1), good[1], _pickle_with_ref((torch.numel, ("T",), {})),
-                                 good[3]],
+        "too few buffers": [env(good_meta, payload, 3), buf],
+        "too many buffers": [env(good_meta, payload, 0), buf],
+        "meta length beyond the envelope": [env(good_meta, b"", 1, meta_len=10**6), buf],
+        "garbage meta": [env(b"\x80\x05garbage", payload, 1), buf],
+        "meta declares 2**62 bytes": [env(b"\x80\x05\x8e" + struct.pack("<Q", 2**62), payload, 1),
+                                      buf],
+        "meta not a pair": [env(pickle.dumps(42), payload, 1), buf],
+        "meta not a 3-tuple": [env(meta((("torch.float32", (4,), False, 0),), m="x"), payload, 1),
+                               buf],
+        "specs not a tuple": [env(meta("nope"), payload, 1), buf],
+        "shape 2**40, no buffer": [env(meta((("torch.float32", (2**40,), False, 0),)), payload, 0)],
+        "shape 2**40, small buffer": [env(meta((("torch.float32", (2**40,), False, 0),)), payload, 1),
+                                      buf],
+        "shape 2**62 x 2**62 x 0": [env(meta((("torch.float32", (2**62, 2**62, 0), False, 0),)),
+                                        payload, 0)],
+        "100 dims": [env(meta((("torch.float32", (0,) * 100, False, 0),)), payload, 0)],
+        "negative shape": [env(meta((("torch.float32", (-4,), False, 0),)), payload, 1), buf],
+        "unknown dtype": [env(meta((("torch.evil", (4,), False, 0),)), payload, 1), buf],
+        "int requires grad": [env(meta((("torch.int32", (4,), True, 0),)), payload, 1), buf],
+        "bad spec kind": [env(meta((("torch.float32", (4,), False, 9),)), payload, 1), buf],
+        "payload declares 2**62 bytes": [env(good_meta, b"\x80\x05\x8e" + struct.pack("<Q", 2**62),
+                                             1), buf],
+        "garbage payload": [env(good_meta, os.urandom(200), 1), buf],
+        "bad tensor reference": [env(good_meta, _pickle_with_ref((torch.numel, ("T",), {})), 1),
+                                 buf],
     }.items():
         cases[name] = (frames, True)
     return cases
@@ -260,8 +263,9 @@ def _authenticated_malformed(rank, world_size):
         p = _Pending(1, name, 10.0, False, None)
         rid = next(agent._rids)
         if replies:  # give the message a request id we wait on
-            frames = [HEADER.pack(MAGIC, VERSION, HEADER.unpack(frames[0])[2],
-                                  HEADER.unpack(frames[0])[3], rid), *frames[1:]]
+            _, _, kind, nbuf, _, meta_len = HEADER.unpack_from(frames[0])
+            frames = [HEADER.pack(MAGIC, VERSION, kind, nbuf, rid, meta_len)
+                      + frames[0][HEADER.size:], *frames[1:]]
             agent.pending[rid] = p
             p.timer = agent.transport.call_later(10.0, lambda rid=rid: agent._expire(rid))
         agent.transport.send(1, frames)
@@ -275,9 +279,8 @@ def _authenticated_malformed(rank, world_size):
         except DistgradError as e:
             results[name] = type(e).__name__
     # one-way and reply-kind garbage: dropped without a word
-    agent.transport.send(1, [HEADER.pack(MAGIC, VERSION, int(Kind.CONTROL), 0, 0), b"x", b"y"])
-    agent.transport.send(1, [HEADER.pack(MAGIC, VERSION, int(Kind.REPLY), 0, 12345), b"x", b"y"])
-    agent.transport.send(1, [HEADER.pack(MAGIC, VERSION, int(Kind.ERROR), 0, 12345), b"x", b"y"])
+    for kind, rid in ((Kind.CONTROL, 0), (Kind.REPLY, 12345), (Kind.ERROR, 12345)):
+        agent.transport.send(1, [HEADER.pack(MAGIC, VERSION, int(kind), 0, rid, 1) + b"xy"])
     assert rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist() == [2.0, 2.0]
     assert rpc.rpc_sync("worker1", _ping_all, args=(world_size, 256 << 10)) is True
     after = _rss_mib(pid1)

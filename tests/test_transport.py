@@ -129,7 +129,7 @@ def test_shm_segments_are_returned_and_reused():
         hb.messages.clear()
         del got
         # the receiver dropped its views: both segments come back and are reused
-        _wait(lambda: sum(len(v) for v in w._free.values()) == 2)
+        _wait(lambda: w.free_segments() == 2)
         for i in range(10):
             a.send(1, [b"h", np.full(300_000 + i, i, np.uint8)])  # same size class
             (_, frames), = hb.wait_for(1)
@@ -137,7 +137,7 @@ def test_shm_segments_are_returned_and_reused():
             hb.messages.clear()
             del frames
             assert seen == (300_000 + i, bytes([i, i]))
-            _wait(lambda: sum(len(v) for v in w._free.values()) == 2)
+            _wait(lambda: w.free_segments() == 2)
         assert w.created == 2
         assert w.pooled()[0] == 2 and len(_my_shm_files()) == 2
     finally:
@@ -150,7 +150,7 @@ def test_shm_segments_are_returned_and_reused():
 def test_shm_pool_bound_unlinks_and_tells_the_receiver():
     a, b, ha, hb = _pair(threshold=4096)
     try:
-        a._shm_writer.pool_bytes = 1 << 20  # keeps one free 1 MiB segment at most
+        a._shm_writer.pool_bytes = 2 << 20  # keeps one free 2 MiB segment at most
         a.send(1, [b"h", np.ones(1 << 20, np.uint8)])
         a.send(1, [b"h", np.ones(1 << 20, np.uint8)])
         got = hb.wait_for(2)

@@ -95,7 +95,7 @@ def test_shared_tensor_identity_kept():
     t = torch.ones(3)
     out, frames = roundtrip([t, t])
     assert out[0] is out[1]
-    assert len(frames) == 4  # one buffer
+    assert len(frames) == 2  # the envelope and one buffer
 
 
 def test_builtins_and_functions():
@@ -114,56 +114,72 @@ def _frames():
     return [bytes(memoryview(f)) for f in encode(Kind.CALL, 1, ("f", None, None), payload, tensors)]
 
 
+def _split(env):
+    """(header fields, meta bytes, payload bytes) of an envelope."""
+    fields = HEADER.unpack_from(env)
+    meta_end = HEADER.size + fields[-1]
+    return fields, env[HEADER.size:meta_end], env[meta_end:]
+
+
+def _envelope(meta, payload, magic=MAGIC, version=VERSION, kind=int(Kind.CALL), nbuf=2, rid=1,
+              meta_len=None):
+    n = len(meta) if meta_len is None else meta_len
+    return HEADER.pack(magic, version, kind, nbuf, rid, n) + meta + payload
+
+
+def test_one_envelope_frame_then_buffers():
+    good = _frames()
+    assert len(good) == 3  # envelope + 2 tensor buffers
+    (magic, version, kind, nbuf, rid, meta_len), meta, payload = _split(good[0])
+    assert (magic, version, kind, nbuf, rid) == (MAGIC, VERSION, int(Kind.CALL), 2, 1)
+    assert pickle.loads(meta)[0] == ("f", None, None)
+    msg = decode(good)
+    assert bytes(msg.payload) == payload
+
+
 def test_protocol_errors():
     good = _frames()
+    env, bufs = good[0], good[1:]
+    _, meta, payload = _split(env)
     msg = decode(good)
     loads(msg.payload, msg.specs, msg.buffers)
-    with pytest.raises(ProtocolError, match="frames"):
-        decode(good[:2])
+    with pytest.raises(ProtocolError, match="no frames"):
+        decode([])
     with pytest.raises(ProtocolError, match="buffers"):
         decode(good[:-1])  # header says 2 buffers, 1 present
     with pytest.raises(ProtocolError, match="buffers"):
         decode(good + [b"extra"])
     with pytest.raises(ProtocolError, match="header"):
-        decode([good[0][:-1]] + good[1:])
-    bad_magic = HEADER.pack(b"XX", VERSION, int(Kind.CALL), 2, 1)
+        decode([env[:HEADER.size - 1]] + bufs)
+    with pytest.raises(ProtocolError, match="meta"):  # meta length beyond the envelope
+        decode([_envelope(meta, b"", meta_len=len(meta) + 1)] + bufs)
     with pytest.raises(ProtocolError, match="magic"):
-        decode([bad_magic] + good[1:])
-    bad_version = HEADER.pack(MAGIC, VERSION + 1, int(Kind.CALL), 2, 1)
+        decode([_envelope(meta, payload, magic=b"XX")] + bufs)
     with pytest.raises(ProtocolError, match="version"):
-        decode([bad_version] + good[1:])
-    bad_kind = HEADER.pack(MAGIC, VERSION, 99, 2, 1)
+        decode([_envelope(meta, payload, version=VERSION + 1)] + bufs)
     with pytest.raises(ProtocolError, match="kind"):
-        decode([bad_kind] + good[1:])
+        decode([_envelope(meta, payload, kind=99)] + bufs)
     with pytest.raises(ProtocolError, match="meta"):
-        decode([good[0], b"garbage", *good[2:]])
+        decode([_envelope(b"garbage", payload)] + bufs)
     # size mismatch of a tensor buffer
-    msg = decode([good[0], good[1], good[2], good[3][:-1], good[4]])
+    msg = decode([env, bufs[0][:-1], bufs[1]])
     with pytest.raises(ProtocolError, match="bytes"):
         loads(msg.payload, msg.specs, msg.buffers)
     # buffers swapped: sizes differ (32 vs 16 bytes)
-    msg = decode([good[0], good[1], good[2], good[4], good[3]])
+    msg = decode([env, bufs[1], bufs[0]])
     with pytest.raises(ProtocolError):
         loads(msg.payload, msg.specs, msg.buffers)
     # specs naming an unknown dtype
-    meta, specs = pickle.loads(good[1])
-    bad_specs = pickle.dumps((meta, (("torch.evil", (2,), False, 0),) + specs[1:]))
-    msg = decode([good[0], bad_specs, *good[2:]])
-    with pytest.raises(ProtocolError, match="spec"):
-        loads(msg.payload, msg.specs, msg.buffers)
-    # negative shape
-    bad_specs = pickle.dumps((meta, (("torch.int64", (-4,), False, 0),) + specs[1:]))
-    msg = decode([good[0], bad_specs, *good[2:]])
-    with pytest.raises(ProtocolError, match="shape"):
-        loads(msg.payload, msg.specs, msg.buffers)
-    # more specs than buffers
-    bad_specs = pickle.dumps((meta, specs + specs))
-    msg = decode([good[0], bad_specs, *good[2:]])
-    with pytest.raises(ProtocolError):
-        loads(msg.payload, msg.specs, msg.buffers)
+    meta_obj, specs = pickle.loads(meta)
+    for bad, match in [((("torch.evil", (2,), False, 0),) + specs[1:], "spec"),
+                       ((("torch.int64", (-4,), False, 0),) + specs[1:], "shape"),
+                       (specs + specs, None)]:  # more specs than buffers
+        msg = decode([_envelope(pickle.dumps((meta_obj, bad)), payload)] + bufs)
+        with pytest.raises(ProtocolError, match=match):
+            loads(msg.payload, msg.specs, msg.buffers)
     # specs not a tuple
     with pytest.raises(ProtocolError):
-        decode([good[0], pickle.dumps((meta, "nope")), *good[2:]])
+        decode([_envelope(pickle.dumps((meta_obj, "nope")), payload)] + bufs)
 
 
 def _decode_and_load(frames):
@@ -190,7 +206,7 @@ def test_fuzz_random_frames(frames):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 4), st.integers(0, 10_000), st.integers(0, 255),
+@given(st.integers(0, 2), st.integers(0, 10_000), st.integers(0, 255),
        st.sampled_from(["flip", "truncate", "drop", "dup"]))
 def test_fuzz_mutated_frames(which, pos, byte, how):
     frames = [bytearray(f) for f in _frames()]
@@ -207,11 +223,14 @@ def test_fuzz_mutated_frames(which, pos, byte, how):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(0, 255), st.integers(0, 255), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1))
-def test_fuzz_headers(version, kind, nbuf, rid):
-    head = struct.pack("!2sBBIQ", MAGIC, version, kind, nbuf, rid)
+@given(st.integers(0, 255), st.integers(0, 255), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1),
+       st.integers(0, 2**32 - 1))
+def test_fuzz_headers(version, kind, nbuf, rid, meta_len):
+    meta = pickle.dumps((None, ()))
+    head = struct.pack("!2sBBIQI", MAGIC, version, kind, nbuf, rid, meta_len)
     try:
-        msg = decode([head, pickle.dumps((None, ())), b""] + [b"x"] * min(nbuf, 3))
+        msg = decode([head + meta] + [b"x"] * min(nbuf, 3))
     except ProtocolError:
         return
     assert version == VERSION and nbuf <= 3 and msg.rid == rid and len(msg.buffers) == nbuf
+    assert meta_len == len(meta)

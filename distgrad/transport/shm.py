@@ -5,19 +5,18 @@ to a power of two), each mapped once. A large frame is copied into a free
 segment on the sending thread (one copy, without the GIL) and the message
 carries only the segment's name and the frame's size. The receiver maps each
 segment once and hands out a zero-copy view of it; when the last tensor built
-on that view is gone, a finalizer tells the transport, which returns the
-segment to its sender (a ``FREE`` frame). The next frame of that size reuses
-it: both sides' pages are already mapped and faulted in, so a reused segment
-costs one warm memcpy, where TCP costs two copies through the kernel plus a
-fresh, page-faulting buffer per message.
+on that view is gone, a finalizer clears the segment's *in-use* byte (its first
+byte, in the shared mapping itself: no message, no wake-up), and the sender
+may take it again. A reused segment costs one warm memcpy, where TCP costs two
+copies through the kernel plus a fresh, page-faulting buffer per message.
 
 Bounds: free segments beyond ``pool_bytes`` (least recently used first) and
 those idle for ``idle_s`` are unlinked, and the receivers that mapped them are
-told to forget them (a ``DROP`` frame). A segment a receiver holds is never
-reused until it comes back. Segments in use by a lost peer are unlinked; all of
-a sender's files are removed when it closes, and a receiver removes a lost
-sender's files by name prefix. Names are never reused, so a stale mapping
-never aliases a new segment.
+told to forget them (a ``DROP`` frame, rare). A segment a receiver holds is
+never reused until it is released. Segments in use by a lost peer are
+unlinked; all of a sender's files are removed when it closes, and a receiver
+removes a lost sender's files by name prefix. Names are never reused, so a
+stale mapping never aliases a new segment.
 
 Only used between workers that share a host *and* a boot (hostname + boot id,
 exchanged through the listening address at rendezvous); otherwise frames go
@@ -35,14 +34,13 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable
 
 import numpy as np
 
 SHM_DIR = "/dev/shm"
 MARK = b"\xffSHM"   # a message whose large frames are in segments
-FREE = b"\xffSHF"   # receiver -> sender: these segments of yours are free again
 DROP = b"\xffSHD"   # sender -> receiver: forget these segments (they are gone)
+_HEAD = 64          # byte 0: in use (set by the sender, cleared by the receiver); data after
 _ENTRY = struct.Struct("!IQ")  # frame index, size; followed by the name
 _PREFIX = "distgrad-"
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -67,13 +65,13 @@ def owner_prefix(pid: int, rank: int) -> str:
     return f"{_PREFIX}{pid}-{rank}-"
 
 
-def names_frame(mark: bytes, names: list[str]) -> bytes:
-    """A FREE or DROP frame listing segment names."""
-    return mark + "\0".join(names).encode()
+def names_frame(names: list[str]) -> bytes:
+    """A DROP frame listing segment names."""
+    return DROP + "\0".join(names).encode()
 
 
 def parse_names(frame) -> list[str]:
-    data = bytes(frame)[len(FREE):]
+    data = bytes(frame)[len(DROP):]
     return data.decode().split("\0") if data else []
 
 
@@ -82,10 +80,13 @@ class _Segment:
 
     def __init__(self, name: str, size: int, m: mmap.mmap) -> None:
         self.name, self.size, self.map = name, size, m
-        self.array = np.frombuffer(m, dtype=np.uint8)
-        self.peer: int | None = None      # the receiver holding it; None when free
+        self.array = np.frombuffer(m, dtype=np.uint8, offset=_HEAD)
+        self.peer: int | None = None      # the receiver it was last lent to
         self.mapped_by: set[int] = set()  # receivers that mapped it (told on drop)
         self.last_used = time.monotonic()
+
+    def in_use(self) -> bool:
+        return self.map[0] != 0
 
 
 class ShmWriter:
@@ -98,8 +99,7 @@ class ShmWriter:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._segments: dict[str, _Segment] = {}
-        self._free: dict[int, list[_Segment]] = collections.defaultdict(list)  # size -> LIFO
-        self._free_bytes = 0
+        self._by_size: dict[int, list[_Segment]] = collections.defaultdict(list)
         self.created = 0  # segments ever created (reuse shows as sends > created)
 
     def pack(self, frames, threshold: int, peer: int) -> list | None:
@@ -124,16 +124,23 @@ class ShmWriter:
         return [MARK + b"".join(entries), *out]
 
     def _take(self, nbytes: int, peer: int) -> _Segment:
-        size = max(_MIN_SEGMENT, 1 << (nbytes - 1).bit_length())
+        size = max(_MIN_SEGMENT, 1 << (nbytes + _HEAD - 1).bit_length())
         with self._lock:
-            free = self._free.get(size)
-            if free:
-                seg = free.pop()
-                self._free_bytes -= size
-                seg.peer = peer
-                seg.mapped_by.add(peer)
+            for seg in self._by_size.get(size, ()):
+                if not seg.in_use():
+                    break
+            else:
+                seg = None
+            if seg is not None:
+                self._lend(seg, peer)
                 return seg
         return self._create(size, peer)
+
+    def _lend(self, seg: _Segment, peer: int) -> None:
+        seg.map[0] = 1  # before the message exists: the receiver clears it when done
+        seg.peer = peer
+        seg.mapped_by.add(peer)
+        seg.last_used = time.monotonic()
 
     def _create(self, size: int, peer: int) -> _Segment:
         name = f"{self.prefix}{next(self._ids)}"
@@ -148,60 +155,51 @@ class ShmWriter:
         finally:
             os.close(fd)
         seg = _Segment(name, size, m)
-        seg.peer = peer
-        seg.mapped_by.add(peer)
         with self._lock:
+            self._lend(seg, peer)
             self._segments[name] = seg
+            self._by_size[size].append(seg)
             self.created += 1
         return seg
 
-    def released(self, peer: int, names: list[str]) -> dict[int, list[str]]:
-        """``peer`` gave these segments back; returns {receiver: names} to DROP
-        for segments unlinked because the pool is over its bound."""
-        now = time.monotonic()
+    def free_segments(self) -> int:
+        """How many segments no receiver holds."""
         with self._lock:
-            for name in names:
-                seg = self._segments.get(name)
-                if seg is None or seg.peer != peer:
-                    continue  # not lent to that peer: ignore
-                seg.peer = None
-                seg.last_used = now
-                self._free[seg.size].append(seg)
-                self._free_bytes += seg.size
-            victims = []
-            while self._free_bytes > self.pool_bytes:
-                victims.append(self._pop_oldest_free())
-        return self._drop(victims)
+            return sum(not s.in_use() for s in self._segments.values())
 
     def expire(self) -> dict[int, list[str]]:
-        """Unlink free segments idle for ``idle_s``; returns {receiver: names} to DROP."""
+        """Unlink free segments idle for ``idle_s`` or beyond ``pool_bytes`` (least
+        recently used first); returns {receiver: names} to DROP."""
         limit = time.monotonic() - self.idle_s
         with self._lock:
-            victims = [s for lst in self._free.values() for s in lst if s.last_used < limit]
-            for s in victims:
-                self._free[s.size].remove(s)
-                self._free_bytes -= s.size
+            free = sorted((s for s in self._segments.values() if not s.in_use()),
+                          key=lambda s: s.last_used)
+            total = sum(s.size for s in free)
+            victims = []
+            for s in free:
+                if s.last_used < limit or total > self.pool_bytes:
+                    victims.append(s)
+                    total -= s.size
+            self._forget(victims)
         return self._drop(victims)
 
     def peer_lost(self, peer: int) -> None:
-        """Segments ``peer`` held will never come back: unlink them."""
+        """Segments ``peer`` held will never be released: unlink them."""
         with self._lock:
-            victims = [s for s in self._segments.values() if s.peer == peer]
+            victims = [s for s in self._segments.values() if s.peer == peer and s.in_use()]
             for s in self._segments.values():
                 s.mapped_by.discard(peer)
+            self._forget(victims)
         self._drop(victims)
 
-    def _pop_oldest_free(self) -> _Segment:
-        seg = min((s for lst in self._free.values() for s in lst), key=lambda s: s.last_used)
-        self._free[seg.size].remove(seg)
-        self._free_bytes -= seg.size
-        return seg
+    def _forget(self, victims: list[_Segment]) -> None:
+        for seg in victims:  # (lock held)
+            self._segments.pop(seg.name, None)
+            self._by_size[seg.size].remove(seg)
 
     def _drop(self, victims: list[_Segment]) -> dict[int, list[str]]:
         tell: dict[int, list[str]] = collections.defaultdict(list)
         for seg in victims:
-            with self._lock:
-                self._segments.pop(seg.name, None)
             _unlink(os.path.join(SHM_DIR, seg.name))
             seg.array = None
             try:
@@ -221,23 +219,21 @@ class ShmWriter:
         """Remove every segment of this writer (call at close)."""
         with self._lock:
             segs = list(self._segments.values())
+            self._forget(segs)
         self._drop(segs)
         remove_prefix(self.prefix)
 
 
 class ShmReader:
-    """A receiver's mappings of its senders' segments. ``on_free(peer, name)`` is
-    called (on whichever thread drops the last view) when a received frame's view
-    is gone; the transport returns the segment to ``peer``."""
+    """A receiver's mappings of its senders' segments."""
 
-    def __init__(self, on_free: Callable[[int, str], None]) -> None:
-        self._on_free = on_free
+    def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
-    def unpack(self, peer: int, prefix: str, body: list) -> list:
-        """Replace the segment references of a message from ``peer`` (whose files
-        start with ``prefix``) by zero-copy views; raises ValueError on a bad one."""
+    def unpack(self, prefix: str, body: list) -> list:
+        """Replace the segment references of a message from the worker whose files
+        start with ``prefix`` by zero-copy views; raises ValueError on a bad one."""
         desc = bytes(body[0])
         frames = body[1:]
         pos, end = len(MARK), len(desc)
@@ -250,12 +246,12 @@ class ShmReader:
             pos += n
             if "/" in name or not name.startswith(prefix) or i >= len(frames):
                 raise ValueError(f"bad shared-memory reference {name!r}")
+            m = self._map(name, size + _HEAD)
             # A fresh exporter per message: every view, slice or tensor made from
-            # the frame keeps this array alive, so its finalizer runs only when
-            # nothing can touch the segment any more.
-            arr = np.frombuffer(self._map(name, size), np.uint8, count=size)
-            f = weakref.finalize(arr, self._on_free, peer, name)
-            f.atexit = False
+            # the frame keeps this array alive, so the segment is released only
+            # when nothing can touch it any more.
+            arr = np.frombuffer(m, np.uint8, count=size, offset=_HEAD)
+            weakref.finalize(arr, _release, m).atexit = False
             frames[i] = memoryview(arr)
         return frames
 
@@ -293,6 +289,13 @@ class ShmReader:
     def mapped(self) -> int:
         with self._lock:
             return len(self._maps)
+
+
+def _release(m: mmap.mmap) -> None:
+    try:
+        m[0] = 0  # the sender may reuse the segment
+    except ValueError:  # closed: the sender is gone
+        pass
 
 
 def _unlink(path: str) -> None:

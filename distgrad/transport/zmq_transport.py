@@ -26,7 +26,7 @@ Between workers on the same host (same hostname and boot id, learnt from the
 listening address) frames of at least ``shm_threshold`` bytes travel through
 reused /dev/shm segments instead of TCP (see :mod:`.shm`): one warm copy on the
 sending thread instead of two through the kernel into a fresh buffer, and a
-zero-copy view on the receiver, whose release returns the segment.
+zero-copy view on the receiver, whose release frees the segment in place.
 """
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 _HEARTBEAT = b"\xffHB"
 _GOODBYE = b"\xffBYE"
 _RANK = struct.Struct("!I")
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 _SHM_TAG = "shm"
 _AUTH_TAG = "auth"
 _CURVE_TAG = "curve"
@@ -107,9 +109,7 @@ class ZmqTransport(Transport):
         self.host_id = shm.host_id() if self.shm_threshold > 0 else ""
         self._shm_peers: dict[int, str] = {}  # same-host peer -> its shm file prefix
         self._shm_writer = shm.ShmWriter(rank)
-        self._shm_reader = shm.ShmReader(self._shm_freed)
-        self._shm_frees: list[tuple[int, str]] = []  # views released, to return to their senders
-        self._shm_lock = threading.Lock()
+        self._shm_reader = shm.ShmReader()
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_deadline = heartbeat_deadline
         self._ctx = zmq.Context(io_threads=1)
@@ -359,11 +359,18 @@ class ZmqTransport(Transport):
 
     def _send_now(self, peer: int, frames: Sequence) -> None:
         if self._auth is not None:
-            frames = self._auth.seal(peer, frames)
+            first = frames[0]
+            # the envelope is frame 0, or frame 1 behind a shared-memory descriptor
+            full = 2 if isinstance(first, bytes) and first[:4] == shm.MARK else 1
+            frames = self._auth.seal(peer, frames, full)
             frames[0] = self._rank_bytes + frames[0]
         else:
             frames = [self._rank_bytes, *frames]
-        self._dealers[peer].send_multipart(frames, copy=False)
+        # send_multipart minus its per-frame flag enums (measurably slower)
+        send = self._dealers[peer].send
+        last = len(frames) - 1
+        for i, f in enumerate(frames):
+            send(f, _SNDMORE if i < last else 0, copy=False)
 
     def _reject(self, frame, why: str) -> None:
         try:
@@ -380,28 +387,36 @@ class ZmqTransport(Transport):
         handler = self._handler
         dealers, lost = self._dealers, self._lost
         now = time.monotonic()
+        recv = router.recv
         for _ in range(1000):
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                f = recv(_NOBLOCK, copy=False)  # zmq's routing id (unused)
             except zmq.Again:
                 return
-            # frames[0] is zmq's routing id (unused); frames[1] our transport frame
-            if len(frames) < 3 or len(frames[1]) < 4:
-                self._reject(frames[-1], "no transport frame")
+            frames = []
+            while f.more:  # a multipart message arrives whole: these never block
+                f = recv(0, copy=False)
+                frames.append(f)
+            # frames[0] is our transport frame
+            if len(frames) < 2 or len(frames[0]) < 4:
+                self._reject(f, "no transport frame")
                 continue
-            head = frames[1].bytes
+            head = frames[0].bytes
             peer = _RANK.unpack_from(head)[0]
             if peer not in dealers or peer in lost:
                 if peer not in dealers:
-                    self._reject(frames[-1], f"unknown worker id {peer}")
+                    self._reject(f, f"unknown worker id {peer}")
                 continue
             # Zero-copy, writable buffers: received tensors are built on them.
-            body = [f.buffer for f in frames[2:]]
+            body = [fr.buffer for fr in frames[1:]]
             if self._auth is not None:
                 try:
-                    body = self._auth.open(peer, [head[4:], *body])
+                    # parsed frames must be covered in full: the envelope, and the
+                    # shared-memory descriptor in front of it
+                    body = self._auth.open(peer, [head[4:], *body],
+                                           2 if body[0][:4] == shm.MARK else 1)
                 except AuthError as e:
-                    self._reject(frames[-1], f"claims to be worker {peer}: {e}")
+                    self._reject(f, f"claims to be worker {peer}: {e}")
                     continue
             elif len(head) != 4:
                 self._reject(frames[-1], "authenticated message, but this worker has no secret")
@@ -417,7 +432,7 @@ class ZmqTransport(Transport):
                     if prefix is None:
                         self._reject(frames[-1], f"worker {peer} sent shared memory, not on this host")
                         continue
-                    body = self._shm_reader.unpack(peer, prefix, body)
+                    body = self._shm_reader.unpack(prefix, body)
                 st = self.stats[peer]
                 st[2] += 1
                 st[3] += sum(b.nbytes for b in body)
@@ -429,35 +444,14 @@ class ZmqTransport(Transport):
         mark = frame[:4]
         if frame == _GOODBYE:
             self._lose(peer, "shut down", graceful=True)
-        elif mark == shm.FREE:
-            self._send_drops(self._shm_writer.released(peer, shm.parse_names(frame)))
         elif mark == shm.DROP:
             self._shm_reader.forget(shm.parse_names(frame))
         # else a heartbeat: its arrival was all it had to say
 
-    # -- shared-memory segments --------------------------------------------
-    def _shm_freed(self, peer: int, name: str) -> None:
-        # Any thread (a finalizer): return the segment from the I/O thread, batched.
-        with self._shm_lock:
-            first = not self._shm_frees
-            self._shm_frees.append((peer, name))
-        if first and self._running:
-            self.call_soon(self._flush_frees)
-
-    def _flush_frees(self) -> None:
-        with self._shm_lock:
-            frees, self._shm_frees = self._shm_frees, []
-        by_peer: dict[int, list[str]] = collections.defaultdict(list)
-        for peer, name in frees:
-            by_peer[peer].append(name)
-        for peer, names in by_peer.items():
-            if peer not in self._lost:
-                self._send_now(peer, [shm.names_frame(shm.FREE, names)])
-
     def _send_drops(self, drops: Mapping[int, list]) -> None:
         for peer, names in drops.items():
             if peer not in self._lost and peer in self._dealers:
-                self._send_now(peer, [shm.names_frame(shm.DROP, names)])
+                self._send_now(peer, [shm.names_frame(names)])
 
     def _on_monitor(self, mon, peer: int) -> None:
         try:

@@ -1,12 +1,17 @@
-"""Message framing: a fixed binary header, a small meta pickle, the payload
-pickle and the out-of-band tensor buffers, each its own zmq frame.
+"""Message framing: one *envelope* frame (a fixed binary header, a small meta
+pickle and the payload pickle) followed by the out-of-band tensor buffers.
 
-    frame 0  header   b"DG", version, kind, buffer count, request id (struct)
-    frame 1  meta     pickle of (meta, tensor specs): small, read first
-    frame 2  payload  pickle of the object, tensors as persistent ids
-    frame 3+ buffers  one per non-empty tensor, raw bytes
+    frame 0   envelope  header | meta | payload
+                header  b"DG", version, kind, buffer count, request id, meta length (struct)
+                meta    pickle of (meta, tensor specs): small, read first
+                payload pickle of the object, tensors as persistent ids
+    frame 1+  buffers   one per non-empty tensor, raw bytes
 
-The header is checked before anything is unpickled; counts must agree.
+Everything that is ever parsed lives in frame 0, which the transport
+authenticates in full; the buffers are raw bytes, never parsed (see
+:mod:`distgrad.transport.auth`). One envelope instead of three frames saves
+two zmq frames per message on each side. The header is checked before
+anything is unpickled; counts and lengths must agree.
 """
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ from ..errors import ProtocolError
 from .pickler import check_pickle, tensor_frames
 
 MAGIC = b"DG"
-VERSION = 1
-HEADER = struct.Struct("!2sBBIQ")
+VERSION = 2
+HEADER = struct.Struct("!2sBBIQI")
 MAX_BUFFERS = 1 << 20
 
 
@@ -35,6 +40,9 @@ class Kind(IntEnum):
     CONTROL = 5   # one-way message handled on the I/O thread (RRef forks...)
     GOODBYE = 6   # the sender is shutting down on purpose
     NOTIFY = 7    # run a function on the pool, no reply (distributed autograd's gradients)
+
+
+_KINDS = {int(k): k for k in Kind}
 
 
 class Message:
@@ -60,26 +68,34 @@ def encode(kind: Kind, rid: int, meta: Any, payload: bytes = b"",
         7
     """
     specs, buffers = tensor_frames(tensors) if tensors else ((), ())
-    head = HEADER.pack(MAGIC, VERSION, int(kind), len(buffers), rid)
-    return [head, pickle.dumps((meta, tuple(tuple(s) for s in specs)), protocol=5),
-            payload, *buffers]
+    meta_bytes = pickle.dumps((meta, tuple(tuple(s) for s in specs)), protocol=5)
+    head = HEADER.pack(MAGIC, VERSION, int(kind), len(buffers), rid, len(meta_bytes))
+    return [b"".join((head, meta_bytes, payload)), *buffers]
+
+
+def _header(frames: Sequence) -> tuple:
+    if len(frames) < 1:
+        raise ProtocolError("message has no frames")
+    env = frames[0]
+    size = memoryview(env).nbytes
+    if size < HEADER.size:
+        raise ProtocolError(f"envelope of {size} bytes is shorter than the {HEADER.size}-byte header")
+    magic, version, kind, nbuf, rid, meta_len = HEADER.unpack_from(env)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"bad magic/version {magic!r}/{version}")
+    if kind not in _KINDS:
+        raise ProtocolError(f"unknown message kind {kind}")
+    if nbuf != len(frames) - 1 or nbuf > MAX_BUFFERS:
+        raise ProtocolError(f"header announces {nbuf} buffers, message has {len(frames) - 1}")
+    if HEADER.size + meta_len > size:
+        raise ProtocolError(f"header announces {meta_len} meta bytes, the envelope has "
+                            f"{size - HEADER.size}")
+    return kind, rid, nbuf, meta_len
 
 
 def peek_header(frames: Sequence) -> tuple[int, int, int]:
-    """(kind, request id, buffer count) after checking magic, version and counts."""
-    if len(frames) < 3:
-        raise ProtocolError(f"message has {len(frames)} frames, at least 3 expected")
-    head = frames[0]
-    if len(head) != HEADER.size:
-        raise ProtocolError(f"header of {len(head)} bytes, {HEADER.size} expected")
-    magic, version, kind, nbuf, rid = HEADER.unpack(head)
-    if magic != MAGIC or version != VERSION:
-        raise ProtocolError(f"bad magic/version {magic!r}/{version}")
-    if kind not in Kind._value2member_map_:
-        raise ProtocolError(f"unknown message kind {kind}")
-    if nbuf != len(frames) - 3 or nbuf > MAX_BUFFERS:
-        raise ProtocolError(f"header announces {nbuf} buffers, message has {len(frames) - 3}")
-    return kind, rid, nbuf
+    """(kind, request id, buffer count) after checking magic, version, counts and lengths."""
+    return _header(frames)[:3]
 
 
 def request_id(frames: Sequence) -> int | None:
@@ -87,7 +103,7 @@ def request_id(frames: Sequence) -> int | None:
     when the rest of the message is not (so the sender can get an error
     reply); None otherwise. Never raises."""
     try:
-        magic, version, kind, _, rid = HEADER.unpack(frames[0])
+        magic, version, kind, _, rid, _ = HEADER.unpack_from(frames[0])
     except Exception:  # noqa: BLE001 - no frame, or one of the wrong size or type
         return None
     if magic == MAGIC and version == VERSION and kind in (Kind.CALL, Kind.REMOTE):  # not NOTIFY
@@ -98,20 +114,24 @@ def request_id(frames: Sequence) -> int | None:
 def decode(frames: Sequence, sender: Any = None) -> Message:
     """Parse frames (bytes or buffers) into a :class:`Message`.
 
-    Raises ProtocolError and nothing else: wrong frame count, header, magic,
-    version or kind; a buffer count other than the header's; a meta frame that
-    does not unpickle to ``(meta, specs)`` with ``specs`` a tuple (or declares
-    more bytes than it has: nothing is allocated for it). The specs themselves
+    Raises ProtocolError and nothing else: no frame, a short header, wrong magic,
+    version or kind; a buffer count other than the header's; a meta length
+    beyond the envelope; meta bytes that do not unpickle to ``(meta, specs)``
+    with ``specs`` a tuple (or declare more bytes than they have: nothing is
+    allocated for it). The specs themselves
     and the buffer sizes are checked by :func:`~.pickler.rebuild_tensors`
     (ProtocolError too) and the payload by :func:`~.pickler.loads`
     (SerializationError); decode touches neither.
     """
-    kind, rid, _ = peek_header(frames)
+    kind, rid, _, meta_len = _header(frames)
+    env = memoryview(frames[0])
+    meta_end = HEADER.size + meta_len
     try:
-        check_pickle(frames[1])
-        meta, specs = pickle.loads(frames[1])
+        meta_bytes = env[HEADER.size:meta_end]
+        check_pickle(meta_bytes)
+        meta, specs = pickle.loads(meta_bytes)
     except Exception as e:
-        raise ProtocolError(f"malformed meta frame: {type(e).__name__}: {e}") from e
+        raise ProtocolError(f"malformed meta: {type(e).__name__}: {e}") from e
     if not isinstance(specs, tuple):
         raise ProtocolError("malformed tensor specs")
-    return Message(Kind(kind), rid, meta, specs, frames[2], list(frames[3:]), sender)
+    return Message(_KINDS[kind], rid, meta, specs, env[meta_end:], list(frames[1:]), sender)
