@@ -81,12 +81,15 @@ class DistAutogradContext:
             else:
                 self.gradients[leaf] = old + grad
 
-    def accumulate_fresh(self, leaves: list, grads: Sequence, given: Sequence) -> None:
+    def accumulate_fresh(self, leaves: list, grads: Sequence, given: Sequence,
+                         owned: bool = False) -> None:
         """Accumulate an engine call's results for ``leaves`` (AccumulateGrad
         nodes). Results are kept
         without a copy unless their memory is shared: the engine may hand one
-        tensor to several leaves (x + y) or pass a ``given`` gradient through views."""
-        seen = {g.untyped_storage().data_ptr() for g in given}
+        tensor to several leaves (x + y) or pass a ``given`` gradient through views
+        (``owned``: the given gradients are this pass's own, received from the
+        network, and may be kept as they are)."""
+        seen = set() if owned else {g.untyped_storage().data_ptr() for g in given}
         grads_of = self.gradients
         with self.lock:
             for leaf, g in zip(leaves, grads):

@@ -188,7 +188,8 @@ class PassState:
             inputs.append(_ANCHOR)
         res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
                     self.retain_graph)
-        self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs])
+        # gradients that came over the network belong to this pass: no defensive copy
+        self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs], owned=key != "root")
 
     def resume(self) -> None:
         """After discovery: count only reachable inputs and run what is complete."""

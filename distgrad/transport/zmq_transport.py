@@ -56,6 +56,7 @@ _HEARTBEAT = b"\xffHB"
 _GOODBYE = b"\xffBYE"
 _RANK = struct.Struct("!I")
 _SNDMORE = int(zmq.SNDMORE)
+_COPY_THRESHOLD = 1 << 20
 _NOBLOCK = int(zmq.NOBLOCK)
 _SHM_TAG = "shm"
 _AUTH_TAG = "auth"
@@ -176,6 +177,9 @@ class ZmqTransport(Transport):
             d = self._ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.SNDHWM, 0)
             d.setsockopt(zmq.LINGER, 0)
+            # pyzmq hands every zero-copy frame back through a Python thread (its
+            # garbage collector): a wake-up per frame; below 1 MiB a memcpy is cheaper
+            d.copy_threshold = _COPY_THRESHOLD
             if self.encrypt:
                 d.curve_serverkey = curve_keys(self._secret, "server")[0]
                 d.curve_publickey, d.curve_secretkey = curve_keys(self._secret, f"client{self.rank}")

@@ -225,7 +225,7 @@ def rebuild_tensors(specs: Sequence[TensorSpec], buffers: Sequence) -> list[torc
                 have = memoryview(buf).nbytes
                 if have != nbytes:
                     raise ProtocolError(f"tensor buffer holds {have} bytes, spec needs {nbytes}")
-                t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(spec.shape)
+                t = torch.frombuffer(buf, dtype=dtype).view(spec.shape)
             if spec.kind == _PARAMETER:
                 t = torch.nn.Parameter(t, requires_grad=spec.requires_grad)
             elif spec.requires_grad:
