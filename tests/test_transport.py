@@ -257,3 +257,22 @@ def test_rpc_over_shm_between_processes(monkeypatch):
     from mp_utils import run_workers
     monkeypatch.setenv("DISTGRAD_SHM_THRESHOLD", "65536")
     assert run_workers(_rpc_big, world_size=2, timeout=60)[0] == [True, True, 3.0]
+
+
+@needs_shm
+def test_no_room_in_shm_falls_back_to_tcp(monkeypatch, caplog):
+    a, b, ha, hb = _pair(threshold=4096)
+    try:
+        def full(fd, offset, size):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        payload = np.arange(1 << 20, dtype=np.uint8)
+        a.send(1, [b"h", payload])
+        (_, frames), = hb.wait_for(1)
+        assert bytes(frames[1]) == payload.tobytes()
+        assert not isinstance(frames[1].obj, np.ndarray)  # came over TCP
+        assert a._shm_writer.failures == 1 and _my_shm_files() == []
+        assert "over TCP" in caplog.text
+    finally:
+        a.close(0)
+        b.close(0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import glob
 import itertools
+import logging
 import mmap
 import os
 import socket
@@ -36,6 +37,8 @@ import time
 import weakref
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 MARK = b"\xffSHM"   # a message whose large frames are in segments
@@ -101,6 +104,7 @@ class ShmWriter:
         self._segments: dict[str, _Segment] = {}
         self._by_size: dict[int, list[_Segment]] = collections.defaultdict(list)
         self.created = 0  # segments ever created (reuse shows as sends > created)
+        self.failures = 0  # frames that fell back to TCP (no room in /dev/shm)
 
     def pack(self, frames, threshold: int, peer: int) -> list | None:
         """Frames with every frame >= ``threshold`` bytes moved to a segment lent to
@@ -111,9 +115,13 @@ class ShmWriter:
             mv = memoryview(f)
             if mv.nbytes < threshold:
                 continue
+            try:
+                seg = self._take(mv.nbytes, peer)
+            except OSError as e:  # /dev/shm full (64 MiB in a default container): TCP
+                self._warn(e)
+                continue
             if out is None:
                 out = list(frames)
-            seg = self._take(mv.nbytes, peer)
             src = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, np.uint8)
             np.copyto(seg.array[:mv.nbytes], src)  # releases the GIL
             name = seg.name.encode()
@@ -147,7 +155,12 @@ class ShmWriter:
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Reserve the pages now: writing to a tmpfs mapping past its capacity
+            # is a SIGBUS, a failed fallocate an error we can fall back from.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
             m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
             _unlink(path)
@@ -161,6 +174,13 @@ class ShmWriter:
             self._by_size[size].append(seg)
             self.created += 1
         return seg
+
+    def _warn(self, err: OSError) -> None:
+        self.failures += 1
+        if self.failures & (self.failures - 1) == 0:  # 1st, 2nd, 4th...: bounded log
+            log.warning("shared memory for a large frame failed (%s; %d so far): sending it "
+                        "over TCP; free space in %s or set DISTGRAD_SHM_THRESHOLD=0",
+                        err, self.failures, SHM_DIR)
 
     def free_segments(self) -> int:
         """How many segments no receiver holds."""
