@@ -178,3 +178,64 @@ def test_serialization():
     # transport): give this test's peers more slack.
     assert run_workers(_serialization, world_size=2, timeout=150,
                        options={"heartbeat_deadline": 30.0}) == [True, None]
+
+
+# -- large tensors through reused shared-memory segments ---------------------------
+_KEPT: list = []
+MIB = 1 << 20
+
+
+def keep(x):
+    """Callee: hold a received 1 MiB tensor (a zero-copy view of a segment)."""
+    _KEPT.append(x)
+    return float(x[0])
+
+
+def kept_values():
+    return [float(t[0]) if bool((t == t[0]).all()) else None for t in _KEPT]
+
+
+def make(i):
+    return torch.full((MIB // 4,), float(i))
+
+
+def drop_kept():
+    _KEPT.clear()
+    import gc
+    gc.collect()
+
+
+def segments_created():
+    return rpc.api.current_agent().transport._shm_writer.created
+
+
+def _shared_memory(rank, world_size):
+    if rank != 0:
+        return None
+    transport = rpc.api.current_agent().transport
+    assert transport.uses_shm(1)
+    # Tensors held on both sides while more are sent: a segment still viewed by a
+    # received tensor is never reused, so nothing held is overwritten.
+    replies = []
+    for i in range(8):
+        assert rpc.rpc_sync("worker1", keep, args=(torch.full((MIB // 4,), float(i)),)) == i
+        replies.append(rpc.rpc_sync("worker1", make, args=(100 + i,)))
+    assert rpc.rpc_sync("worker1", kept_values) == [float(i) for i in range(8)]
+    assert [float(r[0]) for r in replies] == [100.0 + i for i in range(8)]
+    assert all(bool((r == r[0]).all()) for r in replies)
+    mine, theirs = transport._shm_writer.created, rpc.rpc_sync("worker1", segments_created)
+    assert mine >= 8 and theirs >= 8  # one per tensor held at once
+    # Once dropped, segments are reused: many more transfers, (almost) no new segments.
+    replies.clear()
+    rpc.rpc_sync("worker1", drop_kept)
+    for i in range(30):
+        out = rpc.rpc_sync("worker1", echo, args=(torch.full((MIB // 4,), float(i)),))
+        assert float(out[0]) == i and float(out[-1]) == i
+        del out
+    assert transport._shm_writer.created <= mine + 2
+    assert rpc.rpc_sync("worker1", segments_created) <= theirs + 2
+    return True
+
+
+def test_large_tensors_through_reused_shared_memory_stay_intact():
+    assert run_workers(_shared_memory, world_size=2, timeout=120) == [True, None]
