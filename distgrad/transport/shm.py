@@ -68,6 +68,12 @@ def owner_prefix(pid: int, rank: int) -> str:
     return f"{_PREFIX}{pid}-{rank}-"
 
 
+def parsed_frames(frames) -> int:
+    """How many leading frames of a message its receiver parses (and the MAC must
+    cover in full): the envelope, and the segment descriptor in front of it."""
+    return 2 if frames and bytes(memoryview(frames[0])[:4]) == MARK else 1
+
+
 def names_frame(names: list[str]) -> bytes:
     """A DROP frame listing segment names."""
     return DROP + "\0".join(names).encode()

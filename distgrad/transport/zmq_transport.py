@@ -17,7 +17,7 @@ address. The listening address carries this worker's auth nonce.
 
 With ``encrypt`` (needs the secret), every connection is a ZeroMQ CURVE
 session (Curve25519 + XSalsa20-Poly1305): the server keypair and each
-client's keypair are derived from the cluster secret (:func:`curve_keys`),
+client's keypair are derived from the cluster secret (:func:`.auth.curve_keys`),
 so no key is distributed; a peer without the secret cannot complete the
 handshake, and one without CURVE is refused at the greeting. The listening
 address carries ``#curve=1`` so that a mixed cluster fails at start-up.
@@ -31,24 +31,22 @@ zero-copy view on the receiver, whose release frees the segment in place.
 from __future__ import annotations
 
 import collections
-import hashlib
 import heapq
 import logging
 import math
 import os
-import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 import zmq
-from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from . import shm
-from .auth import Authenticator, AuthError
+from .auth import Authenticator, AuthError, curve_keys
 from .base import Timer, Transport, TransportHandler
+from .waker import Waker
 
 log = logging.getLogger(__name__)
 
@@ -68,62 +66,9 @@ DEFAULT_MAX_MESSAGE_SIZE = 1 << 33  # bytes per frame; bounds what a peer can ma
 DEFAULT_SHM_THRESHOLD = 256 << 10
 
 
-def curve_keys(secret: bytes, role: str) -> tuple[bytes, bytes]:
-    """(public, secret) z85 CURVE keypair for ``role`` ("server" or "client<rank>"),
-    derived from the cluster secret: every worker computes every key it needs."""
-    seed = hashlib.blake2b(role.encode(), key=hashlib.sha256(secret).digest(), digest_size=32,
-                           person=b"distgrad-curve").digest()
-    private = z85.encode(seed)
-    return zmq.curve_public(private), private
-
-
 def _default_shm_threshold() -> int:
     value = os.environ.get("DISTGRAD_SHM_THRESHOLD")
     return int(value) if value else DEFAULT_SHM_THRESHOLD
-
-
-class _Waker:
-    """Wakes the I/O thread out of its poll: an eventfd where there is one (one
-    8-byte counter, cheaper than a socket pair's network-stack syscalls)."""
-
-    def __init__(self) -> None:
-        if hasattr(os, "eventfd"):  # Linux
-            self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            self._pair = None
-        else:
-            self._pair = socket.socketpair()
-            for s in self._pair:
-                s.setblocking(False)
-            self._fd = self._pair[0].fileno()
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def wake(self) -> None:
-        try:
-            if self._pair is None:
-                os.eventfd_write(self._fd, 1)
-            else:
-                self._pair[1].send(b"x")
-        except (BlockingIOError, OSError):
-            pass
-
-    def clear(self) -> None:
-        try:
-            if self._pair is None:
-                os.eventfd_read(self._fd)
-            else:
-                while self._pair[0].recv(4096):
-                    pass
-        except (BlockingIOError, OSError):
-            pass
-
-    def close(self) -> None:
-        if self._pair is None:
-            os.close(self._fd)
-        else:
-            for s in self._pair:
-                s.close()
 
 
 class ZmqTransport(Transport):
@@ -174,7 +119,7 @@ class ZmqTransport(Transport):
         self._queue: collections.deque = collections.deque()
         self._timers: list[Timer] = []
         self._after: list[Callable[[], None]] = []
-        self._waker = _Waker()
+        self._waker = Waker()
         self._wake_pending = False
         self._handler: TransportHandler | None = None
         self._thread: threading.Thread | None = None
@@ -397,10 +342,7 @@ class ZmqTransport(Transport):
 
     def _send_now(self, peer: int, frames: Sequence) -> None:
         if self._auth is not None:
-            first = frames[0]
-            # the envelope is frame 0, or frame 1 behind a shared-memory descriptor
-            full = 2 if isinstance(first, bytes) and first[:4] == shm.MARK else 1
-            frames = self._auth.seal(peer, frames, full)
+            frames = self._auth.seal(peer, frames, shm.parsed_frames(frames))
             frames[0] = self._rank_bytes + frames[0]
         else:
             frames = [self._rank_bytes, *frames]
@@ -449,15 +391,13 @@ class ZmqTransport(Transport):
             body = [fr.buffer for fr in frames[1:]]
             if self._auth is not None:
                 try:
-                    # parsed frames must be covered in full: the envelope, and the
-                    # shared-memory descriptor in front of it
-                    body = self._auth.open(peer, [head[4:], *body],
-                                           2 if body[0][:4] == shm.MARK else 1)
+                    # what the receiver parses must be covered in full
+                    body = self._auth.open(peer, [head[4:], *body], shm.parsed_frames(body))
                 except AuthError as e:
                     self._reject(f, f"claims to be worker {peer}: {e}")
                     continue
             elif len(head) != 4:
-                self._reject(frames[-1], "authenticated message, but this worker has no secret")
+                self._reject(f, "authenticated message, but this worker has no secret")
                 continue
             self._last_recv[peer] = now
             first = body[0]
