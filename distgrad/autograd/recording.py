@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..rpc.agent import AgentExtension, register_extension
+from ..rpc.extensions import AgentExtension, register_extension
 from .context import CONTAINER, DistAutogradContext
 
 # One leaf that every recv function hangs from, so that received tensors
@@ -83,7 +83,7 @@ class _Scope:
 
 
 class AutogradExtension(AgentExtension):
-    """Plugs recording into the RPC agent (see :class:`~distgrad.rpc.agent.AgentExtension`)."""
+    """Plugs recording into the RPC agent (see :class:`~distgrad.rpc.extensions.AgentExtension`)."""
 
     def __init__(self, agent) -> None:
         self.agent = agent

@@ -2,7 +2,7 @@
 
 One agent per process, reached through :func:`current_agent`. The agent speaks
 to a :class:`~distgrad.transport.Transport` and to nothing lower; distributed
-autograd and RRefs plug in through :class:`AgentExtension` objects.
+autograd and RRefs plug in through :class:`~.extensions.AgentExtension` objects.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from ..errors import DistgradError, ProtocolError, RPCTimeoutError, Serializatio
 from ..transport import Transport
 from ..wire import Kind, decode, dumps, encode, loads
 from ..wire.messages import peek_header, request_id
+from .extensions import EXTENSION_TYPES, NULL_SCOPE, AgentExtension
 from .pool import WorkerPool
 from .remote_exc import pack_exception, unpack_exception
 from .worker_info import WorkerInfo
@@ -29,7 +30,6 @@ _holder: dict[str, RpcAgent] = {}
 # Requests remembered per sender to serve each (sender, request id) at most once
 # (a repeated CALL/REMOTE, e.g. from fault injection, is dropped).
 _DEDUP_WINDOW = 1 << 16
-_extension_types: list[Callable[[RpcAgent], AgentExtension]] = []
 
 
 def current_agent() -> RpcAgent:
@@ -44,50 +44,6 @@ def agent_or_none() -> RpcAgent | None:
     return _holder.get("agent")
 
 
-def register_extension(factory: Callable[[RpcAgent], AgentExtension]) -> None:
-    """Have ``factory(agent)`` build an extension for every agent created from now on."""
-    _extension_types.append(factory)
-
-
-class AgentExtension:
-    """Hooks for the layers above RPC (distributed autograd)."""
-
-    def outgoing(self, dest: int, tensors: list, ctx: Any) -> Any:
-        """Called before a message with ``tensors`` goes to ``dest``; returns meta."""
-        return None
-
-    def incoming(self, sender: int, meta: Any) -> Callable[[list], list] | None:
-        """Returns a tensor hook for a received message's tensors, or None."""
-        return None
-
-    def request_scope(self, meta: Any):
-        """A context manager the callee runs the user function under."""
-        return _NULL_SCOPE
-
-    def current(self) -> Any:
-        """What ``outgoing`` needs of the calling thread (e.g. its autograd context)."""
-        return None
-
-    def on_peer_lost(self, peer: int, reason: str) -> None:
-        pass
-
-    def on_shutdown(self) -> None:
-        pass
-
-    def debug_info(self) -> dict[str, Any]:
-        """Counters merged into ``rpc._get_debug_info()``."""
-        return {}
-
-
-class _NullScope:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL_SCOPE = _NullScope()
 
 
 class _Pending:
@@ -130,7 +86,7 @@ class RpcAgent:
         # by later control messages); returns False when it already replied.
         self.pre_dispatch: Callable[[int, Any], bool] | None = None
         self._tls = threading.local()
-        self.extensions: list[AgentExtension] = [f(self) for f in _extension_types]
+        self.extensions: list[AgentExtension] = [f(self) for f in EXTENSION_TYPES]
         self.shutting_down = False
         self._seen_rids: dict[int, tuple[set, collections.deque]] = {}
 
@@ -464,12 +420,12 @@ class RpcAgent:
 
     def _scope(self, meta: Any):
         if meta is None:
-            return _NULL_SCOPE
+            return NULL_SCOPE
         for ext in self.extensions:
             scope = ext.request_scope(meta)
-            if scope is not _NULL_SCOPE:
+            if scope is not NULL_SCOPE:
                 return scope
-        return _NULL_SCOPE
+        return NULL_SCOPE
 
     # -- introspection --------------------------------------------------------
     def debug_info(self) -> dict[str, Any]:

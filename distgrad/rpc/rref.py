@@ -28,7 +28,8 @@ import torch
 
 from ..wire import Kind
 from ..wire.pickler import current_destination, current_pins
-from .agent import AgentExtension, AsyncResult, RpcAgent, agent_or_none, current_agent, register_extension
+from .agent import AsyncResult, RpcAgent, agent_or_none, current_agent
+from .extensions import AgentExtension, register_extension
 from .worker_info import WorkerInfo
 
 T = TypeVar("T")
