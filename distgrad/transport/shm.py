@@ -287,16 +287,12 @@ class ShmReader:
         if m is None:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
             try:
-                have = os.fstat(fd).st_size
-                if have < size:
-                    raise ValueError(f"shared-memory segment {name} holds {have} bytes, "
-                                     f"the message needs {size}")
-                m = mmap.mmap(fd, have, flags=mmap.MAP_SHARED | _POPULATE)
+                m = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | _POPULATE)
             finally:
                 os.close(fd)
             with self._lock:
                 self._maps[name] = m
-        elif len(m) < size:
+        if len(m) < size:
             raise ValueError(f"shared-memory segment {name} holds {len(m)} bytes, "
                              f"the message needs {size}")
         return m
