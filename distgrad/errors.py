@@ -10,6 +10,8 @@ name in ``.worker_name`` and in the message.
     ├── WorkerLostError                      the peer died or went silent
     ├── RemoteError                          the remote function raised and its
     │                                        exception type could not be rebuilt
+    ├── BackwardError                        a node raised during a distributed
+    │                                        backward ("Error on Node N: ...")
     ├── ProtocolError                        malformed or unexpected frames
     └── SerializationError (also TypeError)  an argument or result cannot be
                                              pickled; nothing was sent
@@ -55,6 +57,24 @@ class RemoteError(DistgradError):
         self.remote_traceback = remote_traceback
 
 
+class BackwardError(DistgradError):
+    """A node raised during a distributed backward pass.
+
+    The message starts as torch's does, ``"Error on Node <rank>: <original
+    message>"``, and names the autograd node and the worker; ``node_name`` and
+    ``cause_type`` (qualified name of the original exception type) are attributes.
+    """
+
+    def __init__(self, message: str, worker_name: str | None = None, node_name: str = "",
+                 cause_type: str = "") -> None:
+        super().__init__(message, worker_name)
+        self.node_name = node_name
+        self.cause_type = cause_type
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.worker_name, self.node_name, self.cause_type))
+
+
 class ProtocolError(DistgradError):
     """A peer sent bytes that do not form a valid distgrad message."""
 
@@ -63,5 +83,5 @@ class SerializationError(DistgradError, TypeError):
     """An object could not be pickled (caller side) or unpickled (callee side)."""
 
 
-__all__ = ["DistgradError", "RPCTimeoutError", "WorkerLostError", "RemoteError",
+__all__ = ["BackwardError", "DistgradError", "RPCTimeoutError", "WorkerLostError", "RemoteError",
            "ProtocolError", "SerializationError"]

@@ -135,7 +135,7 @@ def test_contexts_and_recording():
     assert r["cid"] == 1 << 48
     assert r["same"]
     assert r["known_no_grad"] == [2] and r["no_grad_sends"] == 0
-    assert r["recv_name"] == "RecvRpcBackward"
+    assert r["recv_name"] == "torch::distributed::autograd::RecvRpcBackward"  # torch's name
     assert r["n_send_recv"] == (1, 1)
     assert r["send_edges_ok"] == [("AccumulateGrad", True)]  # x goes once, aliasing kept
     assert r["remote_valid_before"]

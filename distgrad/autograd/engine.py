@@ -22,7 +22,9 @@ state lives in the context and goes with it.
 from __future__ import annotations
 
 import collections
+import pickle
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from ..errors import BackwardError, DistgradError
 from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
 from ..rpc.remote_exc import pack_exception, unpack_exception
@@ -82,12 +85,28 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
     try:
         fn(*args)
     except BaseException as e:  # noqa: BLE001 - reported to the initiator
-        err = e
+        err = backward_error(e)
     finally:
         state.running -= 1
         exp, targets = _tls.exp, _tls.targets
         _tls.state, _tls.exp, _tls.targets = prev
     _report(state.ctx.id, state.pass_id, state.initiator, exp, state.blocked(), targets, err)
+
+
+def backward_error(e: BaseException, node: Any = None) -> BaseException:
+    """The error a pass ends with when ``e`` was raised on this worker (inside
+    ``node`` when known): torch's ``RuntimeError("Error on Node <rank>: <message>")``
+    as a :class:`~distgrad.errors.BackwardError` naming the node and the worker.
+    distgrad's own errors (a lost worker, a timeout) keep their type."""
+    if isinstance(e, DistgradError):
+        return e
+    agent = _agent()
+    name = node.name() if node is not None else ""
+    where = f" (in {name} on worker {agent.name})" if name else f" (on worker {agent.name})"
+    cause = f"{type(e).__module__}.{type(e).__qualname__}"
+    err = BackwardError(f"Error on Node {CONTAINER.worker_id}: {e}{where}", agent.name, name, cause)
+    err.__cause__ = e
+    return err
 
 
 def _report(context_id: int, pass_id: tuple, initiator: int, exp: int, blocked: bool,
@@ -97,14 +116,31 @@ def _report(context_id: int, pass_id: tuple, initiator: int, exp: int, blocked: 
         _returned(pass_id, me, exp, blocked, targets, err)
         return
     agent = _agent()
-    blob = pack_exception(err, agent.name, agent.rank) if err is not None else None
+    blob = _pack_error(err, agent) if err is not None else None
     agent.send_control(initiator, "ag_report", context_id, pass_id, exp, blocked, sorted(targets), blob)
+
+
+def _pack_error(err: BaseException, agent: Any) -> bytes:
+    if isinstance(err, BackwardError):  # keep torch's message; the traceback goes along
+        tb = "".join(traceback.format_exception(err.__cause__ or err))
+        return pickle.dumps(("backward", str(err), err.worker_name, err.node_name, err.cause_type, tb))
+    return pickle.dumps(("other", pack_exception(err, agent.name, agent.rank)))
+
+
+def _unpack_error(blob: bytes) -> BaseException:
+    kind, *rest = pickle.loads(blob)
+    if kind != "backward":
+        return unpack_exception(rest[0])
+    message, worker, node, cause, tb = rest
+    err = BackwardError(f"{message}\nRemote traceback ({cause}):\n{tb}", worker, node, cause)
+    err.remote_traceback = tb
+    return err
 
 
 def on_report(sender: int, context_id: int, pass_id: tuple, exp: int, blocked: bool,
               targets: list, blob: bytes | None) -> None:
     """Control message (I/O thread): a worker's run of one of our passes ended."""
-    err = unpack_exception(blob) if blob is not None else None
+    err = _unpack_error(blob) if blob is not None else None
     _returned(tuple(pass_id), sender, int(exp), bool(blocked), set(targets), err)
 
 

@@ -115,7 +115,7 @@ def _local_description(context_id: int, roots: Sequence[Any] = ()) -> dict:
         seen.add(id(n))
         nid = node_id(n)
         t = type(n)
-        d: dict[str, Any] = {"id": nid, "name": n.name(), "kind": "op"}
+        d: dict[str, Any] = {"id": nid, "name": n.name().rsplit("::", 1)[-1], "kind": "op"}
         if t is send_t or id(n) in send_ids:
             meta = _meta_list(n)
             d.update(kind="send", message_id=send_ids.get(id(n)), tensors=meta,

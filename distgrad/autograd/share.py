@@ -31,6 +31,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from .context import CONTAINER, DistAutogradContext
+from .nodes import accumulate, run_node, validate
 from .recording import _ANCHOR, _node_types
 
 _ACCUMULATE = None
@@ -247,10 +248,12 @@ class PassState:
             buf = self.buffers.get(node)
             if buf is None:
                 buf = self.buffers[node] = [None] * len(node._input_metadata)
-            buf[slot] = g if buf[slot] is None else buf[slot] + g
+            buf[slot] = accumulate(buf[slot], g)
         self._arrived(node, ready)
 
     def _execute(self, node: Any, ready: list) -> None:
+        """Run ``node`` once, all its counted inputs in (absent ones stay ``None``,
+        as in torch's engine), and route its outputs to the next nodes."""
         send_t, recv_t = _node_types()
         grads = self.buffers.pop(node, None) or [None] * len(node._input_metadata)
         self.done.add(node)
@@ -269,21 +272,11 @@ class PassState:
             from .engine import ship_gradients  # (engine imports this module)
             ship_gradients(node.dg_info, grads)
             return
-        if t is send_t:
-            outs = grads
-        else:
-            full = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype)
-                    for g, m in zip(grads, node._input_metadata)]
-            with torch.no_grad():
-                if hasattr(node, "_forward_cls"):  # a Python autograd.Function
-                    res = node.apply(*full)
-                    res = res if isinstance(res, tuple) else (res,)
-                    picked = iter([g for g, need in zip(res, node.needs_input_grad) if need])
-                    outs = [next(picked, None) if nxt is not None else None
-                            for nxt, _ in node.next_functions]
-                else:
-                    res = node(*full)
-                    outs = res if isinstance(res, (tuple, list)) else (res,)
+        try:
+            outs = validate(node, grads) if t is send_t else run_node(node, grads)
+        except Exception as e:  # noqa: BLE001 - name the node, as torch's engine does
+            from .engine import backward_error
+            raise backward_error(e, node) from e
         for (nxt, slot), g in zip(node.next_functions, outs):
             if nxt is not None:
                 self._add(nxt, slot, g, ready)
