@@ -286,15 +286,19 @@ def test_exact_gradients():
 def _errors(rank, ws):
     import distgrad.autograd as dist_autograd
     import distgrad.rpc as rpc
+    from distgrad.errors import BackwardError
     if rank != 0:
         return None
     a = torch.ones(3, requires_grad=True)
     with dist_autograd.context() as cid:
         y = rpc.rpc_sync("worker1", f_boom, args=(a,))
         z = rpc.rpc_sync("worker2", torch.mul, args=(a, 2.0))
-        with pytest.raises(ValueError, match="boom in backward") as ei:
+        # torch's type and message: a RuntimeError "Error on Node <rank>: <message>"
+        with pytest.raises(RuntimeError, match="Error on Node 1: boom in backward") as ei:
             dist_autograd.backward(cid, [(y + z).sum()])
-        assert "worker1" in str(ei.value)
+        assert isinstance(ei.value, BackwardError), type(ei.value)
+        assert "worker1" in str(ei.value) and ei.value.worker_name == "worker1"
+        assert ei.value.cause_type == "builtins.ValueError"
     for w in ("worker0", "worker1", "worker2"):
         assert _wait_until(lambda w=w: rpc.rpc_sync(w, debug_info)["num_current_backward_passes"] == 0)
     with dist_autograd.context() as cid:
