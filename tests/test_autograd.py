@@ -310,3 +310,28 @@ def _errors(rank, ws):
 
 def test_error_in_remote_backward():
     assert run_workers(_errors, world_size=3, timeout=90)[0]
+
+
+def _profiled(rank, ws):
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    t1 = torch.rand(3, 3, requires_grad=True)
+    t2 = torch.rand(3, 3, requires_grad=True)
+    with dist_autograd.context() as cid:
+        loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
+        with torch.autograd.profiler.profile() as prof:
+            dist_autograd.backward(cid, [loss])
+        grads = dist_autograd.get_gradients(cid)
+        assert torch.equal(grads[t1], torch.ones(3, 3)) and torch.equal(grads[t2], torch.ones(3, 3))
+    names = [e.name for e in prof.function_events]
+    # as torch shows a distributed backward: the pass, and each send/recv function it ran here
+    assert "torch::distributed::autograd::backward" in names, names
+    assert names.count("torch::distributed::autograd::SendRpcBackward") == 1, names
+    assert names.count("torch::distributed::autograd::RecvRpcBackward") == 1, names
+    return True
+
+
+def test_backward_under_profiler():
+    assert run_workers(_profiled, world_size=2, timeout=60)[0]

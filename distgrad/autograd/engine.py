@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import pickle
+import queue
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -73,6 +74,15 @@ def ship_gradients(dg_info: tuple, grads: Sequence) -> None:
     _tls.targets.add(sender)
     _agent().notify(sender, _propagate, (context_id, state.pass_id, state.initiator,
                                          state.retain_graph, msg_id, list(grads), _tls.exp))
+
+
+def _run_here_or_inline(state: PassState, exp: int, fn, *args) -> None:
+    """:func:`_run`, or hand it to the initiator's thread where that thread asked to
+    run its pass's work itself (it is profiling: torch's profiler sees one thread)."""
+    if state.inline is not None:
+        state.inline.put((state, exp, fn, args))
+    else:
+        _run(state, exp, fn, *args)
 
 
 def _run(state: PassState, exp: int, fn, *args) -> None:
@@ -194,12 +204,22 @@ def _propagate(context_id: int, pass_id: tuple, initiator: int, retain_graph: bo
     """One-way request: gradients for send function ``msg_id`` of this worker."""
     try:
         state = ENGINE.get_or_create(context_id, pass_id, initiator, retain_graph)
-        node = state.ctx.send_functions[msg_id]
+        node = _send_function(state, msg_id)
     except BaseException as e:  # noqa: BLE001
         _report(context_id, pass_id, initiator, exp, False, set(), e)
         return
     outputs = [GradientEdge(node, i) for i in range(len(grads))]
-    _run(state, exp, state.run_entry, msg_id, outputs, grads)
+    _run_here_or_inline(state, exp, state.run_entry, msg_id, outputs, grads)
+
+
+def _send_function(state: PassState, msg_id: int) -> Any:
+    with state.ctx.lock:
+        node = state.ctx.send_functions.get(msg_id)
+    if node is None:
+        gone = " (the context was released)" if state.ctx.released else ""
+        raise RuntimeError(f"no send function with autograd message id {msg_id} in context "
+                           f"{state.ctx.id} on worker {_agent().name}{gone}")
+    return node
 
 
 # -- the fallback: discovery, then resume ------------------------------------------
@@ -224,7 +244,7 @@ def _discover(context_id: int, pass_id: tuple, initiator: int, retain_graph: boo
         for m in msg_ids:
             if m not in state.discovered:
                 state.discovered.add(m)
-                starts.append(state.ctx.send_functions[m])
+                starts.append(_send_function(state, m))
         recvs = state.walk_reach(starts)
     return _discover_remote(state, recvs)
 
@@ -236,7 +256,7 @@ def _resume(context_id: int, pass_id: tuple, exp: int) -> None:
     except BaseException as e:  # noqa: BLE001
         _report(context_id, pass_id, pass_id[0], exp, False, set(), e)
         return
-    _run(state, exp, state.resume)
+    _run_here_or_inline(state, exp, state.resume)
 
 
 def _resume_all(state: PassState, blocked: set) -> None:
@@ -251,22 +271,25 @@ def _resume_all(state: PassState, blocked: set) -> None:
             _fail(state, agent._lost_error(w))
             return
     if mine is not None:
-        _run(state, mine, state.resume)
+        _run_here_or_inline(state, mine, state.resume)
     _returned(state.pass_id, me, exp, False, set(), None)  # the rest of the round's weight
 
 
 # -- the public entry ---------------------------------------------------------------
 def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool,
                    grad_tensors: Sequence[torch.Tensor] | None,
-                   deliver: Callable[[BaseException | None], None]) -> None:
+                   deliver: Callable[[BaseException | None], None],
+                   inline: queue.SimpleQueue | None = None) -> None:
     """Start a distributed backward pass; ``deliver(error or None)`` is called once,
-    on whichever thread sees the pass end (the I/O thread included)."""
+    on whichever thread sees the pass end (the I/O thread included). With ``inline``,
+    this worker's later runs of the pass are queued there for the caller to run."""
     if isinstance(roots, torch.Tensor) or not isinstance(roots, (list, tuple)):
         raise TypeError("backward(): incompatible function arguments. roots must be a list of "
                         f"tensors, got {type(roots).__name__}")
     ctx = CONTAINER.retrieve(context_id)
     roots, grads = _check_roots(roots, grad_tensors)
     state = ENGINE.new_pass(ctx, retain_graph, roots)
+    state.inline = inline
     rounds = [0]
 
     def finish(exc: BaseException | None) -> None:
@@ -336,7 +359,14 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
 
 def backward_sync(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
                   grad_tensors: Sequence[torch.Tensor] | None = None) -> None:
-    """:func:`backward_async` + wait, woken straight from the thread that sees the end."""
+    """:func:`backward_async` + wait, woken straight from the thread that sees the end.
+
+    Under torch's profiler the calling thread runs every piece of the pass that
+    falls to this worker (the profiler records one thread), inside a
+    ``torch::distributed::autograd::backward`` range, as torch's engine shows it."""
+    if torch.autograd._profiler_enabled():
+        with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"):
+            return _backward_inline(context_id, roots, retain_graph, grad_tensors)
     lock, box = threading.Lock(), []
     lock.acquire()
 
@@ -348,3 +378,18 @@ def backward_sync(context_id: int, roots: Sequence[torch.Tensor], retain_graph: 
     lock.acquire()
     if box[0] is not None:
         raise box[0]
+
+
+def _backward_inline(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool,
+                     grad_tensors: Sequence[torch.Tensor] | None) -> None:
+    tasks: queue.SimpleQueue = queue.SimpleQueue()
+    start_backward(context_id, roots, retain_graph, grad_tensors,
+                   lambda exc: tasks.put((None, exc)), inline=tasks)
+    while True:
+        state, *task = tasks.get()
+        if state is None:
+            if task[0] is not None:
+                raise task[0]
+            return
+        exp, fn, args = task
+        _run(state, exp, fn, *args)

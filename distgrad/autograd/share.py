@@ -96,6 +96,7 @@ class PassState:
         self.participants: set = {CONTAINER.worker_id}
         self.finished = False
         self.on_round: Callable[[BaseException | None, set], None] | None = None
+        self.inline: Any = None         # initiator: a queue its own thread runs work from
         self._prepare()
 
     # -- the walk ---------------------------------------------------------------
