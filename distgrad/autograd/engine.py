@@ -72,8 +72,16 @@ def ship_gradients(dg_info: tuple, grads: Sequence) -> None:
                            "backward pass (use distgrad.autograd.backward)")
     _tls.exp += 1
     _tls.targets.add(sender)
+    _tls.shipped.add(msg_id)
     _agent().notify(sender, _propagate, (context_id, state.pass_id, state.initiator,
                                          state.retain_graph, msg_id, list(grads), _tls.exp))
+
+
+def ship_absent(recvs: Sequence) -> None:
+    """Ship absent gradients for the recv functions that sent nothing in this run."""
+    for r in recvs:
+        if r.dg_info[1] not in _tls.shipped:
+            ship_gradients(r.dg_info, [None] * len(r._input_metadata))
 
 
 def _run_here_or_inline(state: PassState, exp: int, fn, *args) -> None:
@@ -88,8 +96,9 @@ def _run_here_or_inline(state: PassState, exp: int, fn, *args) -> None:
 def _run(state: PassState, exp: int, fn, *args) -> None:
     """Run ``fn(*args)`` for ``state`` on this thread holding weight ``2**-exp``;
     then return what is left of it to the initiator."""
-    prev = getattr(_tls, "state", None), getattr(_tls, "exp", 0), getattr(_tls, "targets", None)
-    _tls.state, _tls.exp, _tls.targets = state, exp, set()
+    prev = (getattr(_tls, "state", None), getattr(_tls, "exp", 0), getattr(_tls, "targets", None),
+            getattr(_tls, "shipped", None))
+    _tls.state, _tls.exp, _tls.targets, _tls.shipped = state, exp, set(), set()
     state.running += 1
     err = None
     try:
@@ -99,7 +108,7 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
     finally:
         state.running -= 1
         exp, targets = _tls.exp, _tls.targets
-        _tls.state, _tls.exp, _tls.targets = prev
+        _tls.state, _tls.exp, _tls.targets, _tls.shipped = prev
     _report(state.ctx.id, state.pass_id, state.initiator, exp, state.blocked(), targets, err)
 
 

@@ -62,11 +62,11 @@ def _accumulate_type() -> type:
 
 
 class _Region:
-    __slots__ = ("has_recv", "leaves")
+    __slots__ = ("leaves", "recvs")
 
     def __init__(self) -> None:
         self.leaves: list[torch.Tensor] = []
-        self.has_recv = False
+        self.recvs: list = []  # recv functions met (the walk stops there)
 
 
 class PassState:
@@ -141,7 +141,7 @@ class PassState:
                 leaves.append(n)  # its .variable costs a tensor wrapper: only on demand
                 continue
             if t is recv_t:
-                region.has_recv = True
+                region.recvs.append(n)
                 continue
             for nxt, _ in n.next_functions:
                 if nxt is not None and nxt not in seen:
@@ -183,16 +183,21 @@ class PassState:
         if region is None:
             return
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
-        if not pairs or not (region.leaves or region.has_recv):
-            return
-        # the leaf tensors, not GradientEdges: the same edges to the engine, ~8x cheaper to build
-        inputs = [n.variable for n in region.leaves]
-        if region.has_recv:
-            inputs.append(_ANCHOR)
-        res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
-                    self.retain_graph)
-        # gradients that came over the network belong to this pass: no defensive copy
-        self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs], owned=key != "root")
+        if pairs and (region.leaves or region.recvs):
+            # the leaf tensors, not GradientEdges: the same edges to the engine, ~8x cheaper
+            inputs = [n.variable for n in region.leaves]
+            if region.recvs:
+                inputs.append(_ANCHOR)
+            res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
+                        self.retain_graph)
+            # gradients that came over the network belong to this pass: no defensive copy
+            self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs], owned=key != "root")
+        if len(pairs) < len(outputs) and region.recvs:
+            # torch's engine runs a node even when all its gradients are absent, so a
+            # recv function behind an absent gradient still sends (absent gradients):
+            # the sender may be counting on that message
+            from .engine import ship_absent  # (engine imports this module)
+            ship_absent(region.recvs)
 
     def resume(self) -> None:
         """After discovery: count only reachable inputs and run what is complete."""
