@@ -188,9 +188,14 @@ def _keepable(g: torch.Tensor, leaf: Any) -> bool:
     if g.layout != torch.strided:
         return False
     var = leaf.variable
-    if var.layout != torch.strided or not _non_overlapping_and_dense(var):
+    if var.layout != torch.strided:
         return g.is_contiguous()
-    for n, gs, vs in zip(g.shape, g.stride(), var.stride()):
+    g_strides, var_strides = g.stride(), var.stride()
+    if g_strides == var_strides and 0 not in g_strides and g.is_contiguous():
+        return True  # the common case (both contiguous), whichever rule applies
+    if not _non_overlapping_and_dense(var):
+        return g.is_contiguous()
+    for n, gs, vs in zip(g.shape, g_strides, var_strides):
         if (gs != vs) if n != 1 else (gs == 0):
             return False
     return True
