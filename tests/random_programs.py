@@ -331,15 +331,18 @@ class DistRuntime:
 
 # -- helpers the driver calls on every worker ------------------------------------------
 def _reset() -> None:
+    """Forget the previous program's leaves, stash, counts and remote balance."""
     STATE.clear()
 
 
 def _remote_balance() -> tuple:
+    """(remote() calls issued from here, remote() bodies finished here)."""
     with STATE.lock:
         return STATE.remote_issued, STATE.remote_done
 
 
 def _take_counts() -> dict:
+    """The counting nodes' runs here since the last call (and reset them)."""
     with STATE.lock:
         out = dict(STATE.counts)
         STATE.counts.clear()
@@ -366,6 +369,7 @@ def _collect_grads(cid: int) -> tuple:
 
 
 def _engine_stats() -> dict:
+    """distgrad's engine counters here, {} when the engine has none."""
     import distgrad.autograd as dist_autograd
     try:
         return dict(dist_autograd.get_engine_stats())
@@ -407,6 +411,7 @@ def matmul_shape(a: tuple, b: tuple):
 
 
 def reduce_shape(shape: tuple, dims, keepdim: bool) -> tuple:
+    """The shape of sum/mean over ``dims`` (None: all)."""
     if dims is None:
         return ()
     return tuple(1 if i in dims else s for i, s in enumerate(shape) if keepdim or i not in dims)
@@ -477,6 +482,7 @@ class Generator:
 
     # -- shapes ------------------------------------------------------------------------
     def rand_shape(self) -> tuple:
+        """0 to 3 dims of size 1 to 4 (size 1 often, for broadcasting)."""
         nd = self.rnd.choices([0, 1, 2, 3], [0.15, 0.35, 0.35, 0.15])[0]
         return tuple(self.rnd.choices([1, 2, 3, 4], [0.25, 0.3, 0.25, 0.2])[0] for _ in range(nd))
 
@@ -523,12 +529,14 @@ class Generator:
         return out
 
     def g_unary(self, b):
+        """sin / tanh / sigmoid / square / scale."""
         x = self.pick(b)
         name = self.rnd.choice(["sin", "tanh", "sigmoid", "square", "scale"])
         attrs = {"c": self.rnd.choice([-1.5, 0.5, 3.0])} if name == "scale" else {}
         self.op(b, name, [x], attrs, self.shape(x))
 
     def g_binary(self, b):
+        """add / sub / mul / div with a broadcast-compatible partner (often another shape)."""
         x = self.pick(b)
         sx = self.shape(x)
         fits = [r for r in self.tensors(b) if broadcast_shape(sx, self.shape(r)) is not None
@@ -543,6 +551,7 @@ class Generator:
         self.op(b, name, [x, y], {}, broadcast_shape(self.shape(x), self.shape(y)))
 
     def g_reduce(self, b):
+        """sum / mean over everything or over some dims, keepdim or not."""
         x = self.pick(b)
         s = self.shape(x)
         name = self.rnd.choice(["sum", "mean"])
@@ -554,6 +563,7 @@ class Generator:
         self.op(b, name, [x], {"dims": dims, "keepdim": keepdim}, reduce_shape(s, dims, keepdim))
 
     def g_view(self, b):
+        """One view or indexing op that fits the operand's shape."""
         x = self.pick(b)
         s = self.shape(x)
         nd = len(s)
@@ -617,6 +627,7 @@ class Generator:
             self.op(b, name, [x], {"shape": list(t)}, t)
 
     def g_multi(self, b):
+        """split / chunk / unbind: several outputs, often not all used."""
         x = self.pick(b, lambda s: len(s) >= 1)
         if x is None:
             return self.g_view(b)
@@ -636,6 +647,7 @@ class Generator:
         self.emit(b, ("multi", outs, name, x, attrs), *outs)
 
     def g_catstack(self, b):
+        """cat along a dim (partners of matching shape, or new leaves) or stack."""
         r = self.rnd
         if r.random() < 0.5:
             x = self.pick(b, lambda s: len(s) >= 1)
@@ -670,6 +682,7 @@ class Generator:
             self.op(b, "stack", parts, {"dim": d}, s[:d] + (len(parts),) + s[d:])
 
     def g_matmul(self, b):
+        """matmul with an existing or new right operand (1-D, 2-D or batched)."""
         r = self.rnd
         x = self.pick(b, lambda s: len(s) >= 1)
         if x is None:
@@ -687,18 +700,22 @@ class Generator:
         self.op(b, "matmul", [x, y], {}, matmul_shape(sx, self.shape(y)))
 
     def g_first_only(self, b):
+        """FirstOnly(x, y): y gets no gradient through it."""
         x, y = self.pick(b), self.pick(b)
         self.op(b, "first_only", [x, y], {}, self.shape(x))
 
     def g_detach(self, b):
+        """A value without grad."""
         x = self.pick(b)
         self.op(b, "detach", [x], {}, self.shape(x), rg=False)
 
     def g_count(self, b):
+        """A counting identity (its backward runs are compared with local autograd)."""
         x = self.pick(b)
         self.op(b, "count", [x], {"tag": f"n{self.n}"}, self.shape(x))
 
     def g_stash(self, b):
+        """Keep a value on this worker for a later call."""
         x = self.pick(b)
         name = f"st{self.n}"
         self.n += 1
@@ -706,6 +723,7 @@ class Generator:
         self.stashes[b.worker].append((name, self.shape(x), self.rg(x)))
 
     def g_unstash(self, b):
+        """Reuse a value an earlier call kept on this worker."""
         name, shape, rg = self.rnd.choice(self.stashes[b.worker])
         out = self.tensor(shape, rg)
         self.emit(b, ("unstash", out, name), out)
@@ -714,17 +732,21 @@ class Generator:
         return [self.tensor(s, rg) for s, rg in rets]
 
     def g_to_here(self, b):
+        """Fetch an RRef's values here (on its owner, a third worker or the creator)."""
         rref = self.rnd.choice([r for r in b.env if self.meta[r][0] == "rref"])
         outs = self.outs_for(self.meta[rref][1])
         self.emit(b, ("to_here", outs, rref), *outs)
 
     def g_wait(self, b, fut=None):
+        """Wait for an rpc_async issued earlier in this block."""
         fut = fut if fut is not None else self.rnd.choice(b.pending)
         b.pending.remove(fut)
         outs = self.outs_for(self.meta[fut][1])
         self.emit(b, ("wait", outs, fut), *outs)
 
     def g_call(self, b, target=None):
+        """A call to any worker (a third one, the caller, itself) in one of five modes,
+        with a body generated recursively (up to 3 deep)."""
         r = self.rnd
         if target is None:
             # anyone: another worker, the caller (a call back) or this worker itself
@@ -773,6 +795,7 @@ class Generator:
         return rets
 
     def step(self, b: _BlockGen) -> None:
+        """One random instruction among those that fit the block."""
         if not self.tensors(b):
             self.g_leaf(b)
             return
@@ -792,6 +815,7 @@ class Generator:
         getattr(self, "g_" + kind)(b)
 
     def gen_block(self, worker, params, depth, seq, caller, steps) -> _BlockGen:
+        """A block of ``steps`` instructions on ``worker``; waits its rpc_asyncs at the end."""
         b = _BlockGen(worker, params, depth, seq, caller)
         if any(self.meta[p][0] == "rref" for p in params) and self.rnd.random() < 0.7:
             self.g_to_here(b)   # an RRef handed to this worker is mostly fetched here
@@ -802,6 +826,8 @@ class Generator:
         return b
 
     def program(self) -> dict:
+        """The whole program: a few leaves on worker0, steps (one a call to another
+        worker), then the roots."""
         r = self.rnd
         steps = r.choice([2, 3, 4, 6, 8, 10, 12])
         main = _BlockGen(0, [], 0, True, None)
@@ -850,6 +876,7 @@ def generate(seed: int, world: int) -> dict:
 # program walking: dump, size, features
 # ---------------------------------------------------------------------------------------
 def _sub_block(ins):
+    """The block a call / async / remote instruction runs, else None."""
     if ins[0] in ("call", "async", "remote"):
         return ins[3] if ins[0] == "call" else ins[2]
     return None
@@ -865,10 +892,12 @@ def walk(block: dict, depth: int = 0, caller=None):
 
 
 def size(prog: dict) -> int:
+    """Instructions in the program, nested blocks included."""
     return sum(1 for _ in walk(prog["main"]))
 
 
 def _r(x) -> str:
+    """Register(s) as text: r3 or r3, r4."""
     return ", ".join(f"r{v}" for v in x) if isinstance(x, (list, tuple)) else f"r{x}"
 
 
@@ -1076,7 +1105,7 @@ def _backward(cid: int, roots: list, retain: bool, timeout: float) -> None:
     t.start()
     t.join(timeout)
     if t.is_alive():
-        raise Hang(f"dist_autograd.backward did not return within {timeout:.0f} s (hang)")
+        raise Hang(f"dist_autograd.backward did not return within {timeout:g} s (hang)")
     if "err" in box:
         raise box["err"]
 
@@ -1205,6 +1234,7 @@ def check_program(prog: dict, backward_timeout: float = BACKWARD_TIMEOUT) -> dic
 # shrinking
 # ---------------------------------------------------------------------------------------
 def _defs(ins) -> list:
+    """Registers an instruction defines (a stash defines the pseudo-register 'stash:NAME')."""
     op = ins[0]
     if op in ("leaf", "op", "async", "remote", "unstash"):
         return [ins[1]]
@@ -1216,6 +1246,7 @@ def _defs(ins) -> list:
 
 
 def _uses(ins) -> list:
+    """Registers an instruction reads (a call: its block's params)."""
     op = ins[0]
     if op == "op":
         return list(ins[3])
@@ -1231,11 +1262,13 @@ def _uses(ins) -> list:
 
 
 def _copy(prog):
+    """A deep copy (candidates are edited in place)."""
     import copy
     return copy.deepcopy(prog)
 
 
 def _all_blocks(block):
+    """``block`` and every block nested in it, in program order."""
     yield block
     for ins in block["body"]:
         sub = _sub_block(ins)
@@ -1424,6 +1457,12 @@ def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
         if cfg.get("out"):
             with open(cfg["out"], "a") as f:
                 f.write(json.dumps(rec) + "\n")
+        if not rec["ok"] and cfg.get("verbose"):
+            print(f"  FAIL seed {seed} world {world}: {rec['group']}", flush=True)
+        if rec.get("hang") and cfg.get("out"):
+            # a pass may still be in flight and a graceful shutdown could wait on it:
+            # leave now; the parent sees the record and goes on in a fresh cluster
+            os._exit(3)
         if rec.get("hang"):
             break
     stats = collections.Counter()
@@ -1455,6 +1494,8 @@ def run_seeds(world: int, seeds: list, cfg: dict, timeout: float, log=print) -> 
         records += got
         done = {r["seed"] for r in got}
         todo = [s for s in todo if s not in done]
+        if crash and got and got[-1].get("hang"):
+            crash = None        # worker0 left on purpose after a hang (see cluster_main)
         if crash and todo:
             seed = todo.pop(0)  # the program running when the cluster went down
             log(f"  seed {seed}: {crash.splitlines()[0]}")
@@ -1491,6 +1532,7 @@ def report(records: list, per_group: int = 3, out=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
+    """The CLI; exit status 1 when any program failed."""
     ap = argparse.ArgumentParser(description="Random distributed autograd programs vs local autograd.")
     ap.add_argument("--programs", type=int, default=100, help="how many programs in all")
     ap.add_argument("--workers", default="2,3,4", help="world sizes, round robin over programs")
@@ -1516,7 +1558,7 @@ def main(argv=None) -> int:
                 print(dump(generate(s, w)), "\n")
         return 0
     cfg = {"shrink": args.shrink, "shrink_budget_s": args.shrink_budget,
-           "backward_timeout": args.backward_timeout}
+           "backward_timeout": args.backward_timeout, "verbose": True}
     records: list = []
     for w, seeds in sorted(plan.items()):
         t0 = time.monotonic()

@@ -8,6 +8,10 @@ value, shape and presence.
   expanded (stride-0) gradient, which has to travel back intact.
 - None grad not zero-filled: a custom Function returns None for one input; the leaf
   that only feeds that input must have no gradient at all (not zeros).
+- unused argument not zero-filled (found by tests/random_programs.py, seed 20082 on
+  3 workers, shrunk): two tensors go in one call and the callee returns only one of
+  them; the other one comes out of a custom Function, which must not run (it gets no
+  gradient), and its leaf must have no gradient (not zeros).
 """
 import pytest
 import torch
@@ -64,14 +68,40 @@ def none_grad_not_zero_filled(call):
     return [p, q], r.sum() + FirstOnly.apply(a, c).sum()
 
 
-PROGRAMS = {f.__name__: f for f in (broadcast_unreduced, zero_stride_grad, none_grad_not_zero_filled)}
+def first(a, b):
+    return a
+
+
+class Twice(torch.autograd.Function):
+    """2 * x; counts its backward runs in ``runs``."""
+    runs = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        Twice.runs += 1
+        return g * 2
+
+
+def unused_argument_not_zero_filled(call):
+    p = torch.tensor([0.5, -1.0], dtype=F64, requires_grad=True)
+    q = torch.tensor([[2.0], [3.0]], dtype=F64, requires_grad=True)
+    r = call("worker1", first, (p * 2, Twice.apply(q)))    # the second travels, unused
+    return [p, q], r.sum()
+
+
+PROGRAMS = {f.__name__: f for f in (broadcast_unreduced, zero_stride_grad, none_grad_not_zero_filled,
+                                    unused_argument_not_zero_filled)}
 
 
 def _compare(rank, world_size, name):
     """Worker0: run ``name`` locally and distributed, with one backward and with two
     (retain_graph=True: gradients accumulate, also into a stride-0 one); returns
-    {passes: (oracle, distributed)} with each leaf's gradient as (shape, values),
-    or None when absent."""
+    ({passes: (oracle, distributed)}, runs of Twice.backward) with each leaf's
+    gradient as (shape, values), or None when absent."""
     import distgrad.autograd as dist_autograd
     import distgrad.rpc as rpc
     if rank != 0:
@@ -90,12 +120,12 @@ def _compare(rank, world_size, name):
             grads = dist_autograd.get_gradients(cid)
             got = [None if t not in grads else (tuple(grads[t].shape), grads[t].tolist()) for t in leaves]
         out[passes] = (want, got)
-    return out
+    return out, Twice.runs
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_repro_matches_local_autograd(name):
-    results = run_workers(_compare, world_size=2, timeout=90, args=(name,))[0]
+    results, twice_runs = run_workers(_compare, world_size=2, timeout=90, args=(name,))[0]
     for passes, (want, got) in results.items():
         where = f"{name}, {passes} backward pass(es)"
         for i, (w, g) in enumerate(zip(want, got)):
@@ -106,3 +136,4 @@ def test_repro_matches_local_autograd(name):
                 assert g[0] == w[0], f"{where}: leaf {i} gradient shape {g[0]} != {w[0]}"
                 assert torch.allclose(torch.tensor(g[1], dtype=F64), torch.tensor(w[1], dtype=F64),
                                       rtol=1e-12, atol=1e-12), f"{where}: leaf {i} gradient {g[1]} != {w[1]}"
+    assert twice_runs == 0, f"{name}: Twice.backward ran {twice_runs} time(s); no gradient ever reaches it"
