@@ -319,6 +319,16 @@ def _all_kinds(rank, world_size):
                 assert torch.equal(b.detach().to_dense(), v.detach().to_dense()), k
             else:
                 assert torch.equal(b.detach(), v.detach().resolve_conj().resolve_neg()), k
+    # one-element (also at stride 0), zero-element and 0-dim tensors of every dtype the wire allows
+    from distgrad.wire.pickler import _DTYPES
+    for dtype in _DTYPES.values():
+        one = torch.zeros(1, dtype=dtype)
+        cases = [one, one.as_strided((1,), (0,)), one.reshape(()), torch.empty(0, 2, dtype=dtype)]
+        outs = rpc.rpc_sync("worker1", echo, args=(cases,))
+        for a, b in zip(cases, outs):
+            assert (b.dtype, b.shape) == (a.dtype, a.shape), (dtype, a.shape)
+            raw = [x.new_empty(x.shape).copy_(x).view(torch.uint8) for x in (a, b) if x.dim()]
+            assert torch.equal(raw[0], raw[1]) if raw else b.dim() == 0
     # CSR: refused on the caller, as torch.distributed.rpc refuses it; nothing is sent
     rpc.rpc_sync("worker1", echo, args=(1,))
     m0, _ = _sent()
