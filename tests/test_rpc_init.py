@@ -135,3 +135,30 @@ def test_bad_options_single_process():
         os.environ.update({k: v for k, v in saved.items() if v is not None})
     rpc.shutdown()
     assert _distgrad_threads() == []
+
+
+def _whoami(caller):
+    # Runs on the callee: needs its agent installed (current_agent) and working.
+    me = rpc.get_worker_info()
+    return me.name, caller, rpc.get_worker_info(caller).id
+
+
+def _early_calls(rank, world_size, ports):
+    for port in ports:
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+        # at once, before anyone else can be known to be ready: a request reaching
+        # a worker must run only once that worker's agent is installed
+        futs = {peer: rpc.rpc_async(peer, _whoami, args=(f"worker{rank}",))
+                for peer in range(world_size) if peer != rank}
+        for peer, fut in futs.items():
+            assert fut.wait() == (f"worker{peer}", f"worker{rank}", rank)
+        rpc.shutdown()
+    return True
+
+
+def test_requests_arriving_right_after_init_find_the_worker_ready():
+    world_size, rounds = 8, 3
+    ports = [free_port() for _ in range(rounds)]
+    assert run_workers(_early_calls, world_size=world_size, timeout=150, init=False,
+                       args=(ports,)) == [True] * world_size

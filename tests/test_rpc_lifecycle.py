@@ -38,7 +38,7 @@ def _lifecycle(rank, world_size):
         rpc.rpc_sync(1, torch.add, args=(1, 1))
         info = rpc._get_debug_info()
         for key in ("agent.num_pending_requests", "agent.thread_pool_size", "agent.num_idle_threads",
-                    "rref.num_owner_rrefs", "peer.worker1"):
+                    "num_owner_rrefs", "peer.worker1"):
             assert key in info, (key, info)
         assert info["agent.num_pending_requests"] == 0 and info["agent.thread_pool_size"] == 16
         assert info["peer.worker1"]["messages_sent"] >= 1 and info["peer.worker1"]["bytes_received"] > 0

@@ -15,10 +15,13 @@ from ..errors import (
                       SerializationError,
                       WorkerLostError,
 )
-from . import functions
+from . import api, backend_registry, constants, functions, internal
+from .agent import RpcAgent
 from .api import (
-                      _get_debug_info,
-                      _rref_context_get_debug_info,
+                      _delete_all_user_and_unforked_owner_rrefs,
+                      _get_current_rpc_agent,
+                      _init_rpc_backend,
+                      _is_current_rpc_agent_set,
                       _set_rpc_timeout,
                       get_rpc_timeout,
                       get_worker_info,
@@ -29,16 +32,23 @@ from .api import (
                       rpc_sync,
                       shutdown,
 )
+from .backend_registry import BackendType
+from .debug import _get_debug_info, _rref_context_get_debug_info, enable_gil_profiling
 from .options import DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC
-from .options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
+from .options import RpcBackendOptions, TensorPipeRpcBackendOptions
+from .profiling import _server_process_global_profile
 from .rref import RRef
 from .worker_info import WorkerInfo
 
 PyRRef = RRef
+TensorPipeAgent = RpcAgent  # torch's name of the agent class
 
 __all__ = ["init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info",
            "WorkerInfo", "RRef", "PyRRef", "functions", "BackendType", "RpcBackendOptions",
-           "TensorPipeRpcBackendOptions", "get_rpc_timeout", "is_available", "DistgradError",
-           "RPCTimeoutError", "WorkerLostError", "RemoteError", "ProtocolError",
-           "SerializationError", "_get_debug_info", "_rref_context_get_debug_info",
-           "_set_rpc_timeout", "_DEFAULT_RPC_TIMEOUT_SEC"]
+           "TensorPipeRpcBackendOptions", "TensorPipeAgent", "get_rpc_timeout", "is_available",
+           "enable_gil_profiling", "DistgradError", "RPCTimeoutError", "WorkerLostError", "RemoteError",
+           "ProtocolError", "SerializationError", "api", "backend_registry", "constants", "internal",
+           "_get_debug_info", "_rref_context_get_debug_info", "_set_rpc_timeout",
+           "_DEFAULT_RPC_TIMEOUT_SEC", "_get_current_rpc_agent", "_is_current_rpc_agent_set",
+           "_init_rpc_backend", "_delete_all_user_and_unforked_owner_rrefs",
+           "_server_process_global_profile"]

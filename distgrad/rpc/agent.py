@@ -10,6 +10,7 @@ import collections
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..errors import DistgradError, ProtocolError, RPCTimeoutError, Serializatio
 from ..transport import Transport
 from ..wire import Kind, decode, dumps, encode, loads
 from ..wire.messages import peek_header, request_id
+from . import profiling
 from .extensions import EXTENSION_TYPES, NULL_SCOPE, AgentExtension
 from .pool import WorkerPool
 from .remote_exc import pack_exception, unpack_exception
@@ -89,6 +91,7 @@ class RpcAgent:
         self.extensions: list[AgentExtension] = [f(self) for f in EXTENSION_TYPES]
         self.shutting_down = False
         self._seen_rids: dict[int, tuple[set, collections.deque]] = {}
+        self.gil_wait: list | None = None  # [seconds, requests] while GIL profiling is on
 
     # -- start/stop ----------------------------------------------------------
     def start(self, addresses: dict[int, str]) -> None:
@@ -228,6 +231,8 @@ class RpcAgent:
                 return
         with self._count_lock:
             self.inflight += 1
+        if self.gil_wait is not None:
+            msg.handed_off = time.perf_counter()
         self.transport.after_batch(lambda: self.pool.submit(self._serve, peer, msg))
 
     def _repeated(self, peer: int, rid: int) -> bool:
@@ -317,6 +322,10 @@ class RpcAgent:
     def _serve(self, peer: int, msg) -> None:
         with self._count_lock:
             self.busy_threads += 1
+            started = msg.handed_off
+            if started is not None and self.gil_wait is not None:
+                self.gil_wait[0] += time.perf_counter() - started
+                self.gil_wait[1] += 1
         try:
             self._serve_inner(peer, msg)
         finally:
@@ -330,7 +339,10 @@ class RpcAgent:
             self._tls.msg = msg
             func, args, kwargs = loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook)
             with self._scope(ag_meta) as ctx:
-                result = func(*args, **kwargs)
+                if profiling.active:  # a server-side profile is open
+                    result = profiling.run(func, args, kwargs)
+                else:
+                    result = func(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
             self._finish_request(peer, msg, None, e, None)
             return
@@ -438,11 +450,29 @@ class RpcAgent:
             "agent.num_idle_threads": self.options.num_worker_threads - self.busy_threads,
             "agent.lost_workers": {self.workers[p].name: r for p, r in self.lost.items()},
         }
+        if self.gil_wait is not None:
+            total, n = self.gil_wait
+            info["agent.gil_average_wait_time_us"] = str(int(total / n * 1e6) if n else 0)
         for peer, (ms, bs, mr, br) in sorted(stats.items()):
             name = self.workers[peer].name
             info[f"peer.{name}"] = {"messages_sent": ms, "bytes_sent": bs,
                                     "messages_received": mr, "bytes_received": br}
         return info
+
+    def get_worker_info(self, worker_name: Any = None) -> WorkerInfo:
+        """This worker's WorkerInfo, or that of ``worker_name`` (torch's agent API)."""
+        return self.info if worker_name is None else self.resolve(worker_name)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        """Every worker's WorkerInfo, by rank."""
+        return list(self.workers)
+
+    def get_debug_info(self) -> dict[str, Any]:
+        """The agent's own counters (torch's agent API; see rpc._get_debug_info)."""
+        return self.debug_info()
+
+    def set_gil_profiling(self, flag: bool) -> None:
+        self.gil_wait = [0.0, 0] if flag else None
 
     def current_request(self):
         """The message being served on this pool thread (None elsewhere)."""

@@ -1,11 +1,20 @@
-"""The public RPC API, with torch.distributed.rpc's names and signatures."""
+"""The public RPC API, with torch.distributed.rpc's names and signatures.
+
+Also torch's private helpers that code and tests written for torch use:
+``_all_gather``/``_barrier``/``_wait_all_workers`` (an RPC all-gather through
+the worker with the smallest name), ``_wait_all`` (collect the futures of
+``rpc_async``), ``_use_rpc_pickler``, ``_get_current_rpc_agent``. Graceful
+shutdown calls them through this module's globals, as torch's does, so that
+patching ``api._wait_all_workers`` etc. takes effect.
+"""
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -17,8 +26,16 @@ from ..transport import ZmqTransport
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
 from ..wire import Kind
+from . import backend_registry, collective, script
 from .agent import RpcAgent, _holder, _qualname, agent_or_none, current_agent
-from .options import BackendType, RpcBackendOptions
+from .debug import _get_debug_info, _rref_context_get_debug_info, enable_gil_profiling  # noqa: F401
+from .internal import PythonUDF, _internal_rpc_pickler, _run_serialized
+from .options import (
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    UNSET_RPC_TIMEOUT,
+    RpcBackendOptions,
+    TensorPipeRpcBackendOptions,
+)
 from .rref import RRef
 from .worker_info import WorkerInfo
 
@@ -29,6 +46,11 @@ _init_lock = threading.Lock()
 # peer (crash, silence) does not hold the barrier, so the wait is bounded by failure
 # detection, not by this number.
 _DEFAULT_SHUTDOWN_TIMEOUT = 100000.0
+# As in torch: True ignores RRefs still referenced elsewhere at shutdown; False
+# makes a graceful shutdown raise "Leaking RRef" (torch's tests set it).
+_ignore_rref_leak = True
+_default_pickler = _internal_rpc_pickler
+_thread_local_var = threading.local()
 
 
 def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
@@ -47,55 +69,113 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
         >>> rpc.shutdown()
     """
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"Worker name must match ^[A-Za-z0-9_:-]{{1,128}}$, got {name!r}")
-    if backend is not None and not isinstance(backend, BackendType):
-        raise TypeError(f"Argument backend must be a member of BackendType, got {backend!r}")
-    opts = rpc_backend_options or RpcBackendOptions()
-    if not isinstance(opts, RpcBackendOptions):
-        raise TypeError(f"rpc_backend_options must be TensorPipeRpcBackendOptions, got {type(opts).__name__}")
+    opts = _check_init_args(name, backend, rpc_backend_options)
     with _init_lock:
         if agent_or_none() is not None:
             raise RuntimeError("RPC is already initialized")
         init_method, rank, world_size = rendezvous.resolve(opts.init_method, rank, world_size)
-        rdv_timeout = opts.rpc_timeout if opts.rpc_timeout > 0 else 300.0
-        host = opts.listen_addr or rendezvous.master_host(init_method) or "127.0.0.1"
-        store = rendezvous.make_store(init_method, rank, world_size, rdv_timeout)
-        secret = opts.secret or secret_from_env()
-        if secret is None:
-            log.warning("worker %s: no cluster secret (DISTGRAD_SECRET): messages are not "
-                        "authenticated and anyone who can connect can run code here", name)
-        faults = config_from(opts)
-        if faults is not None:  # tests only: see distgrad/transport/faults.py
-            transport = FaultyTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
-                                        opts.max_message_size, secret=secret, faults=faults,
-                                        encrypt=getattr(opts, "encrypt", False))
-        else:
-            transport = ZmqTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
-                                     opts.max_message_size, secret=secret,
-                                     encrypt=getattr(opts, "encrypt", False))
-        try:
-            address = transport.listen(host)
-            peers = rendezvous.exchange(store, rank, world_size, name, address, rdv_timeout)
-            workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
-            agent = RpcAgent(name, rank, world_size, workers, transport, opts)
-            agent.store = store
-            agent.shutdown_arrivals = set()  # ranks that announced their shutdown (see shutdown)
-            agent.control_handlers["shutdown_arrived"] = lambda peer: agent.shutdown_arrivals.add(peer)
-            agent.start({r: a for r, (_, a) in enumerate(peers) if r != rank})
-        except BaseException:
-            transport.close(0)
-            raise
+        store = rendezvous.make_store(init_method, rank, world_size, _rdv_timeout(opts))
+        if not backend_registry.is_builtin(backend):
+            _set_and_start_rpc_agent(backend_registry.init_backend(
+                backend, store=store, name=name, rank=rank, world_size=world_size,
+                rpc_backend_options=opts))
+            return
+        _start_agent(store, name, rank, world_size, opts, rendezvous.master_host(init_method))
+
+
+def _set_and_start_rpc_agent(agent: Any) -> None:
+    """Make ``agent`` (built by a registered backend) this process's agent."""
+    _holder["agent"] = agent
+    if hasattr(agent, "get_worker_infos"):
+        collective.set_members({w.name for w in agent.get_worker_infos()})
+    if hasattr(agent, "start"):
+        agent.start()
+
+
+def _init_rpc_backend(backend: Any = None, store: Any = None, name: str | None = None, rank: int = -1,
+                      world_size: int = -1, rpc_backend_options: RpcBackendOptions | None = None) -> None:
+    """torch's lower half of init_rpc: start the agent on an existing store.
+
+    Example::
+
+        >>> store, _, _ = next(torch.distributed.rendezvous("tcp://127.0.0.1:29500", rank=0, world_size=2))
+        >>> rpc._init_rpc_backend(store=store, name="worker0", rank=0, world_size=2)
+    """
+    opts = _check_init_args(name, backend, rpc_backend_options)
+    with _init_lock:
+        if agent_or_none() is not None:
+            raise RuntimeError("RPC is already initialized")
+        _start_agent(store, name, rank, world_size, opts, None)
+
+
+def _check_init_args(name: Any, backend: Any, opts: Any) -> TensorPipeRpcBackendOptions:
+    if backend is not None and not backend_registry.is_backend(backend):
+        raise TypeError(f"Argument backend must be a member of BackendType, got {backend!r}")
+    if opts is not None and not isinstance(opts, RpcBackendOptions):
+        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions, "
+                        f"got {type(opts).__name__}")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"Worker name must match ^[A-Za-z0-9_:-]{{1,128}}$, got {name!r}")
+    if not backend_registry.is_builtin(backend):
+        return opts
+    if opts is None:
+        return TensorPipeRpcBackendOptions()
+    if not isinstance(opts, TensorPipeRpcBackendOptions):
+        if backend is None:
+            raise TypeError(f"Could not infer backend for options {opts}")
+        raise TypeError("`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`, got "
+                        f"{type(opts).__name__}")
+    return opts
+
+
+def _rdv_timeout(opts: RpcBackendOptions) -> float:
+    return opts.rpc_timeout if opts.rpc_timeout > 0 else 300.0
+
+
+def _start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBackendOptions,
+                 default_host: str | None) -> None:
+    rdv_timeout = _rdv_timeout(opts)
+    host = opts.listen_addr or default_host or "127.0.0.1"
+    secret = opts.secret or secret_from_env()
+    if secret is None:
+        log.warning("worker %s: no cluster secret (DISTGRAD_SECRET): messages are not "
+                    "authenticated and anyone who can connect can run code here", name)
+    faults = config_from(opts)
+    encrypt = getattr(opts, "encrypt", False)
+    if faults is not None:  # tests only: see distgrad/transport/faults.py
+        transport = FaultyTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
+                                    opts.max_message_size, secret=secret, faults=faults, encrypt=encrypt)
+    else:
+        transport = ZmqTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
+                                 opts.max_message_size, secret=secret, encrypt=encrypt)
+    try:
+        address = transport.listen(host)
+        peers = rendezvous.exchange(store, rank, world_size, name, address, rdv_timeout)
+        workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
+        agent = RpcAgent(name, rank, world_size, workers, transport, opts)
+        agent.store = store
+        agent.shutdown_arrivals = set()  # ranks that announced their shutdown (see shutdown)
+        agent.control_handlers["shutdown_arrived"] = lambda peer: agent.shutdown_arrivals.add(peer)
+        # Installed before the transport accepts anything: a request that arrives
+        # at once must find this worker ready (current_agent() works in it).
         _holder["agent"] = agent
+        collective.set_members({w.name for w in workers})
+        agent.start({r: a for r, (_, a) in enumerate(peers) if r != rank})
+    except BaseException:
+        _holder.pop("agent", None)
+        transport.close(0)
+        raise
 
 
-def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     """Stop RPC on this worker.
 
-    With ``graceful=True`` (default) it waits until every worker has finished
-    its outstanding work (all call it). Workers found lost are not waited for;
-    ``timeout`` (seconds; 0 means torch's default of 100000) bounds the rest.
-    Returns quietly when RPC was never initialized (e.g. after a failed init).
+    With ``graceful=True`` (default) it waits until every worker has reached
+    shutdown and finished its outstanding work, releases this worker's RRefs,
+    then stops. Workers found lost are not waited for; ``timeout`` (seconds;
+    0 means torch's default of no limit) bounds the rest. Returns quietly when
+    RPC was never initialized (e.g. after a failed init). An error of the
+    graceful part is raised after the local shutdown completed.
 
     Example::
 
@@ -104,35 +184,56 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     agent = agent_or_none()
     if agent is None:
         return
-    timeout = timeout if timeout and timeout > 0 else _DEFAULT_SHUTDOWN_TIMEOUT
-    deadline = time.monotonic() + timeout
     try:
         if graceful:
-            agent.rrefs.delete_all_user_rrefs()
-            while not agent.idle() and time.monotonic() < deadline:
-                time.sleep(0.002)
-            if not agent.idle():
-                log.warning("worker %s: shutdown timed out with %d calls pending", agent.name,
-                            len(agent.pending))
-            # The barrier: every worker not lost must arrive. Arrivals are announced
-            # to the peers too, so that the survivors still meet when the store's
-            # host (rank 0) is gone.
-            for peer in range(agent.world_size):
-                if peer != agent.rank:
-                    agent.send_control(peer, "shutdown_arrived")
-            try:
-                # Bound every store operation too: the store's host (rank 0) may be
-                # gone or stopped, and a store call would then wait for its timeout.
-                agent.store.set_timeout(timedelta(seconds=max(0.1, deadline - time.monotonic())))
-                rendezvous.barrier(agent.store, "shutdown", agent.rank, agent.world_size,
-                                   max(0.1, deadline - time.monotonic()),
-                                   lost=lambda: set(agent.lost))
-            except Exception as e:  # a lost peer must not make shutdown hang or fail
-                log.info("worker %s: shutdown barrier on the store failed (%s); waiting for the "
-                         "survivors' announcements", agent.name, e)
-                if not _await_arrivals(agent, deadline):
-                    log.warning("worker %s: shutdown barrier incomplete: %s", agent.name, e)
+            limit = timeout if timeout and timeout > 0 else _DEFAULT_SHUTDOWN_TIMEOUT
+            deadline = time.monotonic() + limit
+            _wait_all_workers(timeout)
+            _delete_all_user_and_unforked_owner_rrefs()
+            _join(agent, deadline)
+            if not _ignore_rref_leak:
+                _check_rref_leak(agent)
     finally:
+        _finalize_shutdown(agent, graceful)
+
+
+def _join(agent: RpcAgent, deadline: float) -> None:
+    """Wait for outstanding work, then for every worker not lost (the barrier)."""
+    while not agent.idle() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    if not agent.idle():
+        log.warning("worker %s: shutdown timed out with %d calls pending", agent.name, len(agent.pending))
+    # Arrivals are announced to the peers too (after this worker's RRef releases, on
+    # the same connections), so that the survivors still meet when the store's host
+    # (rank 0) is gone, and so that a worker that heard every arrival has also
+    # handled every release sent to it.
+    for peer in range(agent.world_size):
+        if peer != agent.rank:
+            agent.send_control(peer, "shutdown_arrived")
+    try:
+        # Bound every store operation too: the store's host (rank 0) may be gone or
+        # stopped, and a store call would then wait for its timeout.
+        agent.store.set_timeout(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        rendezvous.barrier(agent.store, "shutdown", agent.rank, agent.world_size,
+                           max(0.1, deadline - time.monotonic()), lost=lambda: set(agent.lost))
+    except Exception as e:  # a lost peer must not make shutdown hang or fail
+        log.info("worker %s: shutdown barrier on the store failed (%s); waiting for the "
+                 "survivors' announcements", agent.name, e)
+        if not _await_arrivals(agent, deadline):
+            log.warning("worker %s: shutdown barrier incomplete: %s", agent.name, e)
+
+
+def _check_rref_leak(agent: RpcAgent) -> None:
+    _await_arrivals(agent, time.monotonic() + 5)  # every peer's releases handled
+    owned = agent.rrefs.debug_info()
+    if owned["num_owner_rrefs"] or owned["num_pending_users"]:
+        raise DistgradError(f"Leaking RRef on worker {agent.name}: {owned['num_owner_rrefs']} owner "
+                            f"RRefs still forked, {owned['num_pending_users']} user RRefs unconfirmed "
+                            "at shutdown", agent.name)
+
+
+def _finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
+    try:
         agent.shutting_down = True
         for ext in agent.extensions:
             try:
@@ -146,6 +247,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
                                              f"{p.what} completed", agent.name))
         agent.pool.shutdown(wait=graceful, cancel_futures=not graceful)
         agent.callbacks.shutdown(wait=graceful)
+    finally:
         _holder.pop("agent", None)
 
 
@@ -160,21 +262,162 @@ def _await_arrivals(agent: RpcAgent, deadline: float) -> bool:
         time.sleep(0.005)
 
 
+def _wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Block until every worker not lost reached this point (an RPC all-gather).
+
+    A worker lost meanwhile does not fail it: the lost-aware barrier of
+    shutdown follows. Other errors (e.g. a timeout) raise.
+
+    Example::
+
+        >>> rpc.api._wait_all_workers()
+    """
+    agent = current_agent()
+    try:
+        _all_gather(None, timeout=timeout)
+    except RuntimeError as e:
+        if agent.lost:
+            log.info("worker %s: shutdown all-gather incomplete (%s); lost: %s", agent.name, e,
+                     sorted(agent.lost))
+            return
+        log.error("worker %s: failed to respond to 'Shutdown Proceed' in time: %s", agent.name, e)
+        raise
+
+
+def _all_gather(obj: Any, worker_names: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> dict:
+    """Every worker's ``obj``, as ``{name: obj}``, on every worker of ``worker_names``
+    (default: all). Followers send to the leader (the smallest name), which
+    sends the result back; blocks until this worker has it.
+
+    Example::
+
+        >>> rpc.api._all_gather(rpc.get_worker_info().id)
+        {'worker0': 0, 'worker1': 1}
+    """
+    return collective.all_gather(current_agent(), obj, worker_names, timeout, rpc_sync, rpc_async,
+                                 _gather_to_leader, _broadcast_to_followers)
+
+
+def _gather_to_leader(sequence_id: str, worker_name: str, obj: Any, worker_names: Any = None) -> None:
+    """Runs on the leader of an all-gather (see :mod:`.collective`)."""
+    collective.gather(sequence_id, worker_name, obj, worker_names)
+
+
+def _broadcast_to_followers(sequence_id: str, objects_map: dict) -> None:
+    """Runs on a follower of an all-gather: the leader's complete map."""
+    collective.broadcast(sequence_id, objects_map)
+
+
+def _barrier(worker_names: Any) -> None:
+    """Block until every worker of ``worker_names`` calls it (errors are logged).
+
+    Example::
+
+        >>> rpc.api._barrier(["worker0", "worker1"])
+    """
+    try:
+        _all_gather(None, set(worker_names))
+    except RuntimeError:
+        log.exception("Failed to complete barrier")
+
+
+def _delete_all_user_and_unforked_owner_rrefs(timeout: Any = None) -> None:
+    """Release every RRef this worker holds of other owners (graceful shutdown).
+
+    Example::
+
+        >>> rpc.api._delete_all_user_and_unforked_owner_rrefs()
+    """
+    current_agent().rrefs.delete_all_user_rrefs()
+
+
+def _get_current_rpc_agent() -> RpcAgent:
+    """The running agent (torch's accessor); RuntimeError when RPC is not initialized.
+
+    Example::
+
+        >>> [w.name for w in rpc.api._get_current_rpc_agent().get_worker_infos()]
+        ['worker0', 'worker1']
+    """
+    return current_agent()
+
+
+def _is_current_rpc_agent_set() -> bool:
+    """Whether RPC is initialized in this process."""
+    return agent_or_none() is not None
+
+
+@contextlib.contextmanager
+def _use_rpc_pickler(rpc_pickler: Any) -> Iterator[None]:
+    """Within the block, Python calls are serialized by ``rpc_pickler.serialize``
+    (a subclass of ``internal._InternalRPCPickler``, e.g. one with extra reducers).
+
+    Example::
+
+        >>> with rpc.api._use_rpc_pickler(my_pickler):
+        ...     rpc.rpc_sync("worker1", f)
+    """
+    global _default_pickler
+    _default_pickler = rpc_pickler
+    try:
+        yield
+    finally:
+        _default_pickler = _internal_rpc_pickler
+
+
+@contextlib.contextmanager
+def _wait_all() -> Iterator[None]:
+    """Collect the futures of every ``rpc_async`` made in the block (this thread)
+    and wait for all of them when it ends.
+
+    Example::
+
+        >>> with rpc.api._wait_all():
+        ...     rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+    """
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            torch.futures.wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
+
+
+def _payload(func: Callable, args: Any, kwargs: Any) -> tuple[tuple, str]:
+    """What a call carries for ``func`` and its name in errors and profiles."""
+    if not callable(func):
+        raise TypeError("function should be callable.")
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    if script.is_script_function(func):
+        name = script.qualified_name(func)
+        return (script.ScriptFunctionRef(name), args, kwargs), name
+    if _default_pickler is not _internal_rpc_pickler:
+        data, tensors = _default_pickler.serialize(PythonUDF(func, args, kwargs))
+        return (_run_serialized, (data, tensors), {}), _qualname(func)
+    return (func, args, kwargs), _qualname(func)
+
+
 def rpc_sync(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | None = None,
-             timeout: float = -1) -> Any:
+             timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` (name, rank or WorkerInfo) and
     return its result. ``timeout`` in seconds: -1 uses the default, 0 means none.
+    ``func`` may be a Python callable, a torch operator or a TorchScript function.
 
     Example::
 
         >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))
         tensor([4., 4.])
     """
-    return current_agent().call(to, func, args, kwargs, timeout, sync=True)
+    agent = current_agent()
+    payload, what = _payload(func, args, kwargs)
+    p = agent.send_request(agent.resolve(to), Kind.CALL, payload, what, timeout, sync=True)
+    return agent.wait(p)
 
 
 def rpc_async(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | None = None,
-              timeout: float = -1) -> torch.futures.Future:
+              timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
     """Like :func:`rpc_sync` but returns a ``torch.futures.Future`` at once.
 
     Example::
@@ -183,12 +426,18 @@ def rpc_async(to: Any, func: Callable, args: tuple | None = None, kwargs: dict |
         >>> fut.wait()
         tensor([4., 4.])
     """
-    return current_agent().call(to, func, args, kwargs, timeout, sync=False)
+    agent = current_agent()
+    payload, what = _payload(func, args, kwargs)
+    fut = agent.send_request(agent.resolve(to), Kind.CALL, payload, what, timeout).future
+    if hasattr(_thread_local_var, "future_list"):
+        _thread_local_var.future_list.append(fut)
+    return fut
 
 
 def remote(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | None = None,
-           timeout: float = -1) -> RRef:
+           timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
     """Run ``func`` on ``to`` and return an :class:`RRef` to its result, kept there.
+    Called with this worker as ``to``, it returns the owner RRef itself.
 
     Example::
 
@@ -198,15 +447,41 @@ def remote(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | No
     """
     agent = current_agent()
     dest = agent.resolve(to)
-    return _remote_with(dest, (func, tuple(args or ()), kwargs or {}), _qualname(func), timeout, {})
+    payload, what = _payload(func, args, kwargs)
+    return _remote_with(dest, payload, what, timeout, {})
 
 
 def _remote_with(dest: WorkerInfo, payload: tuple, what: str, timeout: float, extra: dict) -> RRef:
     agent = current_agent()
     rref_id = agent.rrefs.new_id()
-    extra = dict(extra, new=(rref_id, rref_id))
+    if dest.id == agent.rank:
+        # The owner RRef, whose value the request (sent to ourselves) sets.
+        fut = torch.futures.Future()
+        rref = RRef._owner_side(agent, rref_id, fut)
+        agent.rrefs.local_targets[rref_id] = fut
+        try:
+            p = agent.send_request(dest, Kind.REMOTE, payload, what, timeout, extra=dict(extra, own=rref_id))
+        except BaseException:
+            agent.rrefs.local_targets.pop(rref_id, None)
+            raise
+        p.future.add_done_callback(lambda f: _fail_unset(fut, f))
+        rref._creation = p.future
+        return rref
+    fork_id = agent.rrefs.new_id()
+    extra = dict(extra, new=(rref_id, fork_id))
     p = agent.send_request(dest, Kind.REMOTE, payload, what, timeout, extra=extra)
-    return RRef._user(agent, dest.id, rref_id, rref_id, p.future, confirmed=True)
+    return RRef._user(agent, dest.id, rref_id, fork_id, p.future, confirmed=True)
+
+
+def _fail_unset(value: torch.futures.Future, creation: torch.futures.Future) -> None:
+    """A remote call to ourselves that failed before running (timeout, shutdown)
+    fails the owner RRef's value too."""
+    if not value.done():
+        try:
+            creation.wait()
+        except BaseException as e:  # noqa: BLE001
+            if not value.done():
+                value.set_exception(e)
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
@@ -224,12 +499,23 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 
 def get_rpc_timeout() -> float:
-    """The default timeout of calls, in seconds."""
+    """The default timeout of calls, in seconds.
+
+    Example::
+
+        >>> rpc.get_rpc_timeout()
+        60.0
+    """
     return current_agent().rpc_timeout
 
 
 def _set_rpc_timeout(rpc_timeout: float) -> None:
-    """Set the default timeout of calls, in seconds (0: no timeout)."""
+    """Set the default timeout of calls, in seconds (0: no timeout).
+
+    Example::
+
+        >>> rpc._set_rpc_timeout(5)
+    """
     if rpc_timeout < 0:
         raise ValueError(f"rpc_timeout must be >= 0, got {rpc_timeout}")
     current_agent().rpc_timeout = float(rpc_timeout)
@@ -238,28 +524,3 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
 def is_available() -> bool:
     """True: distgrad's RPC is always built."""
     return True
-
-
-def _get_debug_info() -> dict[str, Any]:
-    """Agent statistics: pending calls, pool usage, messages and bytes per peer,
-    the RRef context's counters, and (as torch merges them in) distributed
-    autograd's ``num_autograd_contexts`` and ``num_current_backward_passes``.
-
-    Example::
-
-        >>> rpc._get_debug_info()["peer.worker1"]["messages_sent"]
-        12
-    """
-    agent = current_agent()
-    info = agent.debug_info()
-    info.update({f"rref.{k}": v for k, v in agent.rrefs.debug_info().items()})
-    for ext in agent.extensions:
-        if ext is not agent.rrefs:
-            info.update(ext.debug_info())
-    return info
-
-
-def _rref_context_get_debug_info() -> dict[str, str]:
-    """torch's RRef counters, as strings like torch gives them: num_owner_rrefs,
-    num_forks, num_pending_futures, num_pending_users."""
-    return {k: str(v) for k, v in current_agent().rrefs.debug_info().items()}

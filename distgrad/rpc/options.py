@@ -1,7 +1,6 @@
 """Backend options, with torch's names so that code passing them runs unchanged."""
 from __future__ import annotations
 
-import enum
 import os
 from typing import Any
 
@@ -9,16 +8,35 @@ DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_NUM_WORKER_THREADS = 16
 DEFAULT_INIT_METHOD = "env://"
 UNSET_RPC_TIMEOUT = -1.0
-
-
-class BackendType(enum.Enum):
-    """torch's backend enum; distgrad has one backend, reachable by either name."""
-
-    TENSORPIPE = "TENSORPIPE"
-    DISTGRAD = "DISTGRAD"
+DEFAULT_SHUTDOWN_TIMEOUT = 0.0  # torch's: no limit
 
 
 class RpcBackendOptions:
+    """The options every backend has (torch's base class): ``rpc_timeout``
+    (seconds, default 60; 0 means no timeout) and ``init_method``.
+
+    Example::
+
+        >>> rpc.RpcBackendOptions(rpc_timeout=10, init_method="env://").rpc_timeout
+        10.0
+    """
+
+    def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+                 init_method: str = DEFAULT_INIT_METHOD) -> None:
+        _check_timeout(rpc_timeout)
+        self.rpc_timeout = float(rpc_timeout)
+        self.init_method = init_method
+
+
+def _check_timeout(rpc_timeout: Any) -> None:
+    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)):
+        raise TypeError("TensorPipeRpcBackendOptions(): incompatible constructor arguments: "
+                        f"rpc_timeout must be a number of seconds, got {type(rpc_timeout).__name__}")
+    if rpc_timeout < 0:
+        raise ValueError(f"rpc_timeout must be >= 0 (0 means no timeout), got {rpc_timeout!r}")
+
+
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
     """Options of distgrad's backend.
 
     ``rpc_timeout`` (s, default 60; 0 means no timeout), ``init_method``
@@ -50,14 +68,11 @@ class RpcBackendOptions:
                  secret: str | bytes | None = None, encrypt: bool | None = None) -> None:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
-        if rpc_timeout < 0:
-            raise ValueError(f"rpc_timeout must be >= 0 (0 means no timeout), got {rpc_timeout!r}")
         if heartbeat_interval <= 0 or heartbeat_deadline <= heartbeat_interval:
             raise ValueError("need 0 < heartbeat_interval < heartbeat_deadline, got "
                              f"{heartbeat_interval!r} and {heartbeat_deadline!r}")
+        super().__init__(rpc_timeout, init_method)
         self.num_worker_threads = num_worker_threads
-        self.rpc_timeout = float(rpc_timeout)
-        self.init_method = init_method
         self.device_maps: dict[str, dict[Any, Any]] = {}
         self.devices: list = []
         for name, mapping in (device_maps or {}).items():
@@ -99,5 +114,3 @@ def _check_cpu(device: Any, what: str) -> None:
     if kind != "cpu":
         raise ValueError(f"{what}: distgrad supports CPU devices only for now, got {device!r}")
 
-
-TensorPipeRpcBackendOptions = RpcBackendOptions

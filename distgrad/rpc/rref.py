@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from ..errors import RPCTimeoutError
 from ..wire import Kind
 from ..wire.pickler import current_destination, current_pins
 from .agent import AsyncResult, RpcAgent, agent_or_none, current_agent
@@ -54,7 +55,9 @@ class RRefContext(AgentExtension):
         # rref_id -> [future, count of live owner-side RRef objects]: lets proxies and
         # calls reach a value owned here that no other worker holds (RRef(value)).
         self.local_owned: dict[tuple, list] = {}
-        self._ids = itertools.count(1)
+        # rref_id -> value future of an owner RRef whose remote() to this worker is in flight
+        self.local_targets: dict[tuple, torch.futures.Future] = {}
+        self._ids = itertools.count(0)
         self.lock = threading.RLock()
         agent.control_handlers.update(fork_add=self._on_fork_add, fork_del=self._on_fork_del,
                                       fork_confirm=self._on_fork_confirm)
@@ -120,6 +123,11 @@ class RRefContext(AgentExtension):
                     raise RuntimeError(f"RRef {tuple(rref_id)} is not known to its owner "
                                        f"{self.agent.name} (deleted or never created)")
                 local["pins"][tuple(rref_id)] = entry.future
+        own = extra.get("own")
+        if own is not None:
+            if peer != self.agent.rank or tuple(own) not in self.local_targets:
+                raise RuntimeError(f"unexpected remote() target {own} from worker {peer}")
+            local["target"] = self.local_targets.pop(tuple(own))
         new = extra.get("new")
         if new is not None:
             rref_id, fork_id = new
@@ -259,6 +267,7 @@ class RRef(Generic[T]):
         """
         if self.is_owner():
             return self._future.wait()
+        self._check_alive("to_here()")
         agent = self._agent
         p = agent.send_request(self.owner(), Kind.CALL, (_rref_fetch, (), {}), "RRef.to_here",
                                timeout, sync=True, extra={"rref": self._rref_id})
@@ -281,16 +290,46 @@ class RRef(Generic[T]):
         from . import api
         payload = (_rref_invoke, (method, args, kwargs), {})
         if mode == "remote":
+            self._await_creation(timeout)
             return api._remote_with(self.owner(), payload, f"RRef.{method}", timeout,
                                     {"rref": self._rref_id})
         p = self._agent.send_request(self.owner(), Kind.CALL, payload, f"RRef.{method}", timeout,
                                      sync=(mode == "rpc_sync"), extra={"rref": self._rref_id})
         return self._agent.wait(p) if mode == "rpc_sync" else p.future
 
+    def _await_creation(self, timeout: float) -> None:
+        """As torch's proxies do before a remote(): wait (up to ``timeout``) until
+        the owner created the value; RPCTimeoutError when it takes longer."""
+        if self.is_owner() or self._future.done():
+            return
+        timeout = self._agent.effective_timeout(timeout)
+        done = threading.Event()
+        self._future.add_done_callback(lambda f: done.set())
+        if not done.wait(timeout if timeout > 0 else None):
+            raise RPCTimeoutError(f"RPC ran for more than set timeout ({timeout * 1000:.0f} ms) and will "
+                                  f"now be marked with an error: RRef {_gid(self._rref_id)} was not "
+                                  f"created by its owner {self.owner_name()} within {timeout:g} s",
+                                  self.owner_name())
+
     # -- pickling and lifetime ---------------------------------------------------
+    def _check_alive(self, what: str) -> None:
+        """A user RRef released by shutdown (or never registered) cannot be used."""
+        if (self._rref_id, self._fork_id) not in self._agent.rrefs.user_forks:
+            raise RuntimeError(f"User RRef with RRefId={_gid(self._rref_id)} and "
+                               f"ForkId={_gid(self._fork_id)} has been deleted. Cannot call {what} "
+                               "on it after deletion.")
+
+    def _get_future(self) -> torch.futures.Future:
+        """The future of this RRef's creation (of the owner's value, on the owner)."""
+        return getattr(self, "_creation", None) or self._future
+
     def __reduce__(self):
         dest = current_destination()
         agent = self._agent
+        if not self.is_owner() and (self._rref_id, self._fork_id) not in agent.rrefs.user_forks:
+            raise RuntimeError(f"User RRef with RRefId={_gid(self._rref_id)} and "
+                               f"ForkId={_gid(self._fork_id)} has been deleted. Cannot call fork an "
+                               "UserRRef after deletion.")
         if dest is None or agent_or_none() is not agent:
             raise RuntimeError("RRef can only be pickled inside an RPC call (rpc_sync, rpc_async, "
                                "remote) while RPC is running")
@@ -351,11 +390,32 @@ class RRef(Generic[T]):
         agent.wait(p)
 
     def _get_type(self, timeout: float = -1, blocking: bool = True):
+        """The type of the value (asked of the owner once, then cached); with
+        ``blocking=False`` a Future of it."""
         if self._type_hint is not None:
-            return self._type_hint
+            if blocking:
+                return self._type_hint
+            fut = torch.futures.Future()
+            fut.set_result(self._type_hint)
+            return fut
         if self.is_owner():
-            return type(self._future.wait())
-        return type(self.to_here(timeout))
+            fut = self._future.then(lambda f: type(f.wait()))
+        else:
+            self._check_alive("_get_type()")
+            fut = self._agent.send_request(self.owner(), Kind.CALL, (_rref_type, (), {}), "RRef._get_type",
+                                           timeout, extra={"rref": self._rref_id}).future
+
+        def cache(f: torch.futures.Future) -> None:
+            try:
+                self._type_hint = f.value()
+            except BaseException:  # noqa: BLE001 - the caller sees the error through the future
+                pass
+        fut.add_done_callback(cache)
+        return fut.wait() if blocking else fut
+
+    def _get_profiling_future(self) -> torch.futures.Future:
+        """torch's hook for profiled remote() calls: done once the creation is."""
+        return self._get_future()
 
 
 def _gid(ident: tuple) -> str:
@@ -386,6 +446,12 @@ def _unpickle_rref(owner: int, rref_id: tuple, fork_id: tuple, sender: int, type
 def _rref_fetch():
     """Runs on the owner: reply with the value once it exists."""
     return AsyncResult(current_agent().current_request().local["source"])
+
+
+def _rref_type():
+    """Runs on the owner: the type of the value, once it exists."""
+    source = current_agent().current_request().local["source"]
+    return AsyncResult(source.then(lambda f: type(f.wait())))
 
 
 def _rref_backward_local(value: Any, ctx_id: int, retain_graph: bool) -> torch.futures.Future:

@@ -48,12 +48,13 @@ _KINDS = {int(k): k for k in Kind}
 class Message:
     """A decoded message; the payload is unpickled later, off the I/O thread."""
 
-    __slots__ = ("kind", "rid", "meta", "specs", "payload", "buffers", "sender", "local")
+    __slots__ = ("kind", "rid", "meta", "specs", "payload", "buffers", "sender", "local", "handed_off")
 
     def __init__(self, kind, rid, meta, specs, payload, buffers, sender=None):
         self.kind, self.rid, self.meta, self.specs = kind, rid, meta, specs
         self.payload, self.buffers, self.sender = payload, buffers, sender
         self.local = None  # attached on the I/O thread by a pre-dispatch hook
+        self.handed_off = None  # perf_counter() at the hand-off to the pool (GIL profiling)
 
 
 def encode(kind: Kind, rid: int, meta: Any, payload: bytes = b"",

@@ -1,0 +1,77 @@
+"""Server-side profiling of the requests a worker serves.
+
+``_server_process_global_profile`` (torch's name) profiles, with torch's
+legacy autograd profiler, every request this worker's pool runs while the
+block is open, whichever thread runs it: each request is one thread-local
+profiling range, and on exit ``process_global_function_events`` holds one
+event list per request and ``function_events`` all of them.
+
+Example (on the server, or through an RRef to one created there)::
+
+    >>> with rpc._server_process_global_profile() as prof:
+    ...     time.sleep(1)       # meanwhile other workers call this one
+    >>> print(prof.key_averages().table())
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.profiler_legacy import profile as _legacy_profile
+
+_lock = threading.Lock()
+active: list[_server_process_global_profile] = []
+
+
+class _server_process_global_profile(_legacy_profile):
+    """torch.autograd.profiler_legacy.profile for every request this worker serves."""
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        if self.entered:
+            raise RuntimeError("autograd profiler traces are not reentrant")
+        self.entered = True
+        self._records: list = []
+        with _lock:
+            active.append(self)
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        if not self.enabled:
+            return False
+        with _lock:
+            if self in active:
+                active.remove(self)
+            records, self._records = self._records, []
+        per_request = []
+        for thread_records in records:
+            events = torch.autograd.profiler_legacy._parse_legacy_records(thread_records)
+            events.sort(key=lambda e: [e.time_range.start, -e.time_range.end])
+            per_request.append(events)
+        self.function_events = torch.autograd.profiler_util.EventList(
+            list(itertools.chain.from_iterable(per_request)),
+            use_device="cuda" if self.use_cuda else None, profile_memory=self.profile_memory)
+        self.function_events._build_tree()
+        self.process_global_function_events = per_request
+        return False
+
+
+def run(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run a served request, profiled for every server-side profile open."""
+    with _lock:
+        profiles = list(active)
+    if not profiles or torch.autograd._profiler_enabled():
+        return func(*args, **kwargs)
+    torch.autograd._enable_profiler_legacy(profiles[0].config())
+    try:
+        return func(*args, **kwargs)
+    finally:
+        records = torch.autograd._disable_profiler_legacy()
+        with _lock:
+            for prof in profiles:
+                if prof in active:
+                    prof._records.append(records)
