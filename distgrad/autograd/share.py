@@ -110,20 +110,25 @@ class PassState:
             seen += self._walk(msg_id, [node])
         self.shared = seen > len(self.nodes)  # some node was reached from two entries
         if self.shared:  # the executor needs every node's count of inputs
-            _, recv_t = _node_types()
-            acc_t = _accumulate_type()
-            deps = self.deps
-            for r in self.roots:
-                deps[r.grad_fn] += 1
-            for node in sends.values():
-                deps[node] += 1  # its gradient comes over the network
-            for n in self.nodes:
-                t = type(n)
-                if t is recv_t or t is acc_t:
-                    continue
-                for nxt, _ in n.next_functions:
-                    if nxt is not None:
-                        deps[nxt] += 1
+            self.count_inputs(sends.values())
+
+    def count_inputs(self, sends: Any) -> None:
+        """The executor's dependency counts: one per root, per send function (its
+        gradient comes over the network) and per edge between walked nodes."""
+        _, recv_t = _node_types()
+        acc_t = _accumulate_type()
+        deps = self.deps
+        for r in self.roots:
+            deps[r.grad_fn] += 1
+        for node in sends:
+            deps[node] += 1
+        for n in self.nodes:
+            t = type(n)
+            if t is recv_t or t is acc_t:
+                continue
+            for nxt, _ in n.next_functions:
+                if nxt is not None:
+                    deps[nxt] += 1
 
     def _walk(self, key: Any, starts: Sequence[Any]) -> int:
         """Collect ``key``'s region (its leaves, whether it holds recv functions);
