@@ -1,185 +1,100 @@
-"""Randomly generated computations over 3 and 4 workers: random ops, random
-placement through rpc_sync, rpc_async, remote and nested chains, shared
-intermediates, round trips and unused RPC results. Every gradient must equal
-single-process autograd on the same computation, and a counting Function
-after every op proves no node ran twice (nor ran when it should not)."""
+"""Random distributed programs against single-process autograd (tests/random_programs.py).
+
+Each program crosses 2, 3 or 4 real workers with broadcasting ops, reductions, views,
+cat/stack, matmul, custom Functions, rpc_sync / rpc_async / remote, RRefs handed on,
+nested calls, values kept on a worker between calls, several roots and a second
+retained backward. Every leaf gradient (and every absent one), every root value and
+the run count of every counting node must equal plain local autograd.
+
+The seeds are fixed here; the CLI runs fresh ones and shrinks failures::
+
+    python tests/random_programs.py --programs 100 --workers 2,3,4
+    python tests/random_programs.py --programs 1 --workers 3 --seed 1001   # one program
+"""
 import collections
-import random
+import io
+import pickle
 
 import pytest
+import random_programs as rp
 import torch
-from mp_utils import run_workers
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(240)
 
-D = 4
-COUNTS: collections.Counter = collections.Counter()
-PARAMS: dict = {}
-
-
-class Count(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tag):
-        ctx.tag = tag
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        COUNTS[ctx.tag] += 1
-        return g, None
+# seed -> world size; chosen so that together they exercise every entry of
+# random_programs.FEATURES (test_seeds_cover_every_feature checks it)
+SEEDS = {
+    2: list(range(0, 24)),
+    3: list(range(100, 118)) + [548],
+    4: list(range(200, 214)) + [333],
+}
 
 
-def param(store: dict, tag: str) -> torch.Tensor:
-    p = store.get(tag)
-    if p is None:
-        gen = torch.Generator().manual_seed(sum(map(ord, tag)) * 7919 + len(tag))
-        p = store[tag] = (torch.rand(D, generator=gen) + 0.5).requires_grad_()
-    return p
+def _programs():
+    return [rp.generate(s, w) for w, seeds in SEEDS.items() for s in seeds]
 
 
-def op(name: str, tag: str, store: dict, *xs):
-    if name == "sin":
-        y = xs[0].sin()
-    elif name == "tanh":
-        y = torch.tanh(xs[0])
-    elif name == "mul":
-        y = xs[0] * xs[1]
-    elif name == "add":
-        y = xs[0] + 2 * xs[1]
-    elif name == "param":
-        y = xs[0] * param(store, tag)
-    else:
-        raise ValueError(name)
-    return Count.apply(y, tag)
+def test_seeds_cover_every_feature():
+    """The fixed programs are valid (the oracle runs them), deterministic, plain data,
+    and together cover every feature the generator knows."""
+    seen: collections.Counter = collections.Counter()
+    for prog in _programs():
+        assert pickle.loads(pickle.dumps(prog)) == prog
+        assert rp.generate(prog["seed"], prog["world"]) == prog
+        rp.run_local(prog)
+        seen.update(rp.features(prog))
+    missing = [f for f in rp.FEATURES if not seen[f]]
+    assert not missing, f"fixed seeds cover no program with: {missing}"
 
 
-def remote_op(name, tag, *xs):
-    return op(name, tag, PARAMS, *xs)
+def test_comparison_reports_every_kind_of_difference():
+    """The checker is not vacuous: a wrong value, a wrong shape, a missing gradient,
+    an extra one, an unknown entry, a wrong root and an extra node run all show."""
+    prog = next(p for p in _programs() if p["retain"] and len(p["roots"]) > 1)
+    want = rp.run_local(prog)
+    assert rp.compare(want, dict(want, unknown=[])) == []
+    present = [k for k, g in want["grads"].items() if g is not None]
+    absent = [k for k, g in want["grads"].items() if g is None]
+    k = present[0]
+    cases = {
+        "grad value": {k: want["grads"][k] * 2},
+        "grad shape": {k: torch.cat([want["grads"][k].reshape(-1)] * 2)},
+        "missing grad": {k: None},
+    }
+    if absent:
+        cases["unexpected grad"] = {absent[0]: torch.zeros(1, dtype=rp.DTYPE)}
+    for kind, change in cases.items():
+        grads = {key: g for key, g in {**want["grads"], **change}.items() if g is not None}
+        issues = rp.compare(want, dict(want, grads=grads, unknown=[]))
+        assert [i[0] for i in issues] == [kind], (kind, issues)
+    assert rp.compare(want, dict(want, unknown=["worker1: tensor"]))[0][0] == "grad for a non-leaf"
+    roots = [want["roots"][0] + 1] + want["roots"][1:]
+    assert rp.compare(want, dict(want, roots=roots, unknown=[]))[0][0] == "forward value"
+    counts = dict(want["counts"], extra=1)
+    assert rp.compare(want, dict(want, counts=counts, unknown=[]))[0][0] == "node run count"
 
 
-def nested_op(path, name, tag, *xs):
-    """Apply ``name`` here, then pass the result along ``path`` (tanh at each hop)."""
-    import distgrad.rpc as rpc
-    y = op(name, tag, PARAMS, *xs)
-    if path:
-        y = rpc.rpc_sync(path[0], nested_op, args=(path[1:], "tanh", f"{tag}>{len(path)}", y))
-    return y
+def test_shrink_candidates_stay_valid():
+    """Every smaller variant the shrinker proposes is still a valid program."""
+    for prog in _programs()[:6]:
+        for cand in rp._candidates(prog):
+            rp.run_local(cand)
+            assert rp.size(cand) <= rp.size(prog)
 
 
-def local_nested(path, name, tag, store, *xs):
-    y = op(name, tag, store, *xs)
-    if path:
-        y = local_nested(path[1:], "tanh", f"{tag}>{len(path)}", store, y)
-    return y
-
-
-def take_counts():
-    out = dict(COUNTS)
-    COUNTS.clear()
-    return out
-
-
-def param_grads(cid):
-    import distgrad.autograd as dist_autograd
-    grads = dist_autograd.get_gradients(cid)
-    return {tag: grads[p].clone() for tag, p in PARAMS.items() if p in grads}
-
-
-def generate(seed: int, world_size: int):
-    rnd = random.Random(seed)
-    n_nodes = rnd.randint(4, 9)
-    nodes = []
-    for i in range(n_nodes):
-        name = rnd.choice(["sin", "tanh", "mul", "add", "param", "param"])
-        arity = 2 if name in ("mul", "add") else 1
-        avail = 2 + i  # two leaves, then earlier nodes
-        inputs = [rnd.randrange(avail) for _ in range(arity)]
-        where = rnd.randrange(world_size)
-        mode = rnd.choice(["sync", "async", "remote", "nested"]) if where else "local"
-        path = []
-        if mode == "nested":
-            path = [rnd.randrange(world_size) for _ in range(rnd.randint(1, 3))]
-        nodes.append((name, inputs, where, mode, path))
-    used = sorted(set(rnd.sample(range(n_nodes), rnd.randint(1, n_nodes))) | {n_nodes - 1})
-    return nodes, used
-
-
-def run_program(nodes, used, x0, x1, distributed: bool, store: dict):
-    import distgrad.rpc as rpc
-    vals = [x0, x1]
-    for i, (name, inputs, where, mode, path) in enumerate(nodes):
-        args = [vals[j] for j in inputs]
-        tag = f"n{i}"
-        if not distributed or mode == "local":
-            if mode == "nested":
-                v = local_nested(path, name, tag, store, *args)
-            else:
-                v = op(name, tag, store, *args)
-        elif mode == "sync":
-            v = rpc.rpc_sync(where, remote_op, args=(name, tag, *args))
-        elif mode == "async":
-            v = rpc.rpc_async(where, remote_op, args=(name, tag, *args)).wait()
-        elif mode == "remote":
-            v = rpc.remote(where, remote_op, args=(name, tag, *args)).to_here()
-        else:
-            v = rpc.rpc_sync(where, nested_op, args=([f"worker{p}" for p in path], name, tag, *args))
-        vals.append(v)
-    return sum((vals[2 + i] * (i + 1)).sum() for i in used)
-
-
-def _random_programs(rank, world_size, seeds):
-    import distgrad.autograd as dist_autograd
-    import distgrad.rpc as rpc
-    if rank != 0:
-        return None
-    checked = 0
-    for seed in seeds:
-        nodes, used = generate(seed, world_size)
-        gen = torch.Generator().manual_seed(seed)
-        x0 = torch.randn(D, generator=gen).requires_grad_()
-        x1 = torch.randn(D, generator=gen).requires_grad_()
-        # oracle: one process, plain autograd
-        store: dict = {}
-        l0, l1 = x0.detach().clone().requires_grad_(), x1.detach().clone().requires_grad_()
-        run_program(nodes, used, l0, l1, False, store).backward()
-        want_counts = take_counts()
-        want_params = {t: p.grad for t, p in store.items() if p.grad is not None}
-        # distributed
-        with dist_autograd.context() as cid:
-            loss = run_program(nodes, used, x0, x1, True, PARAMS)
-            assert torch.allclose(loss, run_program(nodes, used, l0, l1, False, store))
-            take_counts()  # the oracle's forward above counted nothing; stay clean
-            dist_autograd.backward(cid, [loss])
-            grads = dist_autograd.get_gradients(cid)
-            got_params = {}
-            for w in range(world_size):
-                got_params.update(rpc.rpc_sync(w, param_grads, args=(cid,)))
-        counts = collections.Counter()
-        for w in range(world_size):
-            counts.update(rpc.rpc_sync(w, take_counts))
-        desc = f"seed {seed}: {nodes} used {used}"
-        for leaf, oracle in ((x0, l0), (x1, l1)):
-            if oracle.grad is None:  # the program never used this leaf
-                assert leaf not in grads, desc
-            else:
-                assert torch.allclose(grads[leaf], oracle.grad, atol=1e-5), desc
-        assert set(got_params) == set(want_params), desc
-        for tag, g in want_params.items():
-            assert torch.allclose(got_params[tag], g, atol=1e-5), f"{desc} param {tag}"
-        assert dict(counts) == want_counts, f"{desc}: node runs {dict(counts)} != {want_counts}"
-        for w in range(world_size):
-            rpc.rpc_sync(w, PARAMS.clear)
-        checked += 1
-    modes = collections.Counter()
-    for w in range(world_size):
-        modes.update(rpc.rpc_sync(w, dist_autograd.get_engine_stats))
-    # both ways of running a worker's share were exercised
-    assert modes["passes_native"] > 0 and modes["passes_shared"] > 0, modes
-    assert modes["passes_discovered"] > 0, modes  # the unused-RPC fallback ran too
-    return checked
-
-
-@pytest.mark.parametrize("world_size,seeds", [(3, range(0, 25)), (4, range(100, 125))])
-def test_random_graphs(world_size, seeds):
-    res = run_workers(_random_programs, world_size=world_size, timeout=280, args=(list(seeds),))
-    assert res[0] == len(seeds)
+@pytest.mark.parametrize("world", sorted(SEEDS))
+def test_random_programs(world):
+    seeds = SEEDS[world]
+    res = rp.run_seeds(world, seeds, {"shrink": 0}, timeout=200, log=lambda *a: None)
+    records = res["records"]
+    assert sorted(r["seed"] for r in records) == seeds
+    failed = [r for r in records if not r["ok"]]
+    if failed:
+        out = io.StringIO()
+        rp.report(records, per_group=2, out=out)
+        pytest.fail(f"{len(failed)} of {len(records)} programs on {world} workers differ from local "
+                    f"autograd (rerun one: python tests/random_programs.py --programs 1 --workers {world} "
+                    f"--seed SEED; it also shrinks it){out.getvalue()}", pytrace=False)
+    stats = res["engine_stats"]
+    if stats:  # both ways of running a worker's share were exercised
+        assert stats["passes_native"] > 0 and stats["passes_shared"] > 0, stats

@@ -239,3 +239,189 @@ def _shared_memory(rank, world_size):
 
 def test_large_tensors_through_reused_shared_memory_stay_intact():
     assert run_workers(_shared_memory, world_size=2, timeout=120) == [True, None]
+
+
+# -- every kind of tensor, forward in a call and back as a gradient ----------------
+def _kinds(requires_grad):
+    """Tensors of every kind the wire carries, fresh each call (leaves when requires_grad)."""
+    torch.manual_seed(0)
+    base = torch.arange(60, dtype=torch.float64).reshape(3, 4, 5)
+    z = torch.randn(4, 3, dtype=torch.complex128)
+    i = torch.tensor([[0, 1, 1, 0], [2, 0, 2, 2]])
+    coo = torch.sparse_coo_tensor(i, torch.tensor([1., 2., 3., 4.]), (3, 3))
+    kinds = {
+        "one": torch.tensor([0.5], dtype=torch.float64),
+        "zero_dim": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "stride0_one": torch.ones(1).as_strided((1,), (0,)),
+        "expanded": torch.tensor([1., 2., 3.]).expand(4, 3),
+        "offset": base.reshape(-1)[7:19],
+        "noncontig": base.permute(2, 0, 1)[:, ::2],
+        "conj": z.conj(),
+        "neg": torch.randn(3)._neg_view(),
+        "param": torch.nn.Parameter(torch.randn(2, 3)),
+        "coo": coo,
+        "coo_coalesced": coo.coalesce(),
+        "coo_hybrid": torch.sparse_coo_tensor(i[:1], torch.randn(4, 2), (3, 2)),
+    }
+    if requires_grad:
+        kinds = {k: (v if isinstance(v, torch.nn.Parameter) else v.detach().clone().requires_grad_())
+                 for k, v in kinds.items()}
+        # clone() compacts views: keep a stride-0 one-element leaf as such
+        kinds["stride0_one"] = torch.ones(1).as_strided((1,), (0,)).requires_grad_()
+    return kinds
+
+
+def _describe_all(d):
+    return {k: describe(v) for k, v in d.items()}
+
+
+def _loss_of(d):
+    """A scalar touching every tensor: sparse ones through sparse ops, so that their
+    gradients are sparse; complex ones through abs()."""
+    total = 0
+    for k, v in sorted(d.items()):
+        if v.layout == torch.sparse_coo:
+            total = total + torch.sparse.sum(v * 2.0) * (len(k) % 3 + 1)
+        elif v.is_complex():
+            total = total + (v * v).abs().sum()
+        elif v.numel():
+            total = total + (v * v).sum() * (len(k) % 5 + 1)
+    return total
+
+
+def _grads_equal(got, want, name):
+    assert got is not None, name
+    assert got.layout == want.layout and got.shape == want.shape and got.dtype == want.dtype, \
+        (name, got, want)
+    if got.layout == torch.sparse_coo:
+        got, want = got.coalesce(), want.coalesce()
+        assert torch.equal(got.indices(), want.indices()), name
+        got, want = got.values(), want.values()
+    assert torch.allclose(got, want), (name, got, want)
+
+
+def _all_kinds(rank, world_size):
+    if rank != 0:
+        return None
+    import distgrad.autograd as dist_autograd
+    for requires_grad in (False, True):
+        sent = _kinds(requires_grad)
+        back = rpc.rpc_sync("worker1", echo, args=(sent,))
+        desc = rpc.rpc_sync("worker1", _describe_all, args=(sent,))
+        for k, v in sent.items():
+            b = back[k]
+            assert type(b) is type(v) and b.dtype == v.dtype and b.shape == v.shape, k
+            assert b.layout == v.layout and b.requires_grad == v.requires_grad, k
+            assert desc[k][3] == str(v.layout) and desc[k][4] == v.requires_grad, (k, desc[k])
+            if v.layout == torch.sparse_coo:
+                assert b.is_coalesced() == v.is_coalesced(), k
+                assert torch.equal(b.detach().to_dense(), v.detach().to_dense()), k
+            else:
+                assert torch.equal(b.detach(), v.detach().resolve_conj().resolve_neg()), k
+    # CSR: refused on the caller, as torch.distributed.rpc refuses it; nothing is sent
+    rpc.rpc_sync("worker1", echo, args=(1,))
+    m0, _ = _sent()
+    with pytest.raises(rpc.SerializationError, match="sparse_csr"):
+        rpc.rpc_sync("worker1", echo, args=(torch.eye(2).to_sparse_csr(),))
+    assert _sent()[0] == m0
+    # forward in a call under distributed autograd, gradients back through the wire
+    local = _kinds(True)
+    _loss_of(local).backward()
+    remote = _kinds(True)
+    with dist_autograd.context() as cid:
+        loss = rpc.rpc_sync("worker1", _loss_of, args=(remote,))
+        assert loss.grad_fn is not None
+        dist_autograd.backward(cid, [loss])
+        grads = dist_autograd.get_gradients(cid)
+    for k, v in remote.items():
+        if local[k].grad is None:  # the empty tensor: no gradient either way
+            assert k == "empty" and grads.get(v) is None
+            continue
+        _grads_equal(grads.get(v), local[k].grad, k)
+        assert v.grad is None, k  # the context's gradients, never .grad
+    assert grads[remote["coo"]].layout == torch.sparse_coo
+    assert grads[remote["stride0_one"]].shape == (1,)
+    return True
+
+
+def test_every_tensor_kind_forward_and_as_gradient():
+    assert run_workers(_all_kinds, world_size=2, timeout=150) == [True, None]
+
+
+# -- sparse gradients: embeddings on a parameter server, sparse results ------------
+class EmbeddingServer:
+    """Lives on worker1: an EmbeddingBag and an Embedding with sparse gradients."""
+
+    def __init__(self):
+        torch.manual_seed(1)
+        self.bag = torch.nn.EmbeddingBag(16, 4, mode="sum", sparse=True)
+        self.emb = torch.nn.Embedding(16, 4, sparse=True)
+        self.table = torch.nn.Parameter(torch.randn(5, 3).to_sparse())
+
+    def forward(self, ids, offsets, weights):
+        return self.bag(ids, offsets, weights) + self.emb(ids[:2]).sum(0)
+
+    def sparse_part(self, scale):
+        return self.table * scale  # a sparse result that requires grad
+
+    def grads(self, cid):
+        import distgrad.autograd as dist_autograd
+        g = dist_autograd.get_gradients(cid)
+        return [g.get(p) for p in (self.bag.weight, self.emb.weight, self.table)]
+
+
+def _call(rref, method, *args):
+    return getattr(rref.local_value(), method)(*args)
+
+
+def _embeddings(rank, world_size):
+    if rank != 0:
+        return None
+    import distgrad.autograd as dist_autograd
+    ids = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
+    offsets = torch.tensor([0, 4])
+    weights = torch.rand(8, requires_grad=True)
+    scale = torch.tensor(3.0, requires_grad=True)
+    # the oracle: the same server here, two backward passes accumulating into .grad
+    local = EmbeddingServer()
+    for _ in range(2):
+        out = local.forward(ids, offsets, weights)
+        (out.sum() + torch.sparse.sum(local.sparse_part(scale))).backward()
+    want = [local.bag.weight.grad, local.emb.weight.grad, local.table.grad]
+    assert all(w.layout == torch.sparse_coo for w in want)
+    want_w, want_s = weights.grad.clone(), scale.grad.clone()
+    weights.grad = scale.grad = None
+
+    server = rpc.remote("worker1", EmbeddingServer)
+    with dist_autograd.context() as cid:
+        out = rpc.rpc_sync("worker1", _call, args=(server, "forward", ids, offsets, weights))
+        part = rpc.rpc_sync("worker1", _call, args=(server, "sparse_part", scale))
+        assert part.layout == torch.sparse_coo and part.requires_grad
+        loss = out.sum() + torch.sparse.sum(part)
+        dist_autograd.backward(cid, [loss], retain_graph=True)
+        dist_autograd.backward(cid, [loss])  # sparse gradients accumulate in the context
+        got = rpc.rpc_sync("worker1", _call, args=(server, "grads", cid))
+        mine = dist_autograd.get_gradients(cid)
+    for name, g, w in zip(("bag", "emb", "table"), got, want):
+        assert g.layout == torch.sparse_coo, name  # sparse + sparse stays sparse
+        _grads_equal(g, w, name)
+    _grads_equal(mine[weights], want_w, "per_sample_weights")
+    _grads_equal(mine[scale], want_s, "scale")
+    # on one worker, inside a context: sparse, then dense on top of sparse
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [emb(ids).sum()])
+        first = dist_autograd.get_gradients(cid)[emb.weight]
+        assert first.layout == torch.sparse_coo
+        dense_loss = (emb.weight * torch.arange(30.).reshape(10, 3)).sum()
+        dist_autograd.backward(cid, [dense_loss])
+        total = dist_autograd.get_gradients(cid)[emb.weight]
+    expected = torch.zeros(10, 3).index_add_(0, ids, torch.ones(8, 3)) + torch.arange(30.).reshape(10, 3)
+    assert total.layout == torch.strided and torch.equal(total, expected)
+    assert emb.weight.grad is None
+    return True
+
+
+def test_sparse_gradients_parameter_server_and_local():
+    assert run_workers(_embeddings, world_size=2, timeout=150) == [True, None]

@@ -234,3 +234,186 @@ def test_fuzz_headers(version, kind, nbuf, rid, meta_len):
         return
     assert version == VERSION and nbuf <= 3 and msg.rid == rid and len(msg.buffers) == nbuf
     assert meta_len == len(meta)
+
+
+# -- every kind of tensor torch can make -------------------------------------------
+WIRE_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex32,
+               torch.complex64, torch.complex128, torch.uint8, torch.int8, torch.int16, torch.int32,
+               torch.int64, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+               torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _same(a, b):
+    """Same type, dtype, shape, layout, requires_grad and values (bitwise for floats)."""
+    assert type(a) is type(b), (type(a), type(b))
+    assert (a.dtype, a.shape, a.layout, a.requires_grad) == (b.dtype, b.shape, b.layout, b.requires_grad)
+    a, b = a.detach(), b.detach()
+    if a.layout == torch.sparse_coo:
+        assert a.is_coalesced() == b.is_coalesced() and a.sparse_dim() == b.sparse_dim()
+        assert torch.equal(a._indices(), b._indices())
+        a, b = a._values(), b._values()
+    a, b = a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()
+    if a.dtype == torch.complex32 or a.dtype.is_floating_point and a.dtype.itemsize == 1:
+        a, b = a.view(torch.uint8) if a.dtype.itemsize == 1 else a.to(torch.complex64), \
+            b.view(torch.uint8) if b.dtype.itemsize == 1 else b.to(torch.complex64)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", WIRE_DTYPES, ids=str)
+def test_one_zero_and_zero_dim_tensors_of_every_dtype(dtype):
+    one = torch.ones(1).to(dtype) if dtype != torch.complex32 else torch.ones(1, dtype=dtype)
+    cases = [one, torch.empty(0, dtype=dtype), torch.empty(2, 0, 3, dtype=dtype), one.reshape(()),
+             one.expand(5), one.as_strided((1,), (0,)), one.expand(1, 1, 1)]
+    out, _ = roundtrip(cases)
+    for a, b in zip(cases, out):
+        _same(a, b)
+        assert b.is_contiguous()
+    assert out[3].dim() == 0 and out[4].shape == (5,)
+
+
+def test_stride_zero_one_element_gradient():
+    """The gradient of w.sum() for w of shape (1,) is a one-element tensor at stride 0."""
+    w = torch.tensor([0.5], dtype=torch.float64, requires_grad=True)
+    g, = torch.autograd.grad(w.sum(), w)
+    assert g.stride() == (0,)
+    out, frames = roundtrip([g])
+    _same(g, out[0])
+    assert len(frames) == 2 and len(frames[1]) == 8  # one double, not a storage
+
+
+def test_views_offsets_conj_neg_parameters():
+    base = torch.arange(60, dtype=torch.float64).reshape(3, 4, 5)
+    z = torch.randn(4, 3, dtype=torch.complex128)
+    cases = {
+        "offset": base.reshape(-1)[7:19],
+        "offset_2d": base[1:, 2:],
+        "permuted": base.permute(2, 0, 1),
+        "stepped": base[::2, 1::3, ::2],
+        "diagonal": torch.diagonal(base, dim1=1, dim2=2),
+        "expanded": base[:, :1, :].expand(3, 7, 5),
+        "conj": z.conj(),
+        "conj_t": z.t().conj(),
+        "neg": torch.randn(3, dtype=torch.float32)._neg_view(),
+        "conj_neg": z.conj()._neg_view(),
+        "param": torch.nn.Parameter(torch.randn(2, 3)),
+        "param_no_grad": torch.nn.Parameter(torch.randn(2), requires_grad=False),
+        "requires_grad_view": torch.randn(4, 4, requires_grad=True)[1:3].detach().requires_grad_(),
+    }
+    out, frames = roundtrip(cases)
+    for k, v in cases.items():
+        _same(v, out[k])
+        assert not out[k].is_conj() and not out[k].is_neg(), k
+    # only the elements a view covers travel: 12 doubles of a 60-double storage
+    _, frames = roundtrip(cases["offset"])
+    assert len(frames[1]) == 12 * 8
+
+
+def _coo(coalesce, requires_grad=False, dtype=torch.float32, dense_dims=()):
+    i = torch.tensor([[0, 1, 1, 0], [2, 0, 2, 2]])
+    v = torch.arange(1, 5, dtype=torch.float64).reshape(4, *([1] * len(dense_dims))).expand(4, *dense_dims)
+    t = torch.sparse_coo_tensor(i, v.to(dtype), (3, 3, *dense_dims))
+    if coalesce:
+        t = t.coalesce()
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_sparse_coo(coalesce, requires_grad):
+    cases = [_coo(coalesce, requires_grad), _coo(coalesce, requires_grad, torch.float64, (2,)),
+             _coo(coalesce, requires_grad, torch.complex64),
+             torch.sparse_coo_tensor(torch.empty(2, 0, dtype=torch.int64), torch.empty(0), (4, 5)),
+             torch.sparse_coo_tensor(torch.empty(0, 1, dtype=torch.int64), torch.ones(1, 2, 3), (2, 3)),
+             torch.sparse_coo_tensor(torch.tensor([[1, 2]]), torch.ones(2, 2), (10**12, 2))]
+    out, frames = roundtrip(cases)
+    for a, b in zip(cases, out):
+        _same(a, b)
+    assert out[0].is_coalesced() == coalesce and not out[3]._nnz()
+    assert torch.equal(out[1].to_dense(), cases[1].detach().to_dense())
+    # indices and values travel, never the dense form (10**12 rows)
+    assert sum(len(f) for f in frames) < 4096
+
+
+def test_sparse_parameter_integer_values_and_identity():
+    p = torch.nn.Parameter(_coo(True))
+    ints = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.tensor([7, -1], dtype=torch.int16), (5,))
+    out, frames = roundtrip([p, ints, p])
+    _same(p, out[0])
+    _same(ints, out[1])
+    assert out[0] is out[2] and len(frames) == 1 + 4  # indices + values, twice: shared once
+
+
+def test_sparse_gradient_of_embedding_travels():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 2, 4, 1])).sum().backward()
+    g = emb.weight.grad
+    assert g.layout == torch.sparse_coo and not g.is_coalesced()
+    out, _ = roundtrip(g)
+    _same(g, out)
+
+
+def test_sparse_noncontiguous_indices_and_values():
+    v = torch.rand(1, 3).expand(8, 3)
+    i = torch.ones(1, 1, dtype=torch.long).expand(1, 8)
+    t = torch.sparse_coo_tensor(i, v, (10, 3))
+    assert not t._values().is_contiguous()
+    out, _ = roundtrip(t)
+    _same(t, out)
+
+
+@pytest.mark.parametrize("layout", ["csr", "csc", "bsr", "bsc"])
+def test_sparse_compressed_refused_like_torch(layout):
+    dense = torch.tensor([[0., 1.], [2., 0.]])
+    t = {"csr": dense.to_sparse_csr, "csc": dense.to_sparse_csc,
+         "bsr": lambda: dense.to_sparse_bsr((1, 1)), "bsc": lambda: dense.to_sparse_bsc((1, 1))}[layout]()
+    with pytest.raises(SerializationError, match=f"sparse_{layout}") as ei:
+        dumps({"x": [t]})
+    assert isinstance(ei.value, RuntimeError)
+
+
+def _sparse_frames(t):
+    payload, tensors = dumps(t)
+    return [bytes(memoryview(f)) for f in encode(Kind.CALL, 1, ("f", None, None), payload, tensors)]
+
+
+def _respec(frames, spec):
+    meta, _ = pickle.loads(_split(frames[0])[1])
+    _, _, payload = _split(frames[0])
+    return [_envelope(pickle.dumps((meta, (spec,))), payload, nbuf=len(frames) - 1)] + frames[1:]
+
+
+def test_hostile_sparse_specs_are_protocol_errors():
+    frames = _sparse_frames(_coo(True))
+    spec = decode(frames).specs[0]
+    assert len(spec) == 5 and spec[4] == (2, 3, True)
+    msg = decode(frames)
+    _same(_coo(True), loads(msg.payload, msg.specs, msg.buffers))
+    bad_indices = bytearray(frames[1])
+    bad_indices[:8] = (10**6).to_bytes(8, "little")  # an index beyond the shape
+    uncoalesced = _sparse_frames(_coo(False))
+    claims_coalesced = list(spec)
+    claims_coalesced[4] = (2, 4, True)
+    cases = {
+        "index out of range": [frames[0], bytes(bad_indices), frames[2]],
+        "claims coalesced": _respec(uncoalesced, tuple(claims_coalesced)),
+        "sparse_dim > ndim": _respec(frames, spec[:4] + ((3, 3, True),)),
+        "negative nnz": _respec(frames, spec[:4] + ((2, -3, True),)),
+        "nnz beyond buffers": _respec(frames, spec[:4] + ((2, 2**40, True),)),
+        "parts on a dense spec": _respec(frames, ("torch.float32", (3, 3), False, 0, (2, 3, True))),
+        "no parts on a sparse spec": _respec(frames, spec[:4]),
+        "parts not a tuple": _respec(frames, spec[:4] + ([2, 3, True],)),
+        "unknown kind": _respec(frames, spec[:3] + (6, spec[4])),
+    }
+    reasons = {}
+    for name, fr in cases.items():
+        msg = decode(fr)
+        with pytest.raises(ProtocolError) as ei:
+            loads(msg.payload, msg.specs, msg.buffers)
+            pytest.fail(name)
+        reasons[name] = str(ei.value)
+    assert "index" in reasons["index out of range"]
+    assert "coalesced" in reasons["claims coalesced"]
+    assert "buffer" in reasons["nnz beyond buffers"]
+    for name in ("sparse_dim > ndim", "negative nnz", "parts on a dense spec", "unknown kind",
+                 "no parts on a sparse spec", "parts not a tuple"):
+        assert reasons[name].startswith("malformed tensor spec"), (name, reasons[name])

@@ -10,6 +10,7 @@ leaves.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,10 @@ class DistAutogradContext:
         # keyed by the leaf's AccumulateGrad node (held here, so it stays the
         # leaf's one node); get_gradients() maps them to the leaf tensors
         self.gradients: dict[Any, torch.Tensor] = {}
+        # leaves whose stored gradient was allocated here (a copy, a sum, a result nobody
+        # else holds): later gradients are added into it in place, as torch does; the
+        # others (a received buffer kept as is) are never written to
+        self.grads_mine: set = set()
         self.passes: dict[tuple, Any] = {}         # backward passes' state on this worker
         self.released = False
 
@@ -70,41 +75,154 @@ class DistAutogradContext:
 
     def accumulate(self, leaf: Any, grad: torch.Tensor, owned: bool = False) -> None:
         """Add ``grad`` to the gradient of ``leaf`` (its AccumulateGrad node) in this
-        context (never ``.grad``).
+        context (never ``.grad``), by torch's rules (see :func:`_combine`).
 
-        ``owned``: ``grad`` is a fresh tensor nobody else holds, kept without a copy.
+        ``owned``: ``grad`` is a fresh tensor nobody else holds, kept without a
+        copy when its layout is the one torch would give it; otherwise the first
+        gradient is copied (sparse stays sparse; dense takes the leaf's strides).
         """
         with self.lock:
             old = self.gradients.get(leaf)
-            if old is None:
-                self.gradients[leaf] = grad.detach() if owned else grad.detach().clone()
+            if old is not None:
+                self.gradients[leaf] = _combine(self.grads_mine, leaf, old, grad)
+            elif owned and _keepable(grad, leaf):
+                self.gradients[leaf] = grad.detach()
+                self.grads_mine.discard(leaf)
             else:
-                self.gradients[leaf] = old + grad
+                self.gradients[leaf] = _copy(grad, leaf)
+                self.grads_mine.add(leaf)
 
     def accumulate_fresh(self, leaves: list, grads: Sequence, given: Sequence,
                          owned: bool = False) -> None:
-        """Accumulate an engine call's results for ``leaves`` (AccumulateGrad
-        nodes). Results are kept
-        without a copy unless their memory is shared: the engine may hand one
-        tensor to several leaves (x + y) or pass a ``given`` gradient through views
-        (``owned``: the given gradients are this pass's own, received from the
-        network, and may be kept as they are)."""
-        seen = set() if owned else {g.untyped_storage().data_ptr() for g in given}
-        grads_of = self.gradients
+        """Accumulate an engine call's results ``grads`` for ``leaves``
+        (AccumulateGrad nodes), with torch's no-copy rule: a first gradient is
+        kept as it is only when nobody else holds it and its layout is the one
+        torch gives a gradient (dense: the leaf's strides; sparse: contiguous
+        indices and values); otherwise it is copied. Held by someone else means:
+        another Python reference (a hook that kept it; the same tensor handed to
+        two leaves, as x + y does), or memory shared with an earlier result or
+        with a ``given`` gradient (passed through views). ``owned``: the given
+        gradients are this pass's own (received from the network) and may be
+        kept as they are; they are never written to."""
+        given_keys = {_memory_key(g) for g in given}
+        seen: set = set()
+        grads_of, mine = self.gradients, self.grads_mine
         with self.lock:
+            # this loop's shape (zip, g, _refs(g)) must stay that of _calibrate()
             for leaf, g in zip(leaves, grads):
                 if g is None:
                     continue
-                ptr = g.untyped_storage().data_ptr()
+                refs = _refs(g)
+                key = _memory_key(g)
                 old = grads_of.get(leaf)
                 if old is not None:
-                    grads_of[leaf] = old + g
+                    grads_of[leaf] = _combine(mine, leaf, old, g)
+                elif key in seen or not _keepable(g, leaf):
+                    grads_of[leaf] = _copy(g, leaf)
+                    mine.add(leaf)
+                elif key in given_keys:
+                    if owned:  # a received buffer, kept without a copy; never written to
+                        grads_of[leaf] = g
+                        mine.discard(leaf)
+                    else:  # a caller's tensor (grad_tensors) must not become ours
+                        grads_of[leaf] = _copy(g, leaf)
+                        mine.add(leaf)
+                elif refs > _BASE_REFS:  # another holder: a copy, as torch's use count rule
+                    grads_of[leaf] = _copy(g, leaf)
+                    mine.add(leaf)
                 else:
-                    grads_of[leaf] = g.clone() if ptr in seen else g
-                seen.add(ptr)
+                    grads_of[leaf] = g.detach() if g.requires_grad else g
+                    mine.add(leaf)
+                seen.add(key)
 
     def __repr__(self) -> str:
         return f"DistAutogradContext(id={self.id})"
+
+
+def _refs(t: torch.Tensor) -> int:
+    return sys.getrefcount(t)
+
+
+def _calibrate() -> int:
+    """What :func:`_refs` says of a result nobody else holds, in accumulate_fresh's loop."""
+    leaves, grads = [None], (torch.empty(0),)
+    for _leaf, g in zip(leaves, grads):
+        return _refs(g)
+    raise AssertionError("unreachable")
+
+
+_BASE_REFS = _calibrate()
+
+
+def _memory_key(t: torch.Tensor) -> int:
+    """Where ``t``'s data lives (its values' storage for a sparse tensor): two
+    tensors with one key may share memory."""
+    if t.layout == torch.sparse_coo:
+        t = t._values()
+    elif t.layout != torch.strided:
+        return id(t)
+    return t.untyped_storage().data_ptr()
+
+
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory exactly (any order of dimensions)."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _keepable(g: torch.Tensor, leaf: Any) -> bool:
+    """Whether torch would keep ``g`` as a leaf's first gradient without a copy, as far
+    as its layout goes: a sparse one needs contiguous indices and values; a dense
+    one the leaf's strides (dimensions of size 1 aside, though not at stride 0:
+    those are broadcast views) when the leaf is non-overlapping and dense, else
+    to be contiguous."""
+    if g.layout == torch.sparse_coo:
+        return g._indices().is_contiguous() and g._values().is_contiguous()
+    if g.layout != torch.strided:
+        return False
+    var = leaf.variable
+    if var.layout != torch.strided:
+        return g.is_contiguous()
+    g_strides, var_strides = g.stride(), var.stride()
+    if g_strides == var_strides and 0 not in g_strides and g.is_contiguous():
+        return True  # the common case (both contiguous), whichever rule applies
+    if not _non_overlapping_and_dense(var):
+        return g.is_contiguous()
+    for n, gs, vs in zip(g.shape, g_strides, var_strides):
+        if (gs != vs) if n != 1 else (gs == 0):
+            return False
+    return True
+
+
+def _copy(g: torch.Tensor, leaf: Any) -> torch.Tensor:
+    """A copy of ``g`` in the layout torch gives a copied gradient: sparse stays
+    sparse; dense takes the leaf's strides (contiguous when the leaf has gaps)."""
+    g = g.detach()
+    if g.layout != torch.strided:
+        return g.clone()
+    var = leaf.variable
+    if var.layout == torch.strided and _non_overlapping_and_dense(var) and var.shape == g.shape:
+        return torch.empty_strided(var.shape, var.stride(), dtype=g.dtype, device=g.device).copy_(g)
+    return g.clone(memory_format=torch.contiguous_format)
+
+
+def _combine(mine: set, leaf: Any, old: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``old + g`` for ``leaf``, as torch's context does (grad mode off): into ``old``
+    in place when it is dense and was allocated here (dense + sparse included);
+    otherwise a new tensor (sparse + sparse stays sparse, sparse + dense is dense)."""
+    if leaf in mine and old.layout == torch.strided:
+        return old.add_(g.detach())
+    mine.add(leaf)
+    if old.layout != torch.strided and g.layout == torch.strided:
+        return g.detach() + old  # sparse + dense is not defined, dense + sparse is
+    return old + g.detach()
 
 
 class Container:

@@ -35,7 +35,9 @@ def _send_backward(ctx, *grads):
 def _recv_forward(ctx, anchor, context_id, message_id, sender, *tensors):
     ctx.set_materialize_grads(False)
     ctx.dg_info = (context_id, message_id, sender)
-    return tuple(t.view_as(t) for t in tensors)
+    # a fresh alias per tensor takes this node as its grad_fn; sparse tensors have no
+    # view_as, and detach() aliases their indices and values without a copy
+    return tuple(t.view_as(t) if t.layout == torch.strided else t.detach() for t in tensors)
 
 
 def _recv_backward(ctx, *grads):

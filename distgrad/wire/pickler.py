@@ -1,11 +1,14 @@
 """Pickling with tensors lifted out of the pickle stream.
 
-Every dense CPU tensor met while pickling becomes a persistent id (its index
-in a *tensor table*); its bytes travel as a separate out-of-band buffer and are
-never copied into the pickle stream. Only the bytes a tensor covers are sent:
-a contiguous view of a large tensor sends its own slice, a non-contiguous one
-is compacted first. The receiver rebuilds each tensor on the received buffer
-without another copy.
+Every CPU tensor met while pickling (dense or sparse COO, an ``nn.Parameter``
+too) becomes a persistent id (its index in a *tensor table*); its bytes travel
+as separate out-of-band buffers (one for a dense tensor; indices and values
+for a sparse one) and are never copied into the pickle stream. Only the bytes
+a tensor covers are sent: a contiguous view of a large tensor sends its own
+slice; a non-contiguous, expanded (stride 0), conjugate or negative view is
+compacted first. The receiver rebuilds each tensor on the received buffers
+without another copy. Sparse compressed layouts (CSR, CSC, BSR, BSC) are
+refused at the sender, as torch.distributed.rpc refuses them.
 
 The tensor table is exposed so that distributed autograd can see which sent
 tensors require grad and can replace the received ones (attach a recv
@@ -25,7 +28,11 @@ import torch
 
 from ..errors import DistgradError, ProtocolError, SerializationError
 
-_DENSE, _PARAMETER = 0, 1
+# A spec's kind: bit 0 says nn.Parameter, the rest the layout. Sparse tensors go
+# through the table too (not reduced to their parts), so that autograd sees them.
+_DENSE, _PARAMETER, _SPARSE_COO = 0, 1, 2
+_KINDS = (_DENSE, _PARAMETER, _SPARSE_COO, _SPARSE_COO | _PARAMETER)
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 # Names of dtypes that may travel; the receiver accepts nothing else.
 _DTYPES = {str(d): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -39,19 +46,37 @@ _local = threading.local()
 
 
 class TensorSpec(NamedTuple):
-    """What the receiver needs to rebuild one tensor from its buffer."""
+    """What the receiver needs to rebuild one tensor from its buffers.
+
+    ``parts`` is empty for a dense tensor; for a sparse COO tensor it is
+    ``(sparse_dim, nnz, coalesced)``, from which the shapes of its indices
+    (int64, ``(sparse_dim, nnz)``) and values (``(nnz, *dense dims)``) follow.
+    """
 
     dtype: str
     shape: tuple
     requires_grad: bool
     kind: int = _DENSE
+    parts: tuple = ()
+
+    def components(self) -> list[tuple[torch.dtype, tuple]]:
+        """(dtype, shape) of each piece that travels as a buffer, in order."""
+        if self.kind & ~_PARAMETER == _SPARSE_COO:
+            sparse_dim, nnz, _ = self.parts
+            return [(torch.int64, (sparse_dim, nnz)),
+                    (_DTYPES[self.dtype], (nnz,) + tuple(self.shape[sparse_dim:]))]
+        return [(_DTYPES[self.dtype], self.shape)]
 
     @property
     def nbytes(self) -> int:
-        n = _DTYPES[self.dtype].itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return sum(_nbytes(dtype, shape) for dtype, shape in self.components())
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
 
 
 def current_destination() -> Any:
@@ -70,19 +95,30 @@ def current_pins() -> list | None:
 
 
 def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D uint8 view over exactly the bytes of ``t`` (compacting if needed)."""
+    """A 1-D uint8 view over exactly the bytes of dense ``t`` (compacting if needed)."""
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    t = t.contiguous().reshape(-1)
-    return t.view(torch.uint8)
+    flat = t.contiguous().reshape(-1)
+    if flat.stride() != (1,):
+        # torch calls a tensor whose only element sits at stride 0 (the gradient of
+        # w.sum() for w of shape (1,)) contiguous, so nothing above restrides it; a
+        # 1-D contiguous tensor's elements are adjacent, so stride 1 is the same memory
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
-def _rebuild_sparse(indices, values, size, coalesced):
-    t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced)
-    return t
+def _pieces(t: torch.Tensor) -> tuple[TensorSpec, list[torch.Tensor]]:
+    """The spec of a table tensor and the dense pieces whose bytes travel."""
+    kind = _PARAMETER if isinstance(t, torch.nn.Parameter) else _DENSE
+    if t.layout == torch.sparse_coo:
+        d = t.detach()
+        spec = TensorSpec(str(t.dtype), tuple(t.shape), bool(t.requires_grad), kind | _SPARSE_COO,
+                          (d.sparse_dim(), d._nnz(), d.is_coalesced()))
+        return spec, [d._indices(), d._values()]
+    return TensorSpec(str(t.dtype), tuple(t.shape), bool(t.requires_grad), kind), [t]
 
 
 class _Pickler(pickle.Pickler):
@@ -92,7 +128,7 @@ class _Pickler(pickle.Pickler):
         self._index: dict[int, int] = {}  # id(tensor) -> index: a tensor shared twice travels once
 
     def persistent_id(self, obj):
-        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
+        if isinstance(obj, torch.Tensor) and obj.layout in (torch.strided, torch.sparse_coo):
             if obj.device.type != "cpu":
                 raise SerializationError(
                     f"cannot send a tensor on device {obj.device}: distgrad moves CPU "
@@ -104,15 +140,13 @@ class _Pickler(pickle.Pickler):
                 idx = self._index[id(obj)] = len(self.tensors)
                 self.tensors.append(obj)
             return idx
+        if isinstance(obj, torch.Tensor) and obj.layout in _COMPRESSED:
+            # torch.distributed.rpc cannot send these either (it fails reading their
+            # storage); torch's own pickling would lose requires_grad, so refuse here
+            raise SerializationError(
+                f"cannot send a tensor with layout {obj.layout}: torch.distributed.rpc does not "
+                "support sparse compressed tensors (send .to_sparse() or .to_dense() instead)")
         return None
-
-    def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo:
-            if obj.requires_grad:
-                raise SerializationError("sending sparse tensors that require grad is not supported")
-            return _rebuild_sparse, (obj._indices().detach(), obj._values().detach(),
-                                     tuple(obj.shape), obj.is_coalesced())
-        return NotImplemented
 
 
 def dumps(obj: Any, dest: Any = None, pins: list | None = None) -> tuple[bytes, list[torch.Tensor]]:
@@ -164,11 +198,12 @@ def tensor_frames(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], li
     zero-copy numpy uint8 views of large ones."""
     specs, buffers = [], []
     for t in tensors:
-        kind = _PARAMETER if isinstance(t, torch.nn.Parameter) else _DENSE
-        specs.append(TensorSpec(str(t.dtype), tuple(t.shape), bool(t.requires_grad), kind))
-        if t.numel():
-            view = _tensor_bytes(t).numpy()
-            buffers.append(view.tobytes() if view.nbytes <= SNAPSHOT_BYTES else view)
+        spec, pieces = _pieces(t)
+        specs.append(spec)
+        for piece in pieces:
+            if piece.numel():
+                view = _tensor_bytes(piece).numpy()
+                buffers.append(view.tobytes() if view.nbytes <= SNAPSHOT_BYTES else view)
     return specs, buffers
 
 
@@ -176,57 +211,74 @@ MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
 
 
 def check_specs(specs: Any, nbuffers: int | None = None) -> tuple[TensorSpec, ...]:
-    """Validate received tensor specs (types, dtypes, shapes, flags) and, when
-    ``nbuffers`` is given, that exactly that many buffers are needed; raises
-    ProtocolError. Sizes are computed with Python integers (no overflow) and
-    nothing is allocated here.
+    """Validate received tensor specs (types, dtypes, shapes, flags, sparse parts)
+    and, when ``nbuffers`` is given, that exactly that many buffers are needed;
+    raises ProtocolError. Sizes are computed with Python integers (no overflow)
+    and nothing is allocated here.
     """
     if not isinstance(specs, tuple):
         raise ProtocolError("malformed tensor specs")
     out, nonempty = [], 0
     for spec in specs:
-        if not isinstance(spec, tuple) or len(spec) != 4 or not isinstance(spec[0], str) \
+        if not isinstance(spec, tuple) or len(spec) not in (4, 5) or not isinstance(spec[0], str) \
                 or spec[0] not in _DTYPES or not isinstance(spec[1], tuple):
             raise ProtocolError(f"malformed tensor spec {_describe(spec)}")
-        spec = TensorSpec._make(spec)
+        spec = TensorSpec(*spec)
         if len(spec.shape) > MAX_DIMS or any(type(s) is not int or s < 0 for s in spec.shape):
             raise ProtocolError(f"malformed tensor shape {_describe(spec.shape)}")
-        if type(spec.requires_grad) is not bool or spec.kind not in (_DENSE, _PARAMETER):
+        if type(spec.requires_grad) is not bool or type(spec.kind) is not int \
+                or spec.kind not in _KINDS or not _parts_ok(spec):
             raise ProtocolError(f"malformed tensor spec {_describe(tuple(spec))}")
         dtype = _DTYPES[spec.dtype]
         if spec.requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             raise ProtocolError(f"a {spec.dtype} tensor cannot require grad")
-        if spec.nbytes:
-            nonempty += 1
+        nonempty += sum(1 for d, shape in spec.components() if _nbytes(d, shape))
         out.append(spec)
     if nbuffers is not None and nonempty != nbuffers:
         raise ProtocolError(f"{nbuffers} tensor buffers for {nonempty} non-empty tensors")
     return tuple(out)
 
 
+def _parts_ok(spec: TensorSpec) -> bool:
+    if spec.kind & ~_PARAMETER == _DENSE:
+        return spec.parts == ()
+    parts = spec.parts
+    return (isinstance(parts, tuple) and len(parts) == 3 and type(parts[0]) is int
+            and 0 <= parts[0] <= len(spec.shape) and type(parts[1]) is int and parts[1] >= 0
+            and type(parts[2]) is bool)
+
+
 def rebuild_tensors(specs: Sequence[TensorSpec], buffers: Sequence) -> list[torch.Tensor]:
     """Tensors on the received buffers (no copy); raises ProtocolError.
 
     Every spec and every buffer size is checked before a tensor is built, so a
-    spec declaring a huge shape never makes this allocate: a non-empty tensor
-    only ever views its received buffer, and an empty one holds no storage.
+    spec declaring a huge shape never makes this allocate: a non-empty piece
+    only ever views its received buffer, and an empty one holds no storage. A
+    sparse tensor's indices are checked against its shape (and its coalesced
+    flag against its indices) before anyone can index memory with them.
     """
     specs = check_specs(tuple(specs), len(buffers))
     out, i = [], 0
     for spec in specs:
-        dtype = _DTYPES[spec.dtype]
-        nbytes = spec.nbytes
         try:
-            if nbytes == 0:
-                t = torch.empty(spec.shape, dtype=dtype)  # some dimension is 0: no storage
-            else:
+            pieces = []
+            for dtype, shape in spec.components():
+                nbytes = _nbytes(dtype, shape)
+                if nbytes == 0:
+                    pieces.append(torch.empty(shape, dtype=dtype))  # some dimension is 0: no storage
+                    continue
                 buf = buffers[i]
                 i += 1
                 have = memoryview(buf).nbytes
                 if have != nbytes:
                     raise ProtocolError(f"tensor buffer holds {have} bytes, spec needs {nbytes}")
-                t = torch.frombuffer(buf, dtype=dtype).view(spec.shape)
-            if spec.kind == _PARAMETER:
+                pieces.append(torch.frombuffer(buf, dtype=dtype).view(shape))
+            if spec.kind & ~_PARAMETER == _SPARSE_COO:
+                t = torch.sparse_coo_tensor(pieces[0], pieces[1], spec.shape,
+                                            is_coalesced=spec.parts[2], check_invariants=True)
+            else:
+                t = pieces[0]
+            if spec.kind & _PARAMETER:
                 t = torch.nn.Parameter(t, requires_grad=spec.requires_grad)
             elif spec.requires_grad:
                 t.requires_grad_(True)

@@ -1,0 +1,1586 @@
+"""Random distributed autograd programs: generator, interpreter, oracle, shrinker and CLI.
+
+A *program* is plain data (dicts, lists, tuples, ints, strings): picklable, printable,
+and small enough to shrink. One interpreter (:func:`run_block`) runs it either
+
+- locally: one process, plain torch autograd, every "call" is a function call; this is
+  the oracle, or
+- distributed: the main block runs on worker0 inside a ``dist_autograd.context()``,
+  every call block runs on its worker through ``rpc_sync`` / ``rpc_async`` /
+  ``remote``, and ``dist_autograd.backward`` runs over the same roots.
+
+Every leaf's gradient (present or absent), every root's forward value and the number
+of times each counting node ran must agree with the oracle (float64, tight tolerance).
+
+Program layout::
+
+    program = {"seed", "world", "retain": bool, "roots": [reg, ...], "main": block}
+    block   = {"worker": int, "params": [reg, ...], "body": [instr, ...], "returns": [reg, ...]}
+
+Registers are ints, each defined once in the whole program. A block's params are the
+caller's argument registers (same ids: the callee sees copies of those values), so a
+block only ever refers to its params and to registers it defines itself. Instructions::
+
+    ("leaf", out, name, shape, requires_grad)  get-or-create a float64 leaf (or constant)
+                                               named ``name`` on this block's worker
+    ("op", out, opname, [in, ...], attrs)      one-output op (see apply_op)
+    ("multi", [out, ...], opname, in, attrs)   split / chunk / unbind
+    ("call", [out, ...], mode, block)          mode: sync | async_now | remote_here
+    ("async", fut, block)  + ("wait", [out, ...], fut)        rpc_async, waited later
+    ("remote", rref, block) + ("to_here", [out, ...], rref)   an RRef; to_here anywhere
+    ("stash", name, in) / ("unstash", out, name)   a worker-level dict kept across calls
+
+CLI (see ``--help``)::
+
+    python tests/random_programs.py --programs 500 --workers 2,3,4 [--seed S] [--shrink 2]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import zlib
+
+import torch
+
+DTYPE = torch.float64
+RTOL, ATOL = 1e-9, 1e-10     # float64: only summation order may differ
+MAX_DIM = 6                  # no dimension grows past this (keeps programs fast)
+MAX_NDIM = 3
+BACKWARD_TIMEOUT = 20.0      # s; a backward that takes longer is reported as a hang
+
+
+# ---------------------------------------------------------------------------------------
+# autograd Functions used by programs
+# ---------------------------------------------------------------------------------------
+class Count(torch.autograd.Function):
+    """Identity whose backward counts its runs (per tag) in the runtime's counter, so a
+    node that runs twice, or runs when local autograd would not run it, is caught."""
+
+    @staticmethod
+    def forward(ctx, x, tag, counter):
+        ctx.tag, ctx.counter = tag, counter
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.counter(ctx.tag)
+        return g, None, None
+
+
+class FirstOnly(torch.autograd.Function):
+    """``2 * x + y.sum()`` whose backward returns None for ``y``: y (and whatever only
+    feeds y) must end with no gradient at all, not a zero one."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        return x * 2 + y.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
+
+
+def _named_randn(name: str, shape: tuple) -> torch.Tensor:
+    """Deterministic values for ``name`` in every process (crc32, not hash(): Python's
+    string hash differs between processes)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen, dtype=DTYPE)
+
+
+def apply_op(name: str, xs: list, a: dict, counter) -> torch.Tensor:
+    """One single-output op of the program language."""
+    x = xs[0]
+    if name == "sin":
+        return x.sin()
+    if name == "tanh":
+        return torch.tanh(x)
+    if name == "sigmoid":
+        return torch.sigmoid(x)
+    if name == "square":
+        return x * x
+    if name == "scale":
+        return x * a["c"]
+    if name == "add":
+        return xs[0] + xs[1]
+    if name == "sub":
+        return xs[0] - xs[1]
+    if name == "mul":
+        return xs[0] * xs[1]
+    if name == "div":
+        return xs[0] / (1.0 + xs[1] * xs[1])
+    if name in ("sum", "mean"):
+        fn = torch.sum if name == "sum" else torch.mean
+        return fn(x) if a["dims"] is None else fn(x, dim=tuple(a["dims"]), keepdim=a["keepdim"])
+    if name == "narrow":
+        return x.narrow(a["dim"], a["start"], a["length"])
+    if name == "index":           # advanced indexing on dim 0, repeated indices
+        return x[torch.tensor(a["idx"])]
+    if name == "index_select":
+        return x.index_select(a["dim"], torch.tensor(a["idx"]))
+    if name == "select":
+        return x.select(a["dim"], a["i"])
+    if name == "transpose":
+        return x.transpose(a["d0"], a["d1"])
+    if name == "permute":
+        return x.permute(*a["perm"])
+    if name == "expand":
+        return x.expand(*a["shape"])
+    if name == "unsqueeze":
+        return x.unsqueeze(a["dim"])
+    if name == "squeeze":
+        return x.squeeze(a["dim"])
+    if name == "reshape":
+        return x.reshape(a["shape"])
+    if name == "cat":
+        return torch.cat(xs, a["dim"])
+    if name == "stack":
+        return torch.stack(xs, a["dim"])
+    if name == "matmul":
+        return torch.matmul(xs[0], xs[1])
+    if name == "first_only":
+        return FirstOnly.apply(xs[0], xs[1])
+    if name == "detach":
+        return x.detach()
+    if name == "count":
+        return Count.apply(x, a["tag"], counter)
+    if name == "dot":             # fixed random weights: a wrong slot or permutation shows
+        return (x * _named_randn(a["w"], tuple(x.shape))).sum()
+    raise ValueError(f"unknown op {name}")
+
+
+def apply_multi(name: str, x: torch.Tensor, a: dict) -> tuple:
+    """Ops with several outputs (views of one input)."""
+    if name == "split":
+        return x.split(a["size"], a["dim"])
+    if name == "chunk":
+        return x.chunk(a["n"], a["dim"])
+    if name == "unbind":
+        return x.unbind(a["dim"])
+    raise ValueError(f"unknown multi op {name}")
+
+
+# ---------------------------------------------------------------------------------------
+# the interpreter
+# ---------------------------------------------------------------------------------------
+class WorkerState:
+    """What one worker keeps across the calls of a program: leaves/parameters by name,
+    the stash, the counting nodes' runs and the remote-call balance."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.clear()
+
+    def clear(self) -> None:
+        self.leaves: dict = {}
+        self.stash: dict = {}
+        self.counts: collections.Counter = collections.Counter()
+        self.remote_issued = 0
+        self.remote_done = 0
+
+    def leaf(self, name: str, shape: tuple, requires_grad: bool) -> torch.Tensor:
+        # get-or-create under the lock: concurrent bodies (rpc_async, remote) may share
+        # a parameter, and both must see the same tensor
+        with self.lock:
+            t = self.leaves.get(name)
+            if t is None:
+                t = self.leaves[name] = _named_randn(name, shape).requires_grad_(requires_grad)
+            return t
+
+    def count(self, tag: str) -> None:
+        with self.lock:
+            self.counts[tag] += 1
+
+
+def run_block(block: dict, values, rt) -> tuple:
+    """Run ``block`` with its params bound to ``values``; returns its return values."""
+    env = dict(zip(block["params"], values))
+    state = rt.state(block["worker"])
+    for ins in block["body"]:
+        op = ins[0]
+        if op == "leaf":
+            _, out, name, shape, rg = ins
+            env[out] = state.leaf(name, tuple(shape), rg)
+        elif op == "op":
+            _, out, name, ins_, attrs = ins
+            env[out] = apply_op(name, [env[r] for r in ins_], attrs, state.count)
+        elif op == "multi":
+            _, outs, name, x, attrs = ins
+            env.update(zip(outs, apply_multi(name, env[x], attrs)))
+        elif op == "call":
+            _, outs, mode, sub = ins
+            env.update(zip(outs, rt.call(mode, sub, [env[r] for r in sub["params"]])))
+        elif op == "async":
+            _, fut, sub = ins
+            env[fut] = rt.call_async(sub, [env[r] for r in sub["params"]])
+        elif op == "wait":
+            _, outs, fut = ins
+            env.update(zip(outs, rt.wait(env.pop(fut))))
+        elif op == "remote":
+            _, rref, sub = ins
+            env[rref] = rt.remote(sub, [env[r] for r in sub["params"]])
+        elif op == "to_here":
+            _, outs, rref = ins
+            env.update(zip(outs, rt.to_here(env[rref])))
+        elif op == "stash":
+            _, name, x = ins
+            state.stash[name] = env[x]
+        elif op == "unstash":
+            _, out, name = ins
+            env[out] = state.stash[name]
+        else:
+            raise ValueError(f"unknown instruction {ins!r}")
+        if isinstance(rt, LocalRuntime):
+            rt.shapes.update((r, tuple(v.shape)) for r, v in env.items() if isinstance(v, torch.Tensor))
+    return tuple(env[r] for r in block["returns"])
+
+
+class LocalRRef:
+    """The oracle's RRef: the values, computed eagerly."""
+
+    def __init__(self, values: tuple) -> None:
+        self.values = values
+
+
+class LocalRuntime:
+    """Single process: a call is a function call; one WorkerState per simulated worker.
+    ``shapes`` maps every tensor register to its shape once the program ran."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, WorkerState] = collections.defaultdict(WorkerState)
+        self.shapes: dict[int, tuple] = {}
+
+    def state(self, worker: int) -> WorkerState:
+        return self.states[worker]
+
+    def call(self, mode, block, values):
+        return run_block(block, values, self)
+
+    def call_async(self, block, values):
+        return run_block(block, values, self)
+
+    def wait(self, handle):
+        return handle
+
+    def remote(self, block, values):
+        return LocalRRef(run_block(block, values, self))
+
+    def to_here(self, rref):
+        return rref.values
+
+
+STATE = WorkerState()   # this process's state as a distributed worker
+
+
+def _serve(block: dict, values) -> tuple:
+    """RPC target: run a call block on this worker."""
+    return run_block(block, values, DistRuntime())
+
+
+def _serve_remote(block: dict, values) -> tuple:
+    """RPC target of ``remote``: as _serve, and counted so the driver can wait until
+    every remote body has finished before the backward starts."""
+    try:
+        return run_block(block, values, DistRuntime())
+    finally:
+        with STATE.lock:
+            STATE.remote_done += 1
+
+
+class DistRuntime:
+    """Distributed: a call block runs on ``block["worker"]`` through RPC."""
+
+    def state(self, worker: int) -> WorkerState:
+        return STATE
+
+    def call(self, mode, block, values):
+        import distgrad.rpc as rpc
+        to, args = f"worker{block['worker']}", (block, tuple(values))
+        if mode == "sync":
+            return rpc.rpc_sync(to, _serve, args=args)
+        if mode == "async_now":
+            return rpc.rpc_async(to, _serve, args=args).wait()
+        if mode == "remote_here":
+            return self.remote(block, values).to_here()
+        raise ValueError(mode)
+
+    def call_async(self, block, values):
+        import distgrad.rpc as rpc
+        return rpc.rpc_async(f"worker{block['worker']}", _serve, args=(block, tuple(values)))
+
+    def wait(self, fut):
+        return fut.wait()
+
+    def remote(self, block, values):
+        import distgrad.rpc as rpc
+        with STATE.lock:
+            STATE.remote_issued += 1
+        return rpc.remote(f"worker{block['worker']}", _serve_remote, args=(block, tuple(values)))
+
+    def to_here(self, rref):
+        return rref.to_here()
+
+
+# -- helpers the driver calls on every worker ------------------------------------------
+def _reset() -> None:
+    """Forget the previous program's leaves, stash, counts and remote balance."""
+    STATE.clear()
+
+
+def _remote_balance() -> tuple:
+    """(remote() calls issued from here, remote() bodies finished here)."""
+    with STATE.lock:
+        return STATE.remote_issued, STATE.remote_done
+
+
+def _take_counts() -> dict:
+    """The counting nodes' runs here since the last call (and reset them)."""
+    with STATE.lock:
+        out = dict(STATE.counts)
+        STATE.counts.clear()
+    return out
+
+
+def _collect_grads(cid: int) -> tuple:
+    """({leaf name: grad}, [descriptions of entries that are none of our leaves]) from
+    this worker's context; no context here means no gradients here."""
+    import distgrad.autograd as dist_autograd
+    try:
+        grads = dist_autograd.get_gradients(cid)
+    except RuntimeError:
+        return {}, []
+    names = {id(t): n for n, t in STATE.leaves.items()}
+    found, unknown = {}, []
+    for t, g in grads.items():
+        name = names.get(id(t))
+        if name is None or not t.requires_grad:
+            unknown.append(f"tensor of shape {tuple(t.shape)} (grad_fn={type(t.grad_fn).__name__})")
+        else:
+            found[name] = g.detach().clone()
+    return found, unknown
+
+
+def _engine_stats() -> dict:
+    """distgrad's engine counters here, {} when the engine has none."""
+    import distgrad.autograd as dist_autograd
+    try:
+        return dict(dist_autograd.get_engine_stats())
+    except AttributeError:  # the engine may drop its counters; they are only a sanity check
+        return {}
+
+
+# ---------------------------------------------------------------------------------------
+# the generator
+# ---------------------------------------------------------------------------------------
+def broadcast_shape(a: tuple, b: tuple):
+    """The broadcast of two shapes, or None when they do not broadcast."""
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else 1
+        y = b[-i] if i <= len(b) else 1
+        if x != y and 1 not in (x, y):
+            return None
+        out.append(max(x, y))
+    return tuple(reversed(out))
+
+
+def matmul_shape(a: tuple, b: tuple):
+    """torch.matmul's result shape, or None when invalid (or too many dims for us)."""
+    if not a or not b:
+        return None
+    if len(a) == 1 and len(b) == 1:
+        return () if a == b else None
+    if len(b) == 1:
+        return a[:-1] if a[-1] == b[0] else None
+    if len(a) == 1:
+        return b[:-2] + b[-1:] if a[0] == b[-2] else None
+    if a[-1] != b[-2]:
+        return None
+    batch = broadcast_shape(a[:-2], b[:-2])
+    if batch is None or len(batch) + 2 > MAX_NDIM:
+        return None
+    return batch + (a[-2], b[-1])
+
+
+def reduce_shape(shape: tuple, dims, keepdim: bool) -> tuple:
+    """The shape of sum/mean over ``dims`` (None: all)."""
+    if dims is None:
+        return ()
+    return tuple(1 if i in dims else s for i, s in enumerate(shape) if keepdim or i not in dims)
+
+
+class _BlockGen:
+    """A block being generated: its worker, visible registers and body."""
+
+    def __init__(self, worker, params, depth, seq, caller):
+        self.worker, self.depth, self.seq, self.caller = worker, depth, seq, caller
+        self.params = list(params)
+        self.env = list(dict.fromkeys(params))
+        self.body: list = []
+        self.pending: list = []       # futures of rpc_async calls not waited yet
+        self.sent: list = []          # registers already passed to some call
+
+
+class Generator:
+    """Builds a random, valid-by-construction program for ``seed`` on ``world`` workers.
+
+    Every register's kind and shape are tracked, so each op is drawn among the operands
+    that fit it (or gets a fresh leaf of a fitting shape). Bodies that run concurrently
+    with their caller (rpc_async waited later, remote) never touch the stash, so the
+    program's meaning does not depend on timing.
+    """
+
+    def __init__(self, seed: int, world: int) -> None:
+        self.rnd = random.Random(seed)
+        self.seed, self.world = seed, world
+        self.meta: dict = {}                  # reg -> ("t", shape, rg) | ("rref"/"fut", rets)
+        self.n = 0
+        self.stashes = {w: [] for w in range(world)}   # worker -> [(name, shape, rg)]
+        self.params = {w: [] for w in range(world)}    # worker -> [(name, shape)] reusable
+
+    # -- registers ---------------------------------------------------------------------
+    def new(self, kind: str, *info) -> int:
+        r = self.n
+        self.n += 1
+        self.meta[r] = (kind, *info)
+        return r
+
+    def tensor(self, shape: tuple, rg: bool) -> int:
+        return self.new("t", tuple(shape), bool(rg))
+
+    def shape(self, r: int) -> tuple:
+        return self.meta[r][1]
+
+    def rg(self, r: int) -> bool:
+        return self.meta[r][2]
+
+    def tensors(self, b: _BlockGen, pred=None) -> list:
+        return [r for r in b.env if self.meta[r][0] == "t" and (pred is None or pred(self.shape(r)))]
+
+    def pick(self, b: _BlockGen, pred=None):
+        """A tensor of the block, mostly a recent one (chains), else any (reuse)."""
+        ts = self.tensors(b, pred)
+        if not ts:
+            return None
+        return self.rnd.choice(ts[-4:] if self.rnd.random() < 0.6 else ts)
+
+    def emit(self, b: _BlockGen, ins: tuple, *outs: int) -> None:
+        b.body.append(ins)
+        b.env.extend(outs)
+
+    def name(self, prefix: str) -> str:
+        self.n += 1
+        return f"s{self.seed}.{prefix}{self.n}"
+
+    # -- shapes ------------------------------------------------------------------------
+    def rand_shape(self) -> tuple:
+        """0 to 3 dims of size 1 to 4 (size 1 often, for broadcasting)."""
+        nd = self.rnd.choices([0, 1, 2, 3], [0.15, 0.35, 0.35, 0.15])[0]
+        return tuple(self.rnd.choices([1, 2, 3, 4], [0.25, 0.3, 0.25, 0.2])[0] for _ in range(nd))
+
+    def partner_shape(self, s: tuple) -> tuple:
+        """A shape that broadcasts with ``s``, often a different one."""
+        kind = self.rnd.choice(["same", "ones", "drop", "grow", "scalar"])
+        if kind == "scalar":
+            return ()
+        if kind == "ones" and s:
+            return tuple(1 if self.rnd.random() < 0.5 else d for d in s)
+        if kind == "drop" and s:
+            k = self.rnd.randrange(len(s))
+            return tuple(1 if self.rnd.random() < 0.3 else d for d in s[k:])
+        if kind == "grow":
+            t = tuple(self.rnd.randint(2, 3) if d == 1 and self.rnd.random() < 0.6 else d for d in s)
+            if len(t) < MAX_NDIM and self.rnd.random() < 0.5:
+                t = (self.rnd.randint(1, 3),) + t
+            return t
+        return s
+
+    # -- instructions ------------------------------------------------------------------
+    def g_leaf(self, b: _BlockGen, shape=None, kind=None) -> int:
+        """A new grad-requiring leaf, a (reused) parameter of this worker, or a constant."""
+        kind = kind or self.rnd.choices(["leaf", "param", "const"], [0.45, 0.3, 0.25])[0]
+        free = shape is None
+        shape = self.rand_shape() if free else tuple(shape)
+        if kind == "param":
+            same = [(n, s) for n, s in self.params[b.worker] if s == shape or free]
+            if same and self.rnd.random() < 0.6:
+                name, shape = self.rnd.choice(same)
+            else:
+                name = self.name(f"w{b.worker}.param")
+                self.params[b.worker].append((name, shape))
+        else:
+            name = self.name(f"w{b.worker}.{kind}")
+        out = self.tensor(shape, kind != "const")
+        self.emit(b, ("leaf", out, name, shape, kind != "const"), out)
+        return out
+
+    def op(self, b: _BlockGen, name: str, ins: list, attrs: dict, shape: tuple, rg=None) -> int:
+        rg = any(self.rg(r) for r in ins) if rg is None else rg
+        out = self.tensor(shape, rg)
+        self.emit(b, ("op", out, name, list(ins), attrs), out)
+        return out
+
+    def g_unary(self, b):
+        """sin / tanh / sigmoid / square / scale."""
+        x = self.pick(b)
+        name = self.rnd.choice(["sin", "tanh", "sigmoid", "square", "scale"])
+        attrs = {"c": self.rnd.choice([-1.5, 0.5, 3.0])} if name == "scale" else {}
+        self.op(b, name, [x], attrs, self.shape(x))
+
+    def g_binary(self, b):
+        """add / sub / mul / div with a broadcast-compatible partner (often another shape)."""
+        x = self.pick(b)
+        sx = self.shape(x)
+        fits = [r for r in self.tensors(b) if broadcast_shape(sx, self.shape(r)) is not None
+                and len(broadcast_shape(sx, self.shape(r))) <= MAX_NDIM]
+        if fits and self.rnd.random() < 0.65:
+            y = self.rnd.choice(fits)
+        else:
+            y = self.g_leaf(b, self.partner_shape(sx))
+        if self.rnd.random() < 0.5:
+            x, y = y, x
+        name = self.rnd.choice(["add", "sub", "mul", "mul", "div"])
+        self.op(b, name, [x, y], {}, broadcast_shape(self.shape(x), self.shape(y)))
+
+    def g_reduce(self, b):
+        """sum / mean over everything or over some dims, keepdim or not."""
+        x = self.pick(b)
+        s = self.shape(x)
+        name = self.rnd.choice(["sum", "mean"])
+        if not s or self.rnd.random() < 0.3:
+            dims, keepdim = None, False
+        else:
+            dims = sorted(self.rnd.sample(range(len(s)), self.rnd.randint(1, len(s))))
+            keepdim = self.rnd.random() < 0.5
+        self.op(b, name, [x], {"dims": dims, "keepdim": keepdim}, reduce_shape(s, dims, keepdim))
+
+    def g_view(self, b):
+        """One view or indexing op that fits the operand's shape."""
+        x = self.pick(b)
+        s = self.shape(x)
+        nd = len(s)
+        options = ["expand"]
+        if nd >= 1:
+            options += ["narrow", "index", "index_select", "select"]
+        if nd >= 2:
+            options += ["transpose", "reshape"]
+        if nd == 3:
+            options.append("permute")
+        if nd < MAX_NDIM:
+            options.append("unsqueeze")
+        if 1 in s:
+            options.append("squeeze")
+        name = self.rnd.choice(options)
+        r = self.rnd
+        if name == "narrow":
+            d = r.randrange(nd)
+            length = r.randint(1, s[d])
+            start = r.randint(0, s[d] - length)
+            self.op(b, name, [x], {"dim": d, "start": start, "length": length},
+                    s[:d] + (length,) + s[d + 1:])
+        elif name in ("index", "index_select"):
+            d = 0 if name == "index" else r.randrange(nd)
+            idx = [r.randrange(s[d]) for _ in range(r.randint(1, 4))]
+            if len(idx) > 1 and r.random() < 0.6:
+                idx[-1] = idx[0]          # a repeated index: its gradients must add up
+            self.op(b, name, [x], {"dim": d, "idx": idx}, s[:d] + (len(idx),) + s[d + 1:])
+        elif name == "select":
+            d = r.randrange(nd)
+            self.op(b, name, [x], {"dim": d, "i": r.randrange(s[d])}, s[:d] + s[d + 1:])
+        elif name == "transpose":
+            d0, d1 = r.sample(range(nd), 2)
+            t = list(s)
+            t[d0], t[d1] = t[d1], t[d0]
+            self.op(b, name, [x], {"d0": d0, "d1": d1}, tuple(t))
+        elif name == "permute":
+            perm = r.sample(range(3), 3)
+            self.op(b, name, [x], {"perm": perm}, tuple(s[p] for p in perm))
+        elif name == "reshape":
+            numel = 1
+            for d in s:
+                numel *= d
+            opts = [(a, numel // a) for a in range(1, numel + 1)
+                    if numel % a == 0 and a <= MAX_DIM and numel // a <= MAX_DIM]
+            opts += [(numel,)] * (numel <= 16) + [(s[0] * s[1],) + s[2:]] * (nd == 3 and s[0] * s[1] <= 8)
+            if not opts:
+                return self.g_unary(b)
+            shape = r.choice(opts)
+            self.op(b, name, [x], {"shape": list(shape)}, tuple(shape))
+        elif name == "unsqueeze":
+            d = r.randint(0, nd)
+            self.op(b, name, [x], {"dim": d}, s[:d] + (1,) + s[d:])
+        elif name == "squeeze":
+            d = r.choice([i for i, v in enumerate(s) if v == 1])
+            self.op(b, name, [x], {"dim": d}, s[:d] + s[d + 1:])
+        else:  # expand: size-1 dims grow, maybe a new leading dim (gradients reduce back)
+            t = tuple(r.randint(2, 4) if d == 1 and r.random() < 0.7 else d for d in s)
+            if nd < MAX_NDIM and (r.random() < 0.5 or t == s):
+                t = (r.randint(2, 3),) + t
+            self.op(b, name, [x], {"shape": list(t)}, t)
+
+    def g_multi(self, b):
+        """split / chunk / unbind: several outputs, often not all used."""
+        x = self.pick(b, lambda s: len(s) >= 1)
+        if x is None:
+            return self.g_view(b)
+        s, r = self.shape(x), self.rnd
+        d = r.randrange(len(s))
+        name = r.choice(["split", "chunk", "unbind"])
+        if name == "split":
+            size = r.randint(1, max(1, s[d] - 1))
+            attrs, sizes = {"size": size, "dim": d}, [min(size, s[d] - i) for i in range(0, s[d], size)]
+        elif name == "chunk":
+            n = r.randint(1, 3)
+            c = -(-s[d] // n)
+            attrs, sizes = {"n": n, "dim": d}, [min(c, s[d] - i) for i in range(0, s[d], c)]
+        else:
+            attrs, sizes = {"dim": d}, [None] * s[d]
+        outs = [self.tensor(s[:d] + ((k,) if k is not None else ()) + s[d + 1:], self.rg(x)) for k in sizes]
+        self.emit(b, ("multi", outs, name, x, attrs), *outs)
+
+    def g_catstack(self, b):
+        """cat along a dim (partners of matching shape, or new leaves) or stack."""
+        r = self.rnd
+        if r.random() < 0.5:
+            x = self.pick(b, lambda s: len(s) >= 1)
+            if x is None:
+                return self.g_unary(b)
+            s = self.shape(x)
+            d = r.randrange(len(s))
+            parts, total = [x], s[d]
+            for _ in range(r.randint(1, 2)):
+                fits = [t for t in self.tensors(b) if len(self.shape(t)) == len(s)
+                        and all(a == c for i, (a, c) in enumerate(zip(self.shape(t), s)) if i != d)
+                        and total + self.shape(t)[d] <= MAX_DIM + 2]
+                if fits and r.random() < 0.7:
+                    y = r.choice(fits)
+                elif total < MAX_DIM:
+                    y = self.g_leaf(b, s[:d] + (r.randint(1, 2),) + s[d + 1:])
+                else:
+                    break
+                parts.append(y)
+                total += self.shape(y)[d]
+            r.shuffle(parts)
+            self.op(b, "cat", parts, {"dim": d}, s[:d] + (total,) + s[d + 1:])
+        else:
+            x = self.pick(b, lambda s: len(s) < MAX_NDIM)
+            if x is None:
+                return self.g_unary(b)
+            s = self.shape(x)
+            same = [t for t in self.tensors(b) if self.shape(t) == s]
+            parts = [x] + [r.choice(same) if r.random() < 0.7 else self.g_leaf(b, s)
+                           for _ in range(r.randint(1, 2))]
+            d = r.randint(0, len(s))
+            self.op(b, "stack", parts, {"dim": d}, s[:d] + (len(parts),) + s[d:])
+
+    def g_matmul(self, b):
+        """matmul with an existing or new right operand (1-D, 2-D or batched)."""
+        r = self.rnd
+        x = self.pick(b, lambda s: len(s) >= 1)
+        if x is None:
+            return self.g_binary(b)
+        sx = self.shape(x)
+        fits = [t for t in self.tensors(b) if matmul_shape(sx, self.shape(t)) is not None]
+        if fits and r.random() < 0.5:
+            y = r.choice(fits)
+        else:
+            k = sx[-1]
+            opts = [(k,), (k, r.randint(1, 4))]
+            if len(sx) == 2:
+                opts.append((r.choice([1, 2]), k, r.randint(1, 3)))
+            y = self.g_leaf(b, r.choice(opts))
+        self.op(b, "matmul", [x, y], {}, matmul_shape(sx, self.shape(y)))
+
+    def g_first_only(self, b):
+        """FirstOnly(x, y): y gets no gradient through it."""
+        x, y = self.pick(b), self.pick(b)
+        self.op(b, "first_only", [x, y], {}, self.shape(x))
+
+    def g_detach(self, b):
+        """A value without grad."""
+        x = self.pick(b)
+        self.op(b, "detach", [x], {}, self.shape(x), rg=False)
+
+    def g_count(self, b):
+        """A counting identity (its backward runs are compared with local autograd)."""
+        x = self.pick(b)
+        self.op(b, "count", [x], {"tag": f"n{self.n}"}, self.shape(x))
+
+    def g_stash(self, b):
+        """Keep a value on this worker for a later call."""
+        x = self.pick(b)
+        name = f"st{self.n}"
+        self.n += 1
+        self.emit(b, ("stash", name, x))
+        self.stashes[b.worker].append((name, self.shape(x), self.rg(x)))
+
+    def g_unstash(self, b):
+        """Reuse a value an earlier call kept on this worker."""
+        name, shape, rg = self.rnd.choice(self.stashes[b.worker])
+        out = self.tensor(shape, rg)
+        self.emit(b, ("unstash", out, name), out)
+
+    def outs_for(self, rets: list) -> list:
+        return [self.tensor(s, rg) for s, rg in rets]
+
+    def g_to_here(self, b):
+        """Fetch an RRef's values here (on its owner, a third worker or the creator)."""
+        rref = self.rnd.choice([r for r in b.env if self.meta[r][0] == "rref"])
+        outs = self.outs_for(self.meta[rref][1])
+        self.emit(b, ("to_here", outs, rref), *outs)
+
+    def g_wait(self, b, fut=None):
+        """Wait for an rpc_async issued earlier in this block."""
+        fut = fut if fut is not None else self.rnd.choice(b.pending)
+        b.pending.remove(fut)
+        outs = self.outs_for(self.meta[fut][1])
+        self.emit(b, ("wait", outs, fut), *outs)
+
+    def g_call(self, b, target=None):
+        """A call to any worker (a third one, the caller, itself) in one of five modes,
+        with a body generated recursively (up to 3 deep)."""
+        r = self.rnd
+        if target is None:
+            # anyone: another worker, the caller (a call back) or this worker itself
+            target = r.choice(list(range(self.world)) + [b.caller] * (b.caller is not None))
+        mode = r.choices(["sync", "async_now", "remote_here", "async", "remote"], [3, 1, 1, 1, 1.5])[0]
+        avail = [x for x in b.env if self.meta[x][0] in ("t", "rref")]
+        n_args = min(len(avail), r.choices([0, 1, 2, 3], [0.1, 0.4, 0.3, 0.2])[0])
+        args = r.sample(avail[-6:] if r.random() < 0.5 else avail, min(n_args, len(avail)))
+        sent = [x for x in b.sent if x in avail and x not in args]
+        if sent and r.random() < 0.4:            # the same value to a second worker
+            args.append(r.choice(sent))
+        b.sent.extend(args)
+        rrefs = [x for x in avail if self.meta[x][0] == "rref"]
+        if rrefs and r.random() < 0.5:           # hand an RRef on (often to a third worker)
+            args.append(r.choice(rrefs))
+        seq = b.seq and mode in ("sync", "async_now", "remote_here")
+        steps = r.randint(1, max(1, 6 - 2 * b.depth))
+        child = self.gen_block(target, args, b.depth + 1, seq, b.worker, steps)
+        rets = self.pick_returns(child)
+        block = {"worker": target, "params": child.params, "body": child.body, "returns": rets}
+        meta = [(self.shape(x), self.rg(x)) for x in rets]
+        if mode in ("sync", "async_now", "remote_here"):
+            outs = self.outs_for(meta)
+            self.emit(b, ("call", outs, mode, block), *outs)
+        elif mode == "async":
+            fut = self.new("fut", meta)
+            self.emit(b, ("async", fut, block))
+            b.pending.append(fut)
+        else:
+            rref = self.new("rref", meta)
+            self.emit(b, ("remote", rref, block), rref)
+
+    def pick_returns(self, child: _BlockGen) -> list:
+        """1-3 results, sometimes one detached or a constant (outputs without grad)."""
+        r = self.rnd
+        if not self.tensors(child):
+            self.g_leaf(child)
+        ts = self.tensors(child)
+        rets = r.sample(ts[-4:] if r.random() < 0.6 else ts, min(len(ts), r.randint(1, 3)))
+        if r.random() < 0.25:
+            x = r.choice(ts)
+            self.op(child, "detach", [x], {}, self.shape(x), rg=False)
+            rets.insert(r.randint(0, len(rets)), child.env[-1])
+        if r.random() < 0.1:
+            rets.insert(r.randint(0, len(rets)), self.g_leaf(child, kind="const"))
+        return rets
+
+    def step(self, b: _BlockGen) -> None:
+        """One random instruction among those that fit the block."""
+        if not self.tensors(b):
+            self.g_leaf(b)
+            return
+        kinds = {"leaf": 0.5, "unary": 1.0, "binary": 1.4, "reduce": 0.7, "view": 1.4, "multi": 0.6,
+                 "catstack": 0.6, "matmul": 0.6, "first_only": 0.35, "detach": 0.2, "count": 0.5}
+        if b.depth < 3:
+            kinds["call"] = 1.8 if b.depth == 0 else 0.9
+        if any(self.meta[r][0] == "rref" for r in b.env):
+            kinds["to_here"] = 0.9
+        if b.pending:
+            kinds["wait"] = 0.7
+        if b.seq:
+            kinds["stash"] = 0.5
+            if self.stashes[b.worker]:
+                kinds["unstash"] = 1.0
+        kind = self.rnd.choices(list(kinds), list(kinds.values()))[0]
+        getattr(self, "g_" + kind)(b)
+
+    def gen_block(self, worker, params, depth, seq, caller, steps) -> _BlockGen:
+        """A block of ``steps`` instructions on ``worker``; waits its rpc_asyncs at the end."""
+        b = _BlockGen(worker, params, depth, seq, caller)
+        if any(self.meta[p][0] == "rref" for p in params) and self.rnd.random() < 0.7:
+            self.g_to_here(b)   # an RRef handed to this worker is mostly fetched here
+        for _ in range(steps):
+            self.step(b)
+        for fut in list(b.pending):  # nothing may still run when the block returns
+            self.g_wait(b, fut)
+        return b
+
+    def program(self) -> dict:
+        """The whole program: a few leaves on worker0, steps (one a call to another
+        worker), then the roots."""
+        r = self.rnd
+        steps = r.choice([2, 3, 4, 6, 8, 10, 12])
+        main = _BlockGen(0, [], 0, True, None)
+        for _ in range(r.randint(1, 3)):
+            self.g_leaf(main, kind=r.choice(["leaf", "param"]))
+        forced = r.randrange(steps)   # every program crosses workers at least once
+        for i in range(steps):
+            if i == forced:
+                self.g_call(main, target=r.randrange(1, self.world))
+            else:
+                self.step(main)
+        for fut in list(main.pending):
+            self.g_wait(main, fut)
+        roots = self.gen_roots(main)
+        return {"seed": self.seed, "world": self.world, "retain": r.random() < 0.3,
+                "roots": roots, "main": {"worker": 0, "params": [], "body": main.body, "returns": roots}}
+
+    def gen_roots(self, b: _BlockGen) -> list:
+        """1-3 scalar roots, each a weighted sum over results (call results preferred);
+        a later root may include an earlier one (roots sharing graph)."""
+        r = self.rnd
+        produced = {o for ins in b.body if ins[0] in ("call", "wait", "to_here") for o in ins[1]}
+        cands = [x for x in self.tensors(b) if self.rg(x)]
+        if not cands:
+            cands = [self.g_leaf(b, kind="leaf")]
+        roots: list = []
+        for _ in range(r.choices([1, 2, 3], [0.55, 0.3, 0.15])[0]):
+            favoured = [x for x in cands if x in produced] or cands
+            picks = {r.choice(favoured)} | {r.choice(cands) for _ in range(r.randint(0, 2))}
+            acc = None
+            for x in sorted(picks):
+                term = self.op(b, "dot", [x], {"w": self.name("weight")}, ())
+                acc = term if acc is None else self.op(b, "add", [acc, term], {}, ())
+            if roots and r.random() < 0.25:
+                acc = self.op(b, "add", [acc, r.choice(roots)], {}, ())
+            roots.append(acc)
+        return roots
+
+
+def generate(seed: int, world: int) -> dict:
+    """The program for ``seed`` on ``world`` workers (deterministic)."""
+    return Generator(seed, world).program()
+
+
+# ---------------------------------------------------------------------------------------
+# program walking: dump, size, features
+# ---------------------------------------------------------------------------------------
+def _sub_block(ins):
+    """The block a call / async / remote instruction runs, else None."""
+    if ins[0] in ("call", "async", "remote"):
+        return ins[3] if ins[0] == "call" else ins[2]
+    return None
+
+
+def walk(block: dict, depth: int = 0, caller=None):
+    """Yield (block, instruction, depth, caller worker) for every instruction, in order."""
+    for ins in block["body"]:
+        yield block, ins, depth, caller
+        sub = _sub_block(ins)
+        if sub is not None:
+            yield from walk(sub, depth + 1, block["worker"])
+
+
+def size(prog: dict) -> int:
+    """Instructions in the program, nested blocks included."""
+    return sum(1 for _ in walk(prog["main"]))
+
+
+def _r(x) -> str:
+    """Register(s) as text: r3 or r3, r4."""
+    return ", ".join(f"r{v}" for v in x) if isinstance(x, (list, tuple)) else f"r{x}"
+
+
+def dump(prog: dict) -> str:
+    """A readable listing of the program."""
+    lines = [f"program seed={prog['seed']} world={prog['world']} roots=[{_r(prog['roots'])}]"
+             f"{' backward twice (retain_graph=True)' if prog['retain'] else ''}"]
+
+    def block_lines(block, indent):
+        pad = "  " * indent
+        params = f"({_r(block['params'])})" if block["params"] else "()"
+        lines.append(f"{pad}on worker{block['worker']} {params}:")
+        pad += "  "
+        for ins in block["body"]:
+            op = ins[0]
+            if op == "leaf":
+                _, out, name, shape, rg = ins
+                kind = name.split(".")[-1].rstrip("0123456789")
+                lines.append(f"{pad}r{out} = {kind} {name.split('.', 1)[1]} {tuple(shape)}"
+                             f"{' requires_grad' if rg else ''}")
+            elif op == "op":
+                _, out, name, ins_, attrs = ins
+                a = ", ".join(f"{k}={v}" for k, v in attrs.items())
+                lines.append(f"{pad}r{out} = {name}({_r(ins_)}{', ' + a if a else ''})")
+            elif op == "multi":
+                _, outs, name, x, attrs = ins
+                a = ", ".join(f"{k}={v}" for k, v in attrs.items())
+                lines.append(f"{pad}{_r(outs)} = {name}(r{x}, {a})")
+            elif op in ("call", "async", "remote"):
+                sub = _sub_block(ins)
+                what = {"sync": "rpc_sync", "async_now": "rpc_async().wait()",
+                        "remote_here": "remote().to_here()"}
+                if op == "call":
+                    head = f"{_r(ins[1]) or '_'} = {what[ins[2]]}"
+                else:
+                    head = f"r{ins[1]} = {'rpc_async' if op == 'async' else 'remote'}"
+                lines.append(f"{pad}{head} worker{sub['worker']}:")
+                block_lines(sub, indent + 2)
+                lines.append(f"{pad}    return {_r(sub['returns'])}")
+            elif op == "wait":
+                lines.append(f"{pad}{_r(ins[1])} = r{ins[2]}.wait()")
+            elif op == "to_here":
+                lines.append(f"{pad}{_r(ins[1])} = r{ins[2]}.to_here()")
+            elif op == "stash":
+                lines.append(f"{pad}STASH[{ins[1]!r}] = r{ins[2]}")
+            elif op == "unstash":
+                lines.append(f"{pad}r{ins[1]} = STASH[{ins[2]!r}]")
+
+    block_lines(prog["main"], 1)
+    return "\n".join(lines)
+
+
+FEATURES = [
+    "broadcast, differing shapes", "0-dim tensor operand", "size-1 dim broadcast", "sum/mean all",
+    "sum/mean over dims", "keepdim", "split", "chunk", "unbind", "narrow", "index (repeated)",
+    "index_select", "select", "transpose/permute", "expand", "reshape/unsqueeze/squeeze", "cat",
+    "stack", "matmul", "custom Function returning None", "detached value", "counting node",
+    "rpc_sync", "rpc_async().wait()", "rpc_async waited later", "remote().to_here()",
+    "RRef to_here on a third worker", "RRef to_here on its owner", "RRef handed on as argument",
+    "RRef never fetched", "call back to the caller", "call to itself", "nesting 3 deep",
+    "call result unused", "call output without grad", "value sent to 2 workers + used locally",
+    "stash reused by a later call", "leaf/param on worker>0", "param reused across calls",
+    "several roots", "root inside another root", "backward twice (retain_graph)",
+]
+
+
+def features(prog: dict) -> set:
+    """Which of FEATURES the program exercises (static analysis)."""
+    f: set = set()
+    uses = collections.Counter()
+    rt = LocalRuntime()
+    with torch.no_grad():
+        run_block(prog["main"], [], rt)
+    shapes = rt.shapes
+    param_uses = collections.Counter()
+    rref_home: dict = {}
+    for block, ins, depth, caller in walk(prog["main"]):
+        op, w = ins[0], block["worker"]
+        if op == "leaf":
+            if ins[4] and w != 0:
+                f.add("leaf/param on worker>0")
+            if ".param" in ins[2]:
+                param_uses[ins[2]] += 1
+        elif op == "op":
+            name, xs = ins[2], ins[3]
+            uses.update(xs)
+            if name in ("add", "sub", "mul", "div"):
+                sa, sb = (shapes.get(x) for x in xs)
+                if sa is not None and sb is not None and sa != sb:
+                    f.add("broadcast, differing shapes")
+                    if () in (sa, sb):
+                        f.add("0-dim tensor operand")
+                    if any(d == 1 for d in sa + sb):
+                        f.add("size-1 dim broadcast")
+            if name in ("sum", "mean"):
+                f.add("sum/mean all" if ins[4]["dims"] is None else "sum/mean over dims")
+                if ins[4]["keepdim"]:
+                    f.add("keepdim")
+            table = {"narrow": "narrow", "index_select": "index_select", "select": "select",
+                     "transpose": "transpose/permute", "permute": "transpose/permute", "expand": "expand",
+                     "reshape": "reshape/unsqueeze/squeeze", "unsqueeze": "reshape/unsqueeze/squeeze",
+                     "squeeze": "reshape/unsqueeze/squeeze", "cat": "cat", "stack": "stack",
+                     "matmul": "matmul", "first_only": "custom Function returning None",
+                     "detach": "detached value", "count": "counting node"}
+            if name in table:
+                f.add(table[name])
+            if name == "index" and len(set(ins[4]["idx"])) < len(ins[4]["idx"]):
+                f.add("index (repeated)")
+            if name == "add" and any(x in prog["roots"] for x in xs):
+                f.add("root inside another root")
+        elif op == "multi":
+            uses[ins[3]] += 1
+            f.add(ins[2])
+        elif op in ("call", "async", "remote"):
+            sub = _sub_block(ins)
+            uses.update(sub["params"])
+            mode = ins[2] if op == "call" else op
+            f.add({"sync": "rpc_sync", "async_now": "rpc_async().wait()", "async": "rpc_async waited later",
+                   "remote_here": "remote().to_here()", "remote": "remote().to_here()"}[mode])
+            if sub["worker"] == w:
+                f.add("call to itself")
+            if caller is not None and sub["worker"] == caller and caller != w:
+                f.add("call back to the caller")
+            if depth >= 2:
+                f.add("nesting 3 deep")
+            if op == "remote":
+                rref_home[ins[1]] = (w, sub["worker"])
+            if any(p in rref_home for p in sub["params"]):
+                f.add("RRef handed on as argument")
+        elif op == "to_here":
+            uses[ins[2]] += 1
+            creator, owner = rref_home[ins[2]]
+            f.add("RRef to_here on its owner" if owner == w else "RRef to_here on a third worker"
+                  if creator != w else "remote().to_here()")
+        elif op == "stash":
+            uses[ins[2]] += 1
+        elif op == "unstash":
+            f.add("stash reused by a later call")
+    # second pass: uses are known now
+    for block, ins, _depth, _caller in walk(prog["main"]):
+        op = ins[0]
+        if op in ("call", "wait", "to_here"):
+            if any(uses[o] == 0 and o not in prog["roots"] for o in ins[1]):
+                f.add("call result unused")
+        if op == "remote" and uses[ins[1]] == 0:
+            f.add("RRef never fetched")
+        sub = _sub_block(ins)
+        if sub is not None:
+            # a returned detached value or constant is an output without grad
+            defs = {i[1]: i for i in sub["body"] if i[0] in ("op", "leaf")}
+            for ret in sub["returns"]:
+                d = defs.get(ret)
+                if d is not None and ((d[0] == "op" and d[2] == "detach") or (d[0] == "leaf" and not d[4])):
+                    f.add("call output without grad")
+        if op in ("leaf", "op", "multi", "call", "wait", "to_here", "unstash"):
+            for x in ([ins[1]] if isinstance(ins[1], int) else ins[1]):
+                sent_to = {i[3 if i[0] == "call" else 2]["worker"] for i in block["body"]
+                           if i[0] in ("call", "async", "remote")
+                           and x in _sub_block(i)["params"]} - {block["worker"]}
+                local = any(i[0] == "op" and x in i[3] for i in block["body"])
+                if len(sent_to) >= 2 and local:
+                    f.add("value sent to 2 workers + used locally")
+    if any(n > 1 for n in param_uses.values()):
+        f.add("param reused across calls")
+    if len(prog["roots"]) > 1:
+        f.add("several roots")
+    if prog["retain"]:
+        f.add("backward twice (retain_graph)")
+    return f
+
+
+# ---------------------------------------------------------------------------------------
+# the oracle and the distributed run
+# ---------------------------------------------------------------------------------------
+class Hang(RuntimeError):
+    """dist_autograd.backward did not return in time."""
+
+
+def run_local(prog: dict) -> dict:
+    """The oracle: the whole program in this process with plain torch autograd."""
+    rt = LocalRuntime()
+    roots = list(run_block(prog["main"], [], rt))
+    torch.autograd.backward(roots, retain_graph=prog["retain"])
+    if prog["retain"]:
+        torch.autograd.backward(roots)
+    grads = {(w, name): t.grad for w, st in rt.states.items()
+             for name, t in st.leaves.items() if t.requires_grad}
+    counts = collections.Counter()
+    for st in rt.states.values():
+        counts.update(st.counts)
+    return {"roots": [t.detach() for t in roots], "grads": grads, "counts": dict(counts)}
+
+
+def _backward(cid: int, roots: list, retain: bool, timeout: float) -> None:
+    """dist_autograd.backward, in a helper thread so a hang is reported, not waited out."""
+    import distgrad.autograd as dist_autograd
+    box: dict = {}
+
+    def run():
+        try:
+            dist_autograd.backward(cid, roots, retain_graph=retain)
+        except BaseException as e:  # handed to the caller's thread
+            box["err"] = e
+    t = threading.Thread(target=run, daemon=True, name="random-programs-backward")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise Hang(f"dist_autograd.backward did not return within {timeout:g} s (hang)")
+    if "err" in box:
+        raise box["err"]
+
+
+def _drain(world: int, timeout: float = 10.0) -> None:
+    """Wait until every remote() body of the program has finished on its owner, so the
+    backward never overlaps the forward (an unfetched RRef's body may still run)."""
+    import distgrad.rpc as rpc
+    deadline = time.monotonic() + timeout
+    while True:
+        bal = [rpc.rpc_sync(f"worker{w}", _remote_balance) for w in range(world)]
+        if sum(i for i, _ in bal) == sum(d for _, d in bal):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"remote() bodies still running after {timeout} s: {bal}")
+        time.sleep(0.005)
+
+
+def run_distributed(prog: dict, backward_timeout: float) -> dict:
+    """The program on the cluster (call on worker0, inside init_rpc)."""
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    world = prog["world"]
+    for w in range(world):
+        rpc.rpc_sync(f"worker{w}", _reset)
+    with dist_autograd.context() as cid:
+        roots = list(run_block(prog["main"], [], DistRuntime()))
+        _drain(world)
+        _backward(cid, roots, prog["retain"], backward_timeout)
+        if prog["retain"]:
+            _backward(cid, roots, False, backward_timeout)
+        grads, unknown = {}, []
+        for w in range(world):
+            found, unk = rpc.rpc_sync(f"worker{w}", _collect_grads, args=(cid,))
+            grads.update({(w, n): g for n, g in found.items()})
+            unknown += [f"worker{w}: {u}" for u in unk]
+    counts = collections.Counter()
+    for w in range(world):
+        counts.update(rpc.rpc_sync(f"worker{w}", _take_counts))
+    return {"roots": [t.detach() for t in roots], "grads": grads, "counts": dict(counts), "unknown": unknown}
+
+
+def compare(want: dict, got: dict) -> list:
+    """(kind, detail) for every disagreement between oracle and distributed run."""
+    issues = []
+    for i, (a, b) in enumerate(zip(want["roots"], got["roots"])):
+        if a.shape != b.shape or not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
+            issues.append(("forward value", f"root {i}: {b.tolist()} != {a.tolist()}"))
+    for key, g in sorted(want["grads"].items()):
+        w, name = key
+        label = f"leaf {name.split('.', 1)[1]} on worker{w}"
+        d = got["grads"].get(key)
+        if g is None:
+            if d is not None:
+                issues.append(("unexpected grad", f"{label}: got {d.tolist()}, local autograd has none"))
+        elif d is None:
+            issues.append(("missing grad", f"{label}: no gradient, expected {tuple(g.shape)} {g.tolist()}"))
+        elif d.shape != g.shape:
+            issues.append(("grad shape", f"{label}: shape {tuple(d.shape)} != {tuple(g.shape)}"))
+        elif d.dtype != g.dtype:
+            issues.append(("grad dtype", f"{label}: dtype {d.dtype} != {g.dtype}"))
+        elif not torch.allclose(d, g, rtol=RTOL, atol=ATOL):
+            err = (d - g).abs().max().item()
+            ratio = ""
+            if torch.allclose(d, 2 * g, rtol=RTOL, atol=ATOL):
+                ratio = " (= 2x expected)"
+            elif torch.allclose(2 * d, g, rtol=RTOL, atol=ATOL):
+                ratio = " (= half of expected)"
+            issues.append(("grad value",
+                           f"{label}: max abs err {err:.3g}{ratio}: {d.tolist()} != {g.tolist()}"))
+    for u in got.get("unknown", []):
+        issues.append(("grad for a non-leaf", u))
+    if want["counts"] != got["counts"]:
+        diff = {t: (got["counts"].get(t, 0), want["counts"].get(t, 0))
+                for t in set(want["counts"]) | set(got["counts"])
+                if got["counts"].get(t, 0) != want["counts"].get(t, 0)}
+        issues.append(("node run count", "ran (distributed, local): " + ", ".join(
+            f"{t}: {a} vs {b}" for t, (a, b) in sorted(diff.items()))))
+    return issues
+
+
+def _error_text(e: BaseException) -> str:
+    """The first informative line of an error (a remote one: the original exception)."""
+    text = getattr(e, "remote_message", None) or str(e)
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    first = next((ln for ln in lines if not ln.startswith("On WorkerInfo")), lines[0] if lines else "")
+    return f"{type(e).__name__}: {first}"
+
+
+def group_of(text: str) -> str:
+    """An error's group: numbers, shapes and worker names blanked out."""
+    text = re.sub(r"0x[0-9a-f]+", "0x?", text)
+    text = re.sub(r"\[[-0-9., e]*\]|\([-0-9., ]*\)", "(..)", text)
+    text = re.sub(r"\d+", "N", text)
+    return text[:160]
+
+
+def check_program(prog: dict, backward_timeout: float = BACKWARD_TIMEOUT) -> dict:
+    """Run ``prog`` both ways (on worker0 of a live cluster) and compare."""
+    rec = {"seed": prog["seed"], "world": prog["world"], "size": size(prog), "ok": False}
+    try:
+        want = run_local(prog)
+    except Exception as e:  # the generator made an invalid program: our bug, not the engine's
+        rec.update(group="GENERATOR BUG: " + group_of(_error_text(e)), detail=traceback.format_exc())
+        return rec
+    try:
+        got = run_distributed(prog, backward_timeout)
+    except Hang as e:
+        rec.update(group="hang: dist_autograd.backward never returned", detail=str(e), hang=True)
+        return rec
+    except Exception as e:
+        text = _error_text(e)
+        rec.update(group="error: " + group_of(text), detail=text + "\n" + "".join(
+            traceback.format_exception(type(e), e, e.__traceback__))[-3000:])
+        return rec
+    issues = compare(want, got)
+    if issues:
+        kinds = sorted({k for k, _ in issues})
+        rec.update(group="mismatch: " + ", ".join(kinds), detail="\n".join(f"{k}: {d}" for k, d in issues))
+    else:
+        rec["ok"] = True
+    return rec
+
+
+# ---------------------------------------------------------------------------------------
+# shrinking
+# ---------------------------------------------------------------------------------------
+def _defs(ins) -> list:
+    """Registers an instruction defines (a stash defines the pseudo-register 'stash:NAME')."""
+    op = ins[0]
+    if op in ("leaf", "op", "async", "remote", "unstash"):
+        return [ins[1]]
+    if op in ("multi", "call", "wait", "to_here"):
+        return list(ins[1])
+    if op == "stash":
+        return ["stash:" + ins[1]]
+    return []
+
+
+def _uses(ins) -> list:
+    """Registers an instruction reads (a call: its block's params)."""
+    op = ins[0]
+    if op == "op":
+        return list(ins[3])
+    if op == "multi":
+        return [ins[3]]
+    if op in ("call", "async", "remote"):
+        return list(_sub_block(ins)["params"])
+    if op in ("wait", "to_here", "stash"):
+        return [ins[2]]
+    if op == "unstash":
+        return ["stash:" + ins[2]]
+    return []
+
+
+def _copy(prog):
+    """A deep copy (candidates are edited in place)."""
+    import copy
+    return copy.deepcopy(prog)
+
+
+def _all_blocks(block):
+    """``block`` and every block nested in it, in program order."""
+    yield block
+    for ins in block["body"]:
+        sub = _sub_block(ins)
+        if sub is not None:
+            yield from _all_blocks(sub)
+
+
+def _cascade(prog: dict, removed: set):
+    """Remove every instruction that uses a removed register (and what it defines),
+    blocks whose returns went; None when a root went (no longer a program)."""
+    changed = True
+    while changed:
+        changed = False
+        for block in _all_blocks(prog["main"]):
+            keep = []
+            for ins in block["body"]:
+                sub = _sub_block(ins)
+                gone = any(u in removed for u in _uses(ins)) or (
+                    sub is not None and any(r in removed for r in sub["returns"]))
+                if gone:
+                    removed.update(_defs(ins))
+                    changed = True
+                else:
+                    keep.append(ins)
+            block["body"] = keep
+    if any(r in removed for r in prog["roots"]):
+        return None
+    return prog
+
+
+def _rename(prog: dict, old: int, new: int) -> dict:
+    """Every use of register ``old`` reads ``new`` instead (ids are global, and a
+    block's params are its caller's argument ids, so one pass over all blocks does)."""
+    def sub(x):
+        return new if x == old else x
+    for block in _all_blocks(prog["main"]):
+        block["params"] = [sub(x) for x in block["params"]]
+        block["returns"] = [sub(x) for x in block["returns"]]
+        body = []
+        for ins in block["body"]:
+            if ins[0] == "op":
+                ins = ins[:3] + ([sub(x) for x in ins[3]],) + ins[4:]
+            elif ins[0] == "multi" or ins[0] in ("wait", "to_here", "stash"):
+                ins = ins[:3] + (sub(ins[3]),) + ins[4:] if ins[0] == "multi" else ins[:2] + (sub(ins[2]),)
+            body.append(ins)
+        block["body"] = body
+    prog["roots"] = prog["main"]["returns"]
+    return prog
+
+
+def _candidates(prog: dict):
+    """Smaller or simpler variants of ``prog``, biggest cuts first."""
+    if prog["retain"]:
+        p = _copy(prog)
+        p["retain"] = False
+        yield p
+    for i in range(len(prog["roots"])):
+        if len(prog["roots"]) > 1:
+            p = _copy(prog)
+            p["roots"] = p["main"]["returns"] = [r for j, r in enumerate(p["roots"]) if j != i]
+            yield _cascade(p, set()) or p
+    rt = LocalRuntime()
+    with torch.no_grad():
+        run_block(prog["main"], [], rt)
+    shapes = rt.shapes
+    n_blocks = sum(1 for _ in _all_blocks(prog["main"]))
+
+    def at(p, bi):
+        return list(_all_blocks(p["main"]))[bi]
+
+    for bi in range(n_blocks):
+        block = at(prog, bi)
+        for ii, ins in enumerate(block["body"]):
+            # the instruction removed, with everything that depends on it
+            if not any(d in prog["roots"] for d in _defs(ins)):
+                p = _copy(prog)
+                del at(p, bi)["body"][ii]
+                q = _cascade(p, set(_defs(ins)))
+                if q is not None:
+                    yield q
+            # a plain copy dropped: its uses (and roots) read the input instead
+            if ins[0] == "op" and ins[2] == "scale" and ins[4]["c"] == 1.0:
+                p = _copy(prog)
+                del at(p, bi)["body"][ii]
+                yield _rename(p, ins[1], ins[3][0])
+            # an op bypassed: its output becomes a plain copy of one input of the same shape
+            if ins[0] == "op" and ins[2] != "scale":
+                for x in dict.fromkeys(ins[3]):
+                    if shapes.get(x) == shapes.get(ins[1]):
+                        p = _copy(prog)
+                        at(p, bi)["body"][ii] = ("op", ins[1], "scale", [x], {"c": 1.0})
+                        yield p
+            # calls made plain: rpc_sync instead of rpc_async / remote
+            if ins[0] == "call" and ins[2] != "sync":
+                p = _copy(prog)
+                at(p, bi)["body"][ii] = ("call", ins[1], "sync", ins[3])
+                yield p
+            if ins[0] in ("async", "remote"):
+                consumers = [(jj, i2) for jj, i2 in enumerate(block["body"]) if ins[1] in _uses(i2)]
+                others = sum(ins[1] in _uses(i2) for b2 in _all_blocks(prog["main"]) for i2 in b2["body"])
+                if len(consumers) == 1 == others and consumers[0][1][0] in ("wait", "to_here"):
+                    jj, i2 = consumers[0]
+                    p = _copy(prog)
+                    body = at(p, bi)["body"]
+                    body[ii] = ("call", i2[1], "sync", _sub_block(ins))
+                    del body[jj]
+                    yield p
+            # one return of a call dropped (with the output that received it)
+            if ins[0] == "call" and len(ins[1]) > 1:
+                for k in range(len(ins[1])):
+                    p = _copy(prog)
+                    blk = at(p, bi)
+                    sub = blk["body"][ii][3]
+                    sub["returns"] = [r for j, r in enumerate(sub["returns"]) if j != k]
+                    blk["body"][ii] = ("call", [o for j, o in enumerate(ins[1]) if j != k], ins[2], sub)
+                    q = _cascade(p, {ins[1][k]})
+                    if q is not None:
+                        yield q
+            # a call's block params the body no longer uses
+            sub = _sub_block(ins)
+            if sub is not None:
+                used = {u for i2 in sub["body"] for u in _uses(i2)} | set(sub["returns"])
+                if any(x not in used for x in sub["params"]):
+                    p = _copy(prog)
+                    s2 = _sub_block(at(p, bi)["body"][ii])
+                    s2["params"] = [x for x in s2["params"] if x in used]
+                    yield p
+
+
+def shrink(prog: dict, group: str, budget_s: float = 60.0, max_tries: int = 300,
+           backward_timeout: float = 10.0) -> tuple:
+    """Greedy: keep any smaller variant that fails in the same group; returns the
+    smallest program found and its record."""
+    best, best_rec = prog, None
+    deadline = time.monotonic() + budget_s
+    tries = 0
+    seen: set = set()   # candidates already run (each pass regenerates them all)
+    progress = True
+    while progress and time.monotonic() < deadline and tries < max_tries:
+        progress = False
+        for cand in _candidates(best):
+            if time.monotonic() > deadline or tries >= max_tries:
+                break
+            key = json.dumps(cand, sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+            tries += 1
+            rec = check_program(cand, backward_timeout)
+            if not rec["ok"] and rec["group"] == group:
+                best, best_rec, progress = cand, rec, True
+                break
+    return best, best_rec
+
+
+# ---------------------------------------------------------------------------------------
+# the cluster side and the CLI
+# ---------------------------------------------------------------------------------------
+def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
+    """run_workers target: worker0 runs and checks every seed's program; the others serve.
+
+    Records go to ``cfg["out"]`` (JSON lines, one per program, flushed) when given, so a
+    parent learns how far a cluster got even if it dies; they are also returned.
+    Stops early after a hang (the cluster may be wedged): the rest run in a new one.
+    """
+    if rank != 0:
+        return None
+    import distgrad.rpc as rpc
+    records = []
+    shrunk_per_group: collections.Counter = collections.Counter()
+    for seed in seeds:
+        prog = generate(seed, world)
+        rec = check_program(prog, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
+        rec["features"] = sorted(features(prog))
+        if not rec["ok"]:
+            rec["dump"] = dump(prog)
+            if (not rec.get("hang") and not rec["group"].startswith("GENERATOR")
+                    and shrunk_per_group[rec["group"]] < cfg.get("shrink", 0)):
+                shrunk_per_group[rec["group"]] += 1
+                small, small_rec = shrink(prog, rec["group"], cfg.get("shrink_budget_s", 60.0))
+                if small_rec is not None:
+                    rec["shrunk"] = dump(small)
+                    rec["shrunk_size"] = size(small)
+                    rec["shrunk_detail"] = small_rec["detail"]
+        records.append(rec)
+        if cfg.get("out"):
+            with open(cfg["out"], "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if not rec["ok"] and cfg.get("verbose"):
+            print(f"  FAIL seed {seed} world {world}: {rec['group']}", flush=True)
+        if rec.get("hang") and cfg.get("out"):
+            # a pass may still be in flight and a graceful shutdown could wait on it:
+            # leave now; the parent sees the record and goes on in a fresh cluster
+            os._exit(3)
+        if rec.get("hang"):
+            break
+    stats = collections.Counter()
+    if not any(r.get("hang") for r in records):
+        for w in range(world):
+            stats.update(rpc.rpc_sync(f"worker{w}", _engine_stats))
+    return {"records": records, "engine_stats": dict(stats)}
+
+
+def run_seeds(world: int, seeds: list, cfg: dict, timeout: float, log=print) -> dict:
+    """Run ``seeds`` on ``world``-worker clusters (a new one after a hang or a crash)."""
+    from mp_utils import run_workers
+    records: list = []
+    stats: collections.Counter = collections.Counter()
+    todo = list(seeds)
+    while todo:
+        fd, out = tempfile.mkstemp(prefix="random-programs-", suffix=".jsonl")
+        os.close(fd)
+        try:
+            res = run_workers(cluster_main, world_size=world, timeout=timeout,
+                              args=(todo, dict(cfg, out=out)), options={"rpc_timeout": 30})
+            stats.update(res[0]["engine_stats"])
+            crash = None
+        except Exception as e:  # a crash or timeout: keep what was recorded
+            crash = f"cluster of {world} workers failed: {str(e)[-1500:]}"
+        with open(out) as f:
+            got = [json.loads(line) for line in f if line.strip()]
+        os.unlink(out)
+        records += got
+        done = {r["seed"] for r in got}
+        todo = [s for s in todo if s not in done]
+        if crash and got and got[-1].get("hang"):
+            crash = None        # worker0 left on purpose after a hang (see cluster_main)
+        if crash and todo:
+            seed = todo.pop(0)  # the program running when the cluster went down
+            log(f"  seed {seed}: {crash.splitlines()[0]}")
+            prog = generate(seed, world)
+            records.append({"seed": seed, "world": world, "ok": False, "size": size(prog),
+                            "group": "cluster crashed or timed out", "detail": crash,
+                            "dump": dump(prog), "features": sorted(features(prog))})
+        elif todo:
+            log(f"  restarting a {world}-worker cluster after a hang ({len(todo)} programs left)")
+    return {"records": records, "engine_stats": dict(stats)}
+
+
+def report(records: list, per_group: int = 3, out=sys.stdout) -> None:
+    """Passed/failed counts, then each failure group with its smallest seeds."""
+    failed = [r for r in records if not r["ok"]]
+    print(f"\n{len(records) - len(failed)} passed, {len(failed)} failed (of {len(records)} programs)",
+          file=out)
+    groups: dict = collections.defaultdict(list)
+    for r in failed:
+        groups[r["group"]].append(r)
+    for g, rs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        rs.sort(key=lambda r: (r.get("shrunk_size", r["size"]), r["size"]))
+        seeds = ", ".join(f"{r['seed']}/w{r['world']}" for r in rs[:10])
+        print(f"\n=== {len(rs)} x {g}\n    seeds (seed/world, smallest first): {seeds}", file=out)
+        for r in rs[:per_group]:
+            print(f"\n--- seed {r['seed']} world {r['world']} ({r['size']} instructions)", file=out)
+            print(r["dump"], file=out)
+            print("  => " + r["detail"].strip().replace("\n", "\n     ")[:2500], file=out)
+            if "shrunk" in r:
+                print(f"  shrunk to {r['shrunk_size']} instructions:", file=out)
+                print(r["shrunk"], file=out)
+                print("  => " + r["shrunk_detail"].strip().replace("\n", "\n     ")[:1500], file=out)
+    print(file=out)
+
+
+def main(argv=None) -> int:
+    """The CLI; exit status 1 when any program failed."""
+    ap = argparse.ArgumentParser(description="Random distributed autograd programs vs local autograd.")
+    ap.add_argument("--programs", type=int, default=100, help="how many programs in all")
+    ap.add_argument("--workers", default="2,3,4", help="world sizes, round robin over programs")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="base seed (program i has seed base+i); random when omitted")
+    ap.add_argument("--shrink", type=int, default=2, help="failures to shrink per group and world size")
+    ap.add_argument("--shrink-budget", type=float, default=45.0, help="seconds per shrink")
+    ap.add_argument("--backward-timeout", type=float, default=BACKWARD_TIMEOUT)
+    ap.add_argument("--show", type=int, default=2, help="failures printed in full per group")
+    ap.add_argument("--dump", action="store_true", help="print the programs and exit (no cluster)")
+    ap.add_argument("--json", default=None, help="also write every record here (JSON lines)")
+    args = ap.parse_args(argv)
+    worlds = [int(w) for w in args.workers.split(",")]
+    base = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
+    print(f"base seed {base}: {args.programs} programs on {worlds} workers "
+          f"(rerun with --seed {base})", flush=True)
+    plan: dict = collections.defaultdict(list)
+    for i in range(args.programs):
+        plan[worlds[i % len(worlds)]].append(base + i)
+    if args.dump:
+        for w, seeds in plan.items():
+            for s in seeds:
+                print(dump(generate(s, w)), "\n")
+        return 0
+    cfg = {"shrink": args.shrink, "shrink_budget_s": args.shrink_budget,
+           "backward_timeout": args.backward_timeout, "verbose": True}
+    records: list = []
+    for w, seeds in sorted(plan.items()):
+        t0 = time.monotonic()
+        budget = 60 + len(seeds) * 6 + args.shrink * 4 * args.shrink_budget
+        res = run_seeds(w, seeds, cfg, timeout=budget)
+        bad = sum(not r["ok"] for r in res["records"])
+        print(f"world {w}: {len(seeds)} programs, {bad} failed, {time.monotonic() - t0:.0f} s; "
+              f"engine stats {res['engine_stats']}", flush=True)
+        records += res["records"]
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    covered = collections.Counter(f for r in records for f in r.get("features", []))
+    print("features covered (programs): " + ", ".join(f"{f} {covered[f]}" for f in FEATURES))
+    report(records, args.show)
+    return 1 if any(not r["ok"] for r in records) else 0
+
+
+if __name__ == "__main__":
+    # import ourselves by module name, so the functions workers unpickle (random_programs.X)
+    # are the same objects as the ones this process runs (not __main__'s copies)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import random_programs
+    sys.exit(random_programs.main())
