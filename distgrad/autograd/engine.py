@@ -41,6 +41,7 @@ from .checks import check_roots as _check_roots
 from .context import CONTAINER
 from .futures import all_of as _all
 from .futures import done as _done
+from .nodes import UNREACHED
 from .share import ENGINE, PassState
 
 _tls = threading.local()
@@ -63,25 +64,36 @@ def _agent():
     return current_agent()
 
 
-def ship_gradients(dg_info: tuple, grads: Sequence) -> None:
-    """Send a recv function's gradients to the worker that sent its tensors."""
+def ship_gradients(dg_info: tuple, grads: Sequence, reached: Sequence[bool] | None = None) -> None:
+    """Send a recv function's gradients to the worker that sent its tensors.
+
+    ``reached[i]`` False: no path from the roots reaches slot ``i`` (the sender then
+    runs nothing behind it); by default the slots the walk found fed."""
     context_id, msg_id, sender = dg_info
     state: PassState | None = getattr(_tls, "state", None)
     if state is None or state.ctx.id != context_id:
         raise RuntimeError(f"recv function of context {context_id} ran outside a distributed "
                            "backward pass (use distgrad.autograd.backward)")
+    if reached is None:
+        fed = state.recv_slots.get(msg_id)
+        unreached = [i for i in range(len(grads)) if fed is not None and i not in fed]
+    else:
+        unreached = [i for i, r in enumerate(reached) if not r]
     _tls.exp += 1
     _tls.targets.add(sender)
     _tls.shipped.add(msg_id)
     _agent().notify(sender, _propagate, (context_id, state.pass_id, state.initiator,
-                                         state.retain_graph, msg_id, list(grads), _tls.exp))
+                                         state.retain_graph, msg_id, list(grads), _tls.exp,
+                                         unreached))
 
 
 def ship_absent(recvs: Sequence) -> None:
-    """Ship absent gradients for the recv functions that sent nothing in this run."""
+    """Tell the senders of the recv functions that sent nothing in this run that no
+    path reached them (the senders may be counting on a message)."""
     for r in recvs:
         if r.dg_info[1] not in _tls.shipped:
-            ship_gradients(r.dg_info, [None] * len(r._input_metadata))
+            n = len(r._input_metadata)
+            ship_gradients(r.dg_info, [None] * n, [False] * n)
 
 
 def _run_here_or_inline(state: PassState, exp: int, fn, *args) -> None:
@@ -209,8 +221,11 @@ def fail_passes(peer: int, err_for: Any) -> None:
 
 
 def _propagate(context_id: int, pass_id: tuple, initiator: int, retain_graph: bool,
-               msg_id: int, grads: list, exp: int) -> None:
-    """One-way request: gradients for send function ``msg_id`` of this worker."""
+               msg_id: int, grads: list, exp: int, unreached: Sequence[int] = ()) -> None:
+    """One-way request: gradients for send function ``msg_id`` of this worker
+    (``unreached``: slots no path from the roots reached)."""
+    for i in unreached:
+        grads[i] = UNREACHED
     try:
         state = ENGINE.get_or_create(context_id, pass_id, initiator, retain_graph)
         node = _send_function(state, msg_id)

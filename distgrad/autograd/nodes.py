@@ -50,11 +50,25 @@ if getattr(_FunctionCtx.set_materialize_grads, "__name__", "") != "_set_material
     _FunctionCtx.set_materialize_grads = _set_materialize_grads
 
 
-def accumulate(old: torch.Tensor | None, g: torch.Tensor | None) -> torch.Tensor | None:
-    """Sum of two gradients for one input slot; ``None`` is absent."""
-    if g is None:
+class _Unreached:
+    """No path from the roots reached this slot (local autograd would not even run the
+    node behind it), as opposed to ``None``: reached, but the gradient is absent."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNREACHED"
+
+
+UNREACHED = _Unreached()
+
+
+def accumulate(old: Any, g: Any) -> Any:
+    """Sum of two gradients for one input slot: tensors add; ``None`` (reached,
+    absent) adds nothing but marks the slot reached; :data:`UNREACHED` adds nothing."""
+    if g is UNREACHED or g is None and old is not UNREACHED:
         return old
-    if old is None:
+    if old is UNREACHED or old is None:
         return g
     if old.is_sparse and not g.is_sparse:
         return g + old  # sparse + dense is not defined, dense + sparse is

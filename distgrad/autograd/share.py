@@ -31,7 +31,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from .context import CONTAINER, DistAutogradContext
-from .nodes import accumulate, run_node, validate
+from .nodes import UNREACHED, accumulate, run_node, validate
 from .recording import _ANCHOR, _node_types
 
 _ACCUMULATE = None
@@ -81,6 +81,9 @@ class PassState:
         self.nodes: set = set()         # every node some entry reaches
         self.deps: collections.Counter = collections.Counter()
         self.regions: dict[Any, _Region] = {}
+        # recv message id -> its input slots some walked node feeds (the others are
+        # unreached: the sender must not run what lies behind them)
+        self.recv_slots: dict[int, set] = {}
         self.shared = False
         self.buffers: dict[Any, list] = {}
         self.waiting: set = set()       # nodes holding some but not all inputs
@@ -105,25 +108,34 @@ class PassState:
             sends = dict(self.ctx.send_functions)
         seen = 0
         if self.roots:
+            _, recv_t = _node_types()
+            for r in self.roots:
+                if type(r.grad_fn) is recv_t:
+                    self._recv_slot(r.grad_fn, r.output_nr)
             seen += self._walk("root", [r.grad_fn for r in self.roots])
         for msg_id, node in sends.items():
             seen += self._walk(msg_id, [node])
         self.shared = seen > len(self.nodes)  # some node was reached from two entries
         if self.shared:  # the executor needs every node's count of inputs
-            _, recv_t = _node_types()
-            acc_t = _accumulate_type()
-            deps = self.deps
-            for r in self.roots:
-                deps[r.grad_fn] += 1
-            for node in sends.values():
-                deps[node] += 1  # its gradient comes over the network
-            for n in self.nodes:
-                t = type(n)
-                if t is recv_t or t is acc_t:
-                    continue
-                for nxt, _ in n.next_functions:
-                    if nxt is not None:
-                        deps[nxt] += 1
+            self.count_inputs(sends.values())
+
+    def count_inputs(self, sends: Any) -> None:
+        """The executor's dependency counts: one per root, per send function (its
+        gradient comes over the network) and per edge between walked nodes."""
+        _, recv_t = _node_types()
+        acc_t = _accumulate_type()
+        deps = self.deps
+        for r in self.roots:
+            deps[r.grad_fn] += 1
+        for node in sends:
+            deps[node] += 1
+        for n in self.nodes:
+            t = type(n)
+            if t is recv_t or t is acc_t:
+                continue
+            for nxt, _ in n.next_functions:
+                if nxt is not None:
+                    deps[nxt] += 1
 
     def _walk(self, key: Any, starts: Sequence[Any]) -> int:
         """Collect ``key``'s region (its leaves, whether it holds recv functions);
@@ -143,12 +155,21 @@ class PassState:
             if t is recv_t:
                 region.recvs.append(n)
                 continue
-            for nxt, _ in n.next_functions:
-                if nxt is not None and nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
+            for nxt, slot in n.next_functions:
+                if nxt is not None:
+                    if type(nxt) is recv_t:
+                        self._recv_slot(nxt, slot)
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        stack.append(nxt)
         self.nodes |= seen
         return len(seen)
+
+    def _recv_slot(self, recv: Any, slot: int) -> None:
+        slots = self.recv_slots.get(recv.dg_info[1])
+        if slots is None:
+            slots = self.recv_slots[recv.dg_info[1]] = set()
+        slots.add(slot)
 
     def walk_reach(self, starts: Sequence[Any]) -> list:
         """Discovery: mark what ``starts`` reach; returns the recv functions met."""
@@ -182,7 +203,15 @@ class PassState:
         region = self.regions.get(key)
         if region is None:
             return
-        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+        pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(g, torch.Tensor)]
+        if len(pairs) < len(outputs) and pairs and key != "root":
+            # Some slots of a send function got no gradient: start past the send
+            # function, at the edges that got one. Started at the send function, the
+            # engine would run what lies behind every slot, unreached ones included.
+            node = outputs[0].node
+            fit = validate(node, [g if isinstance(g, torch.Tensor) else None for g in grads])
+            pairs = [(GradientEdge(*node.next_functions[i]), fit[i])
+                     for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
         if pairs and (region.leaves or region.recvs):
             # the leaf tensors, not GradientEdges: the same edges to the engine, ~8x cheaper
             inputs = [n.variable for n in region.leaves]
@@ -250,10 +279,10 @@ class PassState:
             self.waiting.add(node)
 
     def _add(self, node: Any, slot: int, g: Any, ready: list) -> None:
-        if g is not None:
+        if g is not UNREACHED:
             buf = self.buffers.get(node)
             if buf is None:
-                buf = self.buffers[node] = [None] * len(node._input_metadata)
+                buf = self.buffers[node] = [UNREACHED] * len(node._input_metadata)
             buf[slot] = accumulate(buf[slot], g)
         self._arrived(node, ready)
 
@@ -261,10 +290,22 @@ class PassState:
         """Run ``node`` once, all its counted inputs in (absent ones stay ``None``,
         as in torch's engine), and route its outputs to the next nodes."""
         send_t, recv_t = _node_types()
-        grads = self.buffers.pop(node, None) or [None] * len(node._input_metadata)
+        grads = self.buffers.pop(node, None) or [UNREACHED] * len(node._input_metadata)
         self.done.add(node)
-        self.nodes_run += 1
         t = type(node)
+        reached = [g is not UNREACHED for g in grads]
+        if not any(reached):
+            # no path from the roots reached it: local autograd would not run it
+            if t is recv_t:
+                from .engine import ship_gradients  # (engine imports this module)
+                ship_gradients(node.dg_info, [None] * len(grads), reached)
+            elif t is not _accumulate_type():
+                for nxt, slot in node.next_functions:
+                    if nxt is not None:
+                        self._add(nxt, slot, UNREACHED, ready)
+            return
+        self.nodes_run += 1
+        grads = [g if r else None for g, r in zip(grads, reached)]
         if t is _accumulate_type():
             if grads[0] is not None:
                 g = grads[0]
@@ -276,10 +317,13 @@ class PassState:
             return
         if t is recv_t:
             from .engine import ship_gradients  # (engine imports this module)
-            ship_gradients(node.dg_info, grads)
+            ship_gradients(node.dg_info, grads, reached)
             return
         try:
-            outs = validate(node, grads) if t is send_t else run_node(node, grads)
+            if t is send_t:  # an identity per slot: unreached slots stay unreached
+                outs = [g if r else UNREACHED for g, r in zip(validate(node, grads), reached)]
+            else:
+                outs = run_node(node, grads)
         except Exception as e:  # noqa: BLE001 - name the node, as torch's engine does
             from .engine import backward_error
             raise backward_error(e, node) from e
