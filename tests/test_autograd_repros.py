@@ -93,7 +93,36 @@ def unused_argument_not_zero_filled(call):
     return [p, q], r.sum()
 
 
+def first_only(a, b):
+    return FirstOnly.apply(a, b)
+
+
+def absent_but_reached(call):
+    """Both arguments reach the loss on worker1, but FirstOnly gives the second no
+    gradient: locally Twice's backward then runs with zeros (a Function materializes
+    absent gradients) and q gets a zero gradient. Reached-but-absent is not unreached."""
+    p = torch.tensor([0.5, -1.0], dtype=F64, requires_grad=True)
+    q = torch.tensor([2.0, 3.0], dtype=F64, requires_grad=True)
+    r = call("worker1", first_only, (p * 2, Twice.apply(q)))
+    return [p, q], r.sum()
+
+
+def absent_unreached_and_present(call):
+    """One call, three arguments: one used, one reached without a gradient, one the
+    callee never uses. Only the second's Function may run (with zeros)."""
+    p = torch.tensor([0.5, -1.0], dtype=F64, requires_grad=True)
+    q = torch.tensor([2.0, 3.0], dtype=F64, requires_grad=True)
+    u = torch.tensor([1.0, 4.0], dtype=F64, requires_grad=True)
+    r = call("worker1", first_of_three, (p * 2, Twice.apply(q), u.exp()))
+    return [p, q, u], r.sum()
+
+
+def first_of_three(a, b, c):
+    return FirstOnly.apply(a, b)
+
+
 PROGRAMS = {f.__name__: f for f in (broadcast_unreduced, zero_stride_grad, none_grad_not_zero_filled,
+                                    absent_but_reached, absent_unreached_and_present,
                                     unused_argument_not_zero_filled)}
 
 
@@ -136,4 +165,7 @@ def test_repro_matches_local_autograd(name):
                 assert g[0] == w[0], f"{where}: leaf {i} gradient shape {g[0]} != {w[0]}"
                 assert torch.allclose(torch.tensor(g[1], dtype=F64), torch.tensor(w[1], dtype=F64),
                                       rtol=1e-12, atol=1e-12), f"{where}: leaf {i} gradient {g[1]} != {w[1]}"
-    assert twice_runs == 0, f"{name}: Twice.backward ran {twice_runs} time(s); no gradient ever reaches it"
+    if name.startswith("absent_"):  # reached (with zeros) once per backward pass, as locally
+        assert twice_runs == 2 * 3, f"{name}: Twice.backward ran {twice_runs} time(s), locally 6"
+    else:
+        assert twice_runs == 0, f"{name}: Twice.backward ran {twice_runs} time(s); no gradient reaches it"

@@ -148,7 +148,7 @@ def _executor_grads(roots: list) -> dict:
     state = PassState(ctx, (0, 0), 0, True, roots)
     if not state.shared:  # force the node-by-node executor onto this local graph
         state.shared = True
-        state.count_inputs([])
+        state.count_inputs([r.grad_fn for r in roots], state.nodes)
     state.run_entry("root", list(roots), [torch.ones_like(r) for r in roots])
     assert not state.waiting, "nodes left waiting with every input in"
     return ctx.leaf_gradients()

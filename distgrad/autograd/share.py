@@ -117,19 +117,17 @@ class PassState:
             seen += self._walk(msg_id, [node])
         self.shared = seen > len(self.nodes)  # some node was reached from two entries
         if self.shared:  # the executor needs every node's count of inputs
-            self.count_inputs(sends.values())
+            self.count_inputs([r.grad_fn for r in self.roots] + list(sends.values()), self.nodes)
 
-    def count_inputs(self, sends: Any) -> None:
-        """The executor's dependency counts: one per root, per send function (its
-        gradient comes over the network) and per edge between walked nodes."""
+    def count_inputs(self, entries: Sequence[Any], nodes: set) -> None:
+        """The executor's dependency counts: one per entry (a root's node, a send
+        function: its gradient comes over the network) and per edge between ``nodes``."""
         _, recv_t = _node_types()
         acc_t = _accumulate_type()
         deps = self.deps
-        for r in self.roots:
-            deps[r.grad_fn] += 1
-        for node in sends:
+        for node in entries:
             deps[node] += 1
-        for n in self.nodes:
+        for n in nodes:
             t = type(n)
             if t is recv_t or t is acc_t:
                 continue
@@ -204,10 +202,18 @@ class PassState:
         if region is None:
             return
         pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(g, torch.Tensor)]
-        if len(pairs) < len(outputs) and pairs and key != "root":
-            # Some slots of a send function got no gradient: start past the send
-            # function, at the edges that got one. Started at the send function, the
-            # engine would run what lies behind every slot, unreached ones included.
+        if key != "root" and any(g is None for g in grads) and (
+                not pairs or any(g is UNREACHED for g in grads)):
+            # A slot reached without a gradient: the engine can start at a send function
+            # (then slots without a gradient get none, but what lies behind every slot
+            # runs, unreached ones too) or past it (then only behind slots with one).
+            # Neither is exact here; the executor is.
+            self._run_by_hand(outputs, grads)
+            return
+        if pairs and key != "root" and any(g is UNREACHED for g in grads):
+            # Some slots of a send function were not reached: start past the send
+            # function, at the edges that got a gradient. Started at the send function,
+            # the engine would run what lies behind every slot, unreached ones included.
             node = outputs[0].node
             fit = validate(node, [g if isinstance(g, torch.Tensor) else None for g in grads])
             pairs = [(GradientEdge(*node.next_functions[i]), fit[i])
@@ -227,6 +233,24 @@ class PassState:
             # the sender may be counting on that message
             from .engine import ship_absent  # (engine imports this module)
             ship_absent(region.recvs)
+
+    def _run_by_hand(self, outputs: list, grads: list) -> None:
+        """Run a send function's (disjoint) region with the node-by-node executor."""
+        _, recv_t = _node_types()
+        acc_t = _accumulate_type()
+        start = outputs[0].node
+        nodes, stack = {start}, [start]
+        while stack:
+            n = stack.pop()
+            if type(n) is recv_t or type(n) is acc_t:
+                continue
+            for nxt, _ in n.next_functions:
+                if nxt is not None and nxt not in nodes:
+                    nodes.add(nxt)
+                    stack.append(nxt)
+        with self.lock:
+            self.count_inputs([start], nodes)
+            self._feed(outputs, grads)
 
     def resume(self) -> None:
         """After discovery: count only reachable inputs and run what is complete."""
