@@ -9,8 +9,10 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -337,13 +339,15 @@ class RpcAgent:
         try:
             hook = self._incoming(peer, ag_meta)
             self._tls.msg = msg
-            func, args, kwargs = loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook)
+            func, args, kwargs = _load_call(msg, hook)
             with self._scope(ag_meta) as ctx:
                 if profiling.active:  # a server-side profile is open
                     result = profiling.run(func, args, kwargs)
                 else:
                     result = func(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
+            if msg.kind != Kind.NOTIFY:  # as torch does, the callee reports it too
+                print(f"On {self.info}:\n{e!r}\n{traceback.format_exc()}", file=sys.stderr)
             self._finish_request(peer, msg, None, e, None)
             return
         finally:
@@ -480,6 +484,18 @@ class RpcAgent:
 
     def idle(self) -> bool:
         return not self.pending and self.inflight == 0
+
+
+class UnknownFunctionError(DistgradError, AttributeError):
+    """The callee lacks the function (or class) a call names: code is never sent."""
+
+
+def _load_call(msg, hook) -> tuple:
+    try:
+        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook)
+    except AttributeError as e:
+        raise UnknownFunctionError(f"{e}. Default RPC pickler does not serialize function code. Ensure "
+                                   "that UDFs are defined on both caller and callee modules.") from e
 
 
 def _qualname(func: Any) -> str:

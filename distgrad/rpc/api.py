@@ -40,7 +40,7 @@ from .rref import RRef
 from .worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
-_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]{1,128}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]{1,127}$")
 _init_lock = threading.Lock()
 # torch's default: a worker whose peers are still training waits for them; a lost
 # peer (crash, silence) does not hold the barrier, so the wait is bounded by failure
@@ -115,7 +115,7 @@ def _check_init_args(name: Any, backend: Any, opts: Any) -> TensorPipeRpcBackend
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions, "
                         f"got {type(opts).__name__}")
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"Worker name must match ^[A-Za-z0-9_:-]{{1,128}}$, got {name!r}")
+        raise ValueError(f"Worker name must match ^[A-Za-z0-9_:-]{{1,127}}$ (shorter than 128), got {name!r}")
     if not backend_registry.is_builtin(backend):
         return opts
     if opts is None:

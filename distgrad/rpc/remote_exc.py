@@ -28,14 +28,19 @@ def unpack_exception(data) -> BaseException:
     as torch formats it; ``worker_name`` and ``remote_traceback`` are attributes.
     """
     type_blob, qualname, text, tb, worker_name, worker_id = pickle.loads(data)
-    message = f"On WorkerInfo(id={worker_id}, name={worker_name}):\n{text}\n{tb}"
+    message = _unescape(f"On WorkerInfo(id={worker_id}, name={worker_name}):\n{text}\n{tb}")
     exc: BaseException
     try:
         exc_type = pickle.loads(type_blob) if type_blob is not None else None
-        if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
-            raise TypeError
-        exc = exc_type(message)
     except Exception:
+        exc_type = None
+    if isinstance(exc_type, type) and issubclass(exc_type, BaseException):
+        try:
+            exc = exc_type(message)
+        except Exception as e:  # e.g. a constructor that takes more than a message
+            exc = RemoteError(f"Failed to create original exception type. Error msg was {e} Original "
+                              f"exception on remote side was {message}", worker_name, qualname, tb)
+    else:
         exc = RemoteError(message, worker_name, qualname, tb)
     try:
         exc.worker_name = worker_name
@@ -44,3 +49,12 @@ def unpack_exception(data) -> BaseException:
     except Exception:
         pass
     return exc
+
+
+def _unescape(message: str) -> str:
+    """The exception's repr escapes newlines and quotes; show them as they were
+    (as torch does), for messages that are plain ASCII."""
+    try:
+        return message.encode("ascii").decode("unicode_escape")
+    except (UnicodeError, ValueError):
+        return message

@@ -161,6 +161,7 @@ class RRefContext(AgentExtension):
         """Release every fork this worker holds (graceful shutdown)."""
         for (rref_id, fork_id), owner in list(self.user_forks.items()):
             if self.user_forks.pop((rref_id, fork_id), None) is not None:
+                self.unconfirmed.discard((rref_id, fork_id))
                 self.agent.send_control(owner, "fork_del", rref_id, fork_id)
 
     def debug_info(self) -> dict[str, int]:
@@ -194,7 +195,10 @@ class RRef(Generic[T]):
     """
 
     def __init__(self, value: T = None, type_hint: Any = None) -> None:
-        agent = current_agent()
+        agent = agent_or_none()
+        if agent is None:
+            raise RuntimeError("Current RPC agent is not set! Did you initialize the RPC framework "
+                               "(e.g. by calling `rpc.init_rpc`)?")
         fut = torch.futures.Future()
         fut.set_result(value)
         self._init(agent, agent.rank, agent.rrefs.new_id(), None, fut, type_hint)
@@ -268,6 +272,7 @@ class RRef(Generic[T]):
         if self.is_owner():
             return self._future.wait()
         self._check_alive("to_here()")
+        self._check_created()
         agent = self._agent
         p = agent.send_request(self.owner(), Kind.CALL, (_rref_fetch, (), {}), "RRef.to_here",
                                timeout, sync=True, extra={"rref": self._rref_id})
@@ -319,6 +324,18 @@ class RRef(Generic[T]):
                                f"ForkId={_gid(self._fork_id)} has been deleted. Cannot call {what} "
                                "on it after deletion.")
 
+    def _check_created(self) -> None:
+        """A remote() whose creation timed out: say so, as torch does."""
+        if self._future.done():
+            try:
+                self._future.wait()
+            except RPCTimeoutError as e:
+                raise RPCTimeoutError("RRef creation via rpc.remote() timed out, and it is possible that "
+                                      f"the RRef on the owner node does not exist. ({e})",
+                                      e.worker_name) from e
+            except BaseException:  # noqa: BLE001 - the owner's value carries the error
+                pass
+
     def _get_future(self) -> torch.futures.Future:
         """The future of this RRef's creation (of the owner's value, on the owner)."""
         return getattr(self, "_creation", None) or self._future
@@ -331,8 +348,8 @@ class RRef(Generic[T]):
                                f"ForkId={_gid(self._fork_id)} has been deleted. Cannot call fork an "
                                "UserRRef after deletion.")
         if dest is None or agent_or_none() is not agent:
-            raise RuntimeError("RRef can only be pickled inside an RPC call (rpc_sync, rpc_async, "
-                               "remote) while RPC is running")
+            raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled "
+                               "inside an RPC call (rpc_sync, rpc_async, remote) while RPC is running")
         pins = current_pins()
         if pins is not None and dest.id == self._owner and not self.is_owner():
             pins.append(self._rref_id)  # the request pins it on the owner: no fork

@@ -1,6 +1,13 @@
 """WorkerInfo: a worker's name and id (its rank)."""
 from __future__ import annotations
 
+import re
+
+from ..errors import DistgradError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]*$")
+MAX_NAME_LEN = 128
+
 
 class WorkerInfo:
     """A worker's globally unique name and its id (the rank).
@@ -15,6 +22,12 @@ class WorkerInfo:
     __slots__ = ("name", "id")
 
     def __init__(self, name: str, id: int) -> None:
+        if not isinstance(name, str) or not name:
+            raise DistgradError("Worker name must be non-empty")
+        if not _NAME_RE.match(name):
+            raise DistgradError(f"Worker name must match ^[A-Za-z0-9-_:]*$, got {name!r}")
+        if len(name) >= MAX_NAME_LEN:
+            raise DistgradError(f"Worker name must be shorter than {MAX_NAME_LEN} chars, got {name!r}")
         self.name = name
         self.id = id
 
