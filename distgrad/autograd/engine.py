@@ -22,11 +22,12 @@ state lives in the context and goes with it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import pickle
 import queue
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -75,7 +76,8 @@ def ship_gradients(dg_info: tuple, grads: Sequence, reached: Sequence[bool] | No
         raise RuntimeError(f"recv function of context {context_id} ran outside a distributed "
                            "backward pass (use distgrad.autograd.backward)")
     if reached is None:
-        fed = state.recv_slots.get(msg_id)
+        run_fed = getattr(_tls, "fed", None)
+        fed = (state.recv_slots if run_fed is None else run_fed).get(msg_id)
         unreached = [i for i in range(len(grads)) if fed is not None and i not in fed]
     else:
         unreached = [i for i, r in enumerate(reached) if not r]
@@ -85,6 +87,19 @@ def ship_gradients(dg_info: tuple, grads: Sequence, reached: Sequence[bool] | No
     _agent().notify(sender, _propagate, (context_id, state.pass_id, state.initiator,
                                          state.retain_graph, msg_id, list(grads), _tls.exp,
                                          unreached))
+
+
+@contextlib.contextmanager
+def fed_slots(fed: dict | None) -> Iterator[None]:
+    """Within: recv functions that run on this thread take their reached slots from
+    ``fed`` (a native run that starts past a send function reaches fewer of them than
+    the walk found)."""
+    prev = getattr(_tls, "fed", None)
+    _tls.fed = fed
+    try:
+        yield
+    finally:
+        _tls.fed = prev
 
 
 def ship_absent(recvs: Sequence) -> None:

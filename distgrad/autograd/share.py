@@ -218,13 +218,18 @@ class PassState:
             fit = validate(node, [g if isinstance(g, torch.Tensor) else None for g in grads])
             pairs = [(GradientEdge(*node.next_functions[i]), fit[i])
                      for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+            fed = self._fed_slots([o for o, _ in pairs])  # the walk's slots are too many now
+        else:
+            fed = None
         if pairs and (region.leaves or region.recvs):
             # the leaf tensors, not GradientEdges: the same edges to the engine, ~8x cheaper
             inputs = [n.variable for n in region.leaves]
             if region.recvs:
                 inputs.append(_ANCHOR)
-            res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
-                        self.retain_graph)
+            from .engine import fed_slots  # (engine imports this module)
+            with fed_slots(fed):
+                res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
+                            self.retain_graph)
             # gradients that came over the network belong to this pass: no defensive copy
             self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs], owned=key != "root")
         if len(pairs) < len(outputs) and region.recvs:
@@ -233,6 +238,32 @@ class PassState:
             # the sender may be counting on that message
             from .engine import ship_absent  # (engine imports this module)
             ship_absent(region.recvs)
+
+    def _fed_slots(self, starts: list) -> dict[int, set]:
+        """Recv message id -> the slots fed by nodes reachable from edges ``starts``."""
+        _, recv_t = _node_types()
+        acc_t = _accumulate_type()
+        fed: dict[int, set] = {}
+        seen, stack = set(), []
+        for e in starts:
+            if type(e.node) is recv_t:
+                fed.setdefault(e.node.dg_info[1], set()).add(e.output_nr)
+            elif e.node not in seen:
+                seen.add(e.node)
+                stack.append(e.node)
+        while stack:
+            n = stack.pop()
+            if type(n) is acc_t:
+                continue
+            for nxt, slot in n.next_functions:
+                if nxt is None:
+                    continue
+                if type(nxt) is recv_t:
+                    fed.setdefault(nxt.dg_info[1], set()).add(slot)
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return fed
 
     def _run_by_hand(self, outputs: list, grads: list) -> None:
         """Run a send function's (disjoint) region with the node-by-node executor."""
