@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import threading
 import time
@@ -73,6 +74,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     with _init_lock:
         if agent_or_none() is not None:
             raise RuntimeError("RPC is already initialized")
+        _check_rank(opts.init_method, rank)
         init_method, rank, world_size = rendezvous.resolve(opts.init_method, rank, world_size)
         store = rendezvous.make_store(init_method, rank, world_size, _rdv_timeout(opts))
         if not backend_registry.is_builtin(backend):
@@ -126,6 +128,17 @@ def _check_init_args(name: Any, backend: Any, opts: Any) -> TensorPipeRpcBackend
         raise TypeError("`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`, got "
                         f"{type(opts).__name__}")
     return opts
+
+
+def _check_rank(init_method: str, rank: Any) -> None:
+    """torch's messages for a missing rank (before any rendezvous)."""
+    if rank is not None and rank >= 0:
+        return
+    if str(init_method).startswith("env://"):
+        if "RANK" not in os.environ:
+            raise ValueError("environment variable RANK expected, but not set (or pass rank= to init_rpc)")
+    else:
+        raise ValueError(f"rank parameter missing: init_method {init_method!r} needs rank= (>= 0)")
 
 
 def _rdv_timeout(opts: RpcBackendOptions) -> float:
