@@ -335,3 +335,36 @@ def _profiled(rank, ws):
 
 def test_backward_under_profiler():
     assert run_workers(_profiled, world_size=2, timeout=60)[0]
+
+
+def _scale_in_place(x):
+    x.mul_(3)  # a received tensor is an ordinary non-leaf tensor, as in torch
+    return x + 1
+
+
+def _set_item(x):
+    y = x * 1
+    y[0] = 5.0
+    return y
+
+
+def _in_place(rank, ws):
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    out = []
+    for fn in (_scale_in_place, _set_item):
+        t = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        local = t.detach().clone().requires_grad_()
+        fn(local * 1).sum().backward()
+        with dist_autograd.context() as cid:
+            r = rpc.rpc_sync("worker1", fn, args=(t,))
+            dist_autograd.backward(cid, [r.sum()])
+            out.append((dist_autograd.get_gradients(cid)[t].tolist(), local.grad.tolist()))
+    return out
+
+
+def test_received_tensors_modified_in_place():
+    for got, want in run_workers(_in_place, world_size=2, timeout=60)[0]:
+        assert got == want

@@ -32,18 +32,20 @@ def _send_backward(ctx, *grads):
     return grads
 
 
-def _recv_forward(ctx, anchor, context_id, message_id, sender, *tensors):
+def _recv_forward(ctx, anchor, context_id, message_id, sender, received):
     ctx.set_materialize_grads(False)
     ctx.dg_info = (context_id, message_id, sender)
-    # a fresh alias per tensor takes this node as its grad_fn; sparse tensors have no
-    # view_as, and detach() aliases their indices and values without a copy
-    return tuple(t.view_as(t) if t.layout == torch.strided else t.detach() for t in tensors)
+    # The received tensors come in a list, not as inputs: an input returned (or a view
+    # of one) would be a view made in a custom Function, which torch forbids to modify
+    # in place. detach() gives a fresh alias (no copy, sparse too) that takes this node
+    # as its grad_fn and, like torch's received tensors, can be changed in place.
+    return tuple(t.detach() for t in received)
 
 
 def _recv_backward(ctx, *grads):
     from .engine import ship_gradients
     ship_gradients(ctx.dg_info, grads)
-    return (None, None, None, None) + (None,) * len(grads)
+    return None, None, None, None, None
 
 
 def _function(name: str, forward, backward, doc: str) -> type:
@@ -72,7 +74,7 @@ def _node_types() -> tuple[type, type]:
     if SEND_NODE_TYPE is None:
         a = torch.zeros(1, requires_grad=True)
         SEND_NODE_TYPE = type(SendRpc.apply(a)[0].grad_fn)
-        RECV_NODE_TYPE = type(RecvRpc.apply(_ANCHOR, 0, 0, 0, torch.zeros(1))[0].grad_fn)
+        RECV_NODE_TYPE = type(RecvRpc.apply(_ANCHOR, 0, 0, 0, [torch.zeros(1)])[0].grad_fn)
     return SEND_NODE_TYPE, RECV_NODE_TYPE
 
 
@@ -137,7 +139,7 @@ class AutogradExtension(AgentExtension):
                 return tensors
             plain = [tensors[i].detach() for i in idx]
             with torch.enable_grad():
-                outs = RecvRpc.apply(_ANCHOR, context_id, msg_id, sender, *plain)
+                outs = RecvRpc.apply(_ANCHOR, context_id, msg_id, sender, plain)
             with ctx.lock:
                 ctx.recv_functions[msg_id] = outs[0].grad_fn
             out = list(tensors)
