@@ -170,6 +170,15 @@ class RpcAgent:
             raise value
         return self._decode_reply(p, kind, value)
 
+    def abandon(self, future: torch.futures.Future, why: str) -> None:
+        """Stop waiting for the reply of the rpc_async call whose future is
+        ``future`` (it fails with ``why``); a late reply is then ignored."""
+        for rid, p in list(self.pending.items()):
+            if p.future is future and self.pending.pop(rid, None) is not None:
+                if p.timer is not None:
+                    p.timer.cancel()
+                self._fail(p, DistgradError(why, self.workers[p.peer].name))
+
     def notify(self, to: Any, func: Callable, args: tuple = (), kwargs: dict | None = None) -> bool:
         """One-way request: ``func(*args, **kwargs)`` runs on the receiver's pool and
         nothing is sent back (its errors are logged there). Returns False, sending

@@ -16,18 +16,13 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-from ..errors import DistgradError
 from ..launch import rendezvous
-from ..transport import ZmqTransport
-from ..transport.auth import secret_from_env
-from ..transport.faults import FaultyTransport, config_from
 from ..wire import Kind
-from . import backend_registry, collective, script
+from . import backend_registry, collective, lifecycle, script
 from .agent import RpcAgent, _holder, _qualname, agent_or_none, current_agent
 from .debug import _get_debug_info, _rref_context_get_debug_info, enable_gil_profiling  # noqa: F401
 from .internal import PythonUDF, _internal_rpc_pickler, _run_serialized
@@ -76,13 +71,13 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
             raise RuntimeError("RPC is already initialized")
         _check_rank(opts.init_method, rank)
         init_method, rank, world_size = rendezvous.resolve(opts.init_method, rank, world_size)
-        store = rendezvous.make_store(init_method, rank, world_size, _rdv_timeout(opts))
+        store = rendezvous.make_store(init_method, rank, world_size, lifecycle.rdv_timeout(opts))
         if not backend_registry.is_builtin(backend):
             _set_and_start_rpc_agent(backend_registry.init_backend(
                 backend, store=store, name=name, rank=rank, world_size=world_size,
                 rpc_backend_options=opts))
             return
-        _start_agent(store, name, rank, world_size, opts, rendezvous.master_host(init_method))
+        lifecycle.start_agent(store, name, rank, world_size, opts, rendezvous.master_host(init_method))
 
 
 def _set_and_start_rpc_agent(agent: Any) -> None:
@@ -107,7 +102,7 @@ def _init_rpc_backend(backend: Any = None, store: Any = None, name: str | None =
     with _init_lock:
         if agent_or_none() is not None:
             raise RuntimeError("RPC is already initialized")
-        _start_agent(store, name, rank, world_size, opts, None)
+        lifecycle.start_agent(store, name, rank, world_size, opts, None)
 
 
 def _check_init_args(name: Any, backend: Any, opts: Any) -> TensorPipeRpcBackendOptions:
@@ -141,45 +136,6 @@ def _check_rank(init_method: str, rank: Any) -> None:
         raise ValueError(f"rank parameter missing: init_method {init_method!r} needs rank= (>= 0)")
 
 
-def _rdv_timeout(opts: RpcBackendOptions) -> float:
-    return opts.rpc_timeout if opts.rpc_timeout > 0 else 300.0
-
-
-def _start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBackendOptions,
-                 default_host: str | None) -> None:
-    rdv_timeout = _rdv_timeout(opts)
-    host = opts.listen_addr or default_host or "127.0.0.1"
-    secret = opts.secret or secret_from_env()
-    if secret is None:
-        log.warning("worker %s: no cluster secret (DISTGRAD_SECRET): messages are not "
-                    "authenticated and anyone who can connect can run code here", name)
-    faults = config_from(opts)
-    encrypt = getattr(opts, "encrypt", False)
-    if faults is not None:  # tests only: see distgrad/transport/faults.py
-        transport = FaultyTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
-                                    opts.max_message_size, secret=secret, faults=faults, encrypt=encrypt)
-    else:
-        transport = ZmqTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
-                                 opts.max_message_size, secret=secret, encrypt=encrypt)
-    try:
-        address = transport.listen(host)
-        peers = rendezvous.exchange(store, rank, world_size, name, address, rdv_timeout)
-        workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
-        agent = RpcAgent(name, rank, world_size, workers, transport, opts)
-        agent.store = store
-        agent.shutdown_arrivals = set()  # ranks that announced their shutdown (see shutdown)
-        agent.control_handlers["shutdown_arrived"] = lambda peer: agent.shutdown_arrivals.add(peer)
-        # Installed before the transport accepts anything: a request that arrives
-        # at once must find this worker ready (current_agent() works in it).
-        _holder["agent"] = agent
-        collective.set_members({w.name for w in workers})
-        agent.start({r: a for r, (_, a) in enumerate(peers) if r != rank})
-    except BaseException:
-        _holder.pop("agent", None)
-        transport.close(0)
-        raise
-
-
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     """Stop RPC on this worker.
 
@@ -203,76 +159,11 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
             deadline = time.monotonic() + limit
             _wait_all_workers(timeout)
             _delete_all_user_and_unforked_owner_rrefs()
-            _join(agent, deadline)
+            lifecycle.join(agent, deadline)
             if not _ignore_rref_leak:
-                _check_rref_leak(agent)
+                lifecycle.check_rref_leak(agent)
     finally:
-        _finalize_shutdown(agent, graceful)
-
-
-def _join(agent: RpcAgent, deadline: float) -> None:
-    """Wait for outstanding work, then for every worker not lost (the barrier)."""
-    while not agent.idle() and time.monotonic() < deadline:
-        time.sleep(0.002)
-    if not agent.idle():
-        log.warning("worker %s: shutdown timed out with %d calls pending", agent.name, len(agent.pending))
-    # Arrivals are announced to the peers too (after this worker's RRef releases, on
-    # the same connections), so that the survivors still meet when the store's host
-    # (rank 0) is gone, and so that a worker that heard every arrival has also
-    # handled every release sent to it.
-    for peer in range(agent.world_size):
-        if peer != agent.rank:
-            agent.send_control(peer, "shutdown_arrived")
-    try:
-        # Bound every store operation too: the store's host (rank 0) may be gone or
-        # stopped, and a store call would then wait for its timeout.
-        agent.store.set_timeout(timedelta(seconds=max(0.1, deadline - time.monotonic())))
-        rendezvous.barrier(agent.store, "shutdown", agent.rank, agent.world_size,
-                           max(0.1, deadline - time.monotonic()), lost=lambda: set(agent.lost))
-    except Exception as e:  # a lost peer must not make shutdown hang or fail
-        log.info("worker %s: shutdown barrier on the store failed (%s); waiting for the "
-                 "survivors' announcements", agent.name, e)
-        if not _await_arrivals(agent, deadline):
-            log.warning("worker %s: shutdown barrier incomplete: %s", agent.name, e)
-
-
-def _check_rref_leak(agent: RpcAgent) -> None:
-    _await_arrivals(agent, time.monotonic() + 5)  # every peer's releases handled
-    owned = agent.rrefs.debug_info()
-    if owned["num_owner_rrefs"] or owned["num_pending_users"]:
-        raise DistgradError(f"Leaking RRef on worker {agent.name}: {owned['num_owner_rrefs']} owner "
-                            f"RRefs still forked, {owned['num_pending_users']} user RRefs unconfirmed "
-                            "at shutdown", agent.name)
-
-
-def _finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
-    try:
-        agent.shutting_down = True
-        for ext in agent.extensions:
-            try:
-                ext.on_shutdown()
-            except Exception:
-                log.exception("extension failed at shutdown")
-        agent.transport.close(0.5 if graceful else 0)
-        for rid, p in list(agent.pending.items()):
-            if agent.pending.pop(rid, None) is not None:
-                agent._fail(p, DistgradError(f"RPC shut down on worker {agent.name} before "
-                                             f"{p.what} completed", agent.name))
-        agent.pool.shutdown(wait=graceful, cancel_futures=not graceful)
-        agent.callbacks.shutdown(wait=graceful)
-    finally:
-        _holder.pop("agent", None)
-
-
-def _await_arrivals(agent: RpcAgent, deadline: float) -> bool:
-    """Wait until every peer not lost announced its shutdown; False on the deadline."""
-    while True:
-        lost, arrived = set(agent.lost), agent.shutdown_arrivals
-        if all(p in lost or p in arrived for p in range(agent.world_size) if p != agent.rank):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.005)
+        lifecycle.finalize_shutdown(agent, graceful)
 
 
 def _wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:

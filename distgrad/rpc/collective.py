@@ -91,13 +91,18 @@ def all_gather(agent: Any, obj: Any, worker_names: Any, timeout: float, rpc_sync
     else:
         rpc_timeout = signal_timeout = timeout
     try:
+        sent = None
         if leader == me:
             gather(sequence_id, me, obj, names)
         else:
-            rpc_sync(leader, gather_fn, args=(sequence_id, me, obj, names), timeout=rpc_timeout)
+            # The leader's broadcast proves it got our object: its reply to this call
+            # is not needed (only its error is), so a lost reply cannot hang us.
+            sent = rpc_async(leader, gather_fn, args=(sequence_id, me, obj, names), timeout=rpc_timeout)
         with _lock:
             states = _states[sequence_id]
-        missing = _wait(agent, states, names, leader, signal_timeout)
+        missing = _wait(agent, states, names, leader, signal_timeout, sent)
+        if sent is not None and not sent.done() and hasattr(agent, "abandon"):
+            agent.abandon(sent, f"the leader {leader} sent the all-gather's result before its reply")
         if leader == me:
             _send_to_followers(agent, states, names - {leader} - missing, sequence_id, rpc_timeout,
                                rpc_async, broadcast_fn)
@@ -109,13 +114,18 @@ def all_gather(agent: Any, obj: Any, worker_names: Any, timeout: float, rpc_sync
     return states.gathered_objects if states is not None else {}
 
 
-def _wait(agent: Any, states: _States, names: set, leader: str, timeout: float | None) -> set:
-    """Wait for the signal; returns the members given up on as lost (leader only)."""
+def _wait(agent: Any, states: _States, names: set, leader: str, timeout: float | None,
+          sent: Any = None) -> set:
+    """Wait for the signal; returns the members given up on as lost (leader only).
+    ``sent``: a follower's call to the leader, whose error ends the wait."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         step = _POLL if deadline is None else max(0.0, min(_POLL, deadline - time.monotonic()))
         if states.proceed_signal.wait(step):
             return set()
+        if sent is not None and sent.done():
+            sent.wait()  # raises the call's error; a success just means "wait on"
+            sent = None
         if deadline is not None and time.monotonic() >= deadline:
             return set()  # as torch: go on with what arrived
         lost = {agent.workers[r].name for r in list(agent.lost)}
@@ -135,6 +145,11 @@ def _send_to_followers(agent: Any, states: _States, followers: set, sequence_id:
             for name in followers}
     errors = []
     for name, fut in futs.items():
+        if not _await_reply(agent, name, fut):
+            if hasattr(agent, "abandon"):
+                agent.abandon(fut, f"{name} went on to shut down before its reply to the "
+                                   "all-gather arrived")
+            continue
         try:
             fut.wait()
         except RuntimeError as e:
@@ -142,3 +157,16 @@ def _send_to_followers(agent: Any, states: _States, followers: set, sequence_id:
     if errors:
         raise RuntimeError(f"Followers {[e[0] for e in errors]} timed out in _all_gather after "
                            f"{rpc_timeout:.2f} seconds. The first exception is {errors[0][1]}")
+
+
+def _await_reply(agent: Any, name: str, fut: Any) -> bool:
+    """Wait for a follower's reply to the broadcast; False when, instead, the
+    follower announced that it went on to shut down (it had the broadcast, and
+    its reply may be lost or still on its way)."""
+    done = threading.Event()
+    fut.add_done_callback(lambda f: done.set())
+    rank = agent.by_name[name].id if hasattr(agent, "by_name") else None
+    while not done.wait(_POLL):
+        if rank is not None and rank in getattr(agent, "shutdown_arrivals", ()):
+            return False
+    return True

@@ -416,7 +416,7 @@ class RRef(Generic[T]):
             fut.set_result(self._type_hint)
             return fut
         if self.is_owner():
-            fut = self._future.then(lambda f: type(f.wait()))
+            fut = _map_value(self._future, type)
         else:
             self._check_alive("_get_type()")
             fut = self._agent.send_request(self.owner(), Kind.CALL, (_rref_type, (), {}), "RRef._get_type",
@@ -468,7 +468,21 @@ def _rref_fetch():
 def _rref_type():
     """Runs on the owner: the type of the value, once it exists."""
     source = current_agent().current_request().local["source"]
-    return AsyncResult(source.then(lambda f: type(f.wait())))
+    return AsyncResult(_map_value(source, type))
+
+
+def _map_value(source: torch.futures.Future, fn) -> torch.futures.Future:
+    """A future of ``fn(value)``; an error of ``source`` passes unchanged (Future.then
+    would wrap it in a RuntimeError)."""
+    out = torch.futures.Future()
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            out.set_result(fn(f.value()))
+        except BaseException as e:  # noqa: BLE001 - the future carries it
+            out.set_exception(e)
+    source.add_done_callback(done)
+    return out
 
 
 def _rref_backward_local(value: Any, ctx_id: int, retain_graph: bool) -> torch.futures.Future:

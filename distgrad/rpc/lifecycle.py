@@ -1,0 +1,134 @@
+"""Starting and stopping this process's agent (the parts of init_rpc and
+shutdown below torch's API; see :mod:`.api`).
+
+Example::
+
+    >>> lifecycle.start_agent(store, "worker0", 0, 2, opts, "127.0.0.1")
+    >>> agent = current_agent()
+    >>> lifecycle.join(agent, time.monotonic() + 60)
+    >>> lifecycle.finalize_shutdown(agent, graceful=True)
+"""
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+from ..errors import DistgradError
+from ..launch import rendezvous
+from ..transport import ZmqTransport
+from ..transport.auth import secret_from_env
+from ..transport.faults import FaultyTransport, config_from
+from . import collective
+from .agent import RpcAgent, _holder
+from .options import RpcBackendOptions
+from .worker_info import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+def rdv_timeout(opts: RpcBackendOptions) -> float:
+    return opts.rpc_timeout if opts.rpc_timeout > 0 else 300.0
+
+
+def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBackendOptions,
+                default_host: str | None) -> None:
+    """Listen, meet the other workers through ``store``, install the agent (so
+    that it is current before anything can reach it), then start the transport."""
+    timeout = rdv_timeout(opts)
+    host = opts.listen_addr or default_host or "127.0.0.1"
+    secret = opts.secret or secret_from_env()
+    if secret is None:
+        log.warning("worker %s: no cluster secret (DISTGRAD_SECRET): messages are not "
+                    "authenticated and anyone who can connect can run code here", name)
+    faults = config_from(opts)
+    encrypt = getattr(opts, "encrypt", False)
+    if faults is not None:  # tests only: see distgrad/transport/faults.py
+        transport = FaultyTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
+                                    opts.max_message_size, secret=secret, faults=faults, encrypt=encrypt)
+    else:
+        transport = ZmqTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
+                                 opts.max_message_size, secret=secret, encrypt=encrypt)
+    try:
+        address = transport.listen(host)
+        peers = rendezvous.exchange(store, rank, world_size, name, address, timeout)
+        workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
+        agent = RpcAgent(name, rank, world_size, workers, transport, opts)
+        agent.store = store
+        agent.shutdown_arrivals = set()  # ranks that announced their shutdown (see shutdown)
+        agent.control_handlers["shutdown_arrived"] = lambda peer: agent.shutdown_arrivals.add(peer)
+        # Installed before the transport accepts anything: a request that arrives
+        # at once must find this worker ready (current_agent() works in it).
+        _holder["agent"] = agent
+        collective.set_members({w.name for w in workers})
+        agent.start({r: a for r, (_, a) in enumerate(peers) if r != rank})
+    except BaseException:
+        _holder.pop("agent", None)
+        transport.close(0)
+        raise
+
+
+def join(agent: RpcAgent, deadline: float) -> None:
+    """Wait for outstanding work, then for every worker not lost (the barrier)."""
+    while not agent.idle() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    if not agent.idle():
+        log.warning("worker %s: shutdown timed out with %d calls pending", agent.name, len(agent.pending))
+    # Arrivals are announced to the peers too (after this worker's RRef releases, on
+    # the same connections), so that the survivors still meet when the store's host
+    # (rank 0) is gone, and so that a worker that heard every arrival has also
+    # handled every release sent to it.
+    for peer in range(agent.world_size):
+        if peer != agent.rank:
+            agent.send_control(peer, "shutdown_arrived")
+    try:
+        # Bound every store operation too: the store's host (rank 0) may be gone or
+        # stopped, and a store call would then wait for its timeout.
+        agent.store.set_timeout(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        rendezvous.barrier(agent.store, "shutdown", agent.rank, agent.world_size,
+                           max(0.1, deadline - time.monotonic()), lost=lambda: set(agent.lost))
+    except Exception as e:  # a lost peer must not make shutdown hang or fail
+        log.info("worker %s: shutdown barrier on the store failed (%s); waiting for the "
+                 "survivors' announcements", agent.name, e)
+        if not await_arrivals(agent, deadline):
+            log.warning("worker %s: shutdown barrier incomplete: %s", agent.name, e)
+
+
+def check_rref_leak(agent: RpcAgent) -> None:
+    await_arrivals(agent, time.monotonic() + 5)  # every peer's releases handled
+    owned = agent.rrefs.debug_info()
+    if owned["num_owner_rrefs"] or owned["num_pending_users"]:
+        raise DistgradError(f"Leaking RRef on worker {agent.name}: {owned['num_owner_rrefs']} owner "
+                            f"RRefs still forked, {owned['num_pending_users']} user RRefs unconfirmed "
+                            "at shutdown", agent.name)
+
+
+def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
+    try:
+        agent.shutting_down = True
+        for ext in agent.extensions:
+            try:
+                ext.on_shutdown()
+            except Exception:
+                log.exception("extension failed at shutdown")
+        agent.transport.close(0.5 if graceful else 0)
+        for rid, p in list(agent.pending.items()):
+            if agent.pending.pop(rid, None) is not None:
+                agent._fail(p, DistgradError(f"RPC shut down on worker {agent.name} before "
+                                             f"{p.what} completed", agent.name))
+        agent.pool.shutdown(wait=graceful, cancel_futures=not graceful)
+        agent.callbacks.shutdown(wait=graceful)
+    finally:
+        _holder.pop("agent", None)
+
+
+def await_arrivals(agent: RpcAgent, deadline: float) -> bool:
+    """Wait until every peer not lost announced its shutdown; False on the deadline."""
+    while True:
+        lost, arrived = set(agent.lost), agent.shutdown_arrivals
+        if all(p in lost or p in arrived for p in range(agent.world_size) if p != agent.rank):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
