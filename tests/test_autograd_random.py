@@ -24,10 +24,12 @@ pytestmark = pytest.mark.timeout(240)
 # seed -> world size; chosen so that together they exercise every entry of
 # random_programs.FEATURES (test_seeds_cover_every_feature checks it)
 SEEDS = {
-    2: list(range(0, 24)),
-    3: list(range(100, 118)) + [548],
-    4: list(range(200, 214)) + [333],
+    2: list(range(0, 24)) + [671981],
+    3: list(range(100, 118)) + [548, 5007, 20082],
+    4: list(range(200, 214)) + [333, 30080],
 }
+# (the last seeds of each list once failed: 671981/2 a tensor unused two calls deep,
+# 20082/3, 5007/3 and 30080/4 an RPC argument the callee never used)
 
 
 def _programs():
@@ -87,7 +89,7 @@ def test_random_programs(world):
     seeds = SEEDS[world]
     res = rp.run_seeds(world, seeds, {"shrink": 0}, timeout=200, log=lambda *a: None)
     records = res["records"]
-    assert sorted(r["seed"] for r in records) == seeds
+    assert sorted(r["seed"] for r in records) == sorted(seeds)
     failed = [r for r in records if not r["ok"]]
     if failed:
         out = io.StringIO()

@@ -61,6 +61,23 @@ def _accumulate_type() -> type:
     return _ACCUMULATE
 
 
+def _below(starts: Sequence[Any]) -> set:
+    """The nodes reachable from ``starts``, without going past recv functions and
+    leaves (they are included)."""
+    _, recv_t = _node_types()
+    acc_t = _accumulate_type()
+    nodes, stack = set(starts), list(starts)
+    while stack:
+        n = stack.pop()
+        if type(n) is recv_t or type(n) is acc_t:
+            continue
+        for nxt, _ in n.next_functions:
+            if nxt is not None and nxt not in nodes:
+                nodes.add(nxt)
+                stack.append(nxt)
+    return nodes
+
+
 class _Region:
     __slots__ = ("leaves", "recvs")
 
@@ -242,45 +259,21 @@ class PassState:
     def _fed_slots(self, starts: list) -> dict[int, set]:
         """Recv message id -> the slots fed by nodes reachable from edges ``starts``."""
         _, recv_t = _node_types()
-        acc_t = _accumulate_type()
         fed: dict[int, set] = {}
-        seen, stack = set(), []
-        for e in starts:
-            if type(e.node) is recv_t:
-                fed.setdefault(e.node.dg_info[1], set()).add(e.output_nr)
-            elif e.node not in seen:
-                seen.add(e.node)
-                stack.append(e.node)
-        while stack:
-            n = stack.pop()
-            if type(n) is acc_t:
-                continue
-            for nxt, slot in n.next_functions:
-                if nxt is None:
-                    continue
-                if type(nxt) is recv_t:
-                    fed.setdefault(nxt.dg_info[1], set()).add(slot)
-                elif nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
+        edges = [(e.node, e.output_nr) for e in starts]
+        for n in _below([e.node for e in starts]):
+            if type(n) is not recv_t:
+                edges.extend(n.next_functions)
+        for nxt, slot in edges:
+            if type(nxt) is recv_t:
+                fed.setdefault(nxt.dg_info[1], set()).add(slot)
         return fed
 
     def _run_by_hand(self, outputs: list, grads: list) -> None:
         """Run a send function's (disjoint) region with the node-by-node executor."""
-        _, recv_t = _node_types()
-        acc_t = _accumulate_type()
         start = outputs[0].node
-        nodes, stack = {start}, [start]
-        while stack:
-            n = stack.pop()
-            if type(n) is recv_t or type(n) is acc_t:
-                continue
-            for nxt, _ in n.next_functions:
-                if nxt is not None and nxt not in nodes:
-                    nodes.add(nxt)
-                    stack.append(nxt)
         with self.lock:
-            self.count_inputs([start], nodes)
+            self.count_inputs([start], _below([start]))
             self._feed(outputs, grads)
 
     def resume(self) -> None:
