@@ -117,7 +117,8 @@ class RpcAgent:
                 return self.workers[to]
             raise DistgradError(f"name:{self.name},rank:{self.rank} could not find destination id "
                                 f"{to} (world size {self.world_size})")
-        raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, got {type(to).__name__}")
+        raise ValueError(f"Cannot get WorkerInfo from name {to!r}: 'to' must be a worker name, rank or "
+                         f"WorkerInfo, got {type(to).__name__}")
 
     def effective_timeout(self, timeout: float) -> float:
         if timeout is None or timeout < 0:
@@ -368,8 +369,9 @@ class RpcAgent:
             is_async = bool(getattr(func, "_wrapped_async_rpc_function", None))
         if is_async:
             if not isinstance(result, torch._C.Future):
-                err = TypeError(f"async_execution function {what} returned {type(result).__name__}, "
-                                "expected a torch.futures.Future")
+                err = AsyncReturnTypeError("Functions decorated with @rpc.async_function must return a "
+                                    f"torch.futures.Future object, but got {type(result).__name__} "
+                                    f"from {what}", self.name)
                 self._finish_request(peer, msg, None, err, ctx)
                 return
             result.add_done_callback(lambda f: self._finish_from_future(peer, msg, f, ctx))
@@ -493,6 +495,10 @@ class RpcAgent:
 
     def idle(self) -> bool:
         return not self.pending and self.inflight == 0
+
+
+class AsyncReturnTypeError(DistgradError, TypeError):
+    """An async_execution function returned something other than a Future."""
 
 
 class UnknownFunctionError(DistgradError, AttributeError):

@@ -22,10 +22,10 @@ import torch
 
 from ..launch import rendezvous
 from ..wire import Kind
-from . import backend_registry, collective, lifecycle, script
+from . import backend_registry, collective, lifecycle, profiling, script
 from .agent import RpcAgent, _holder, _qualname, agent_or_none, current_agent
 from .debug import _get_debug_info, _rref_context_get_debug_info, enable_gil_profiling  # noqa: F401
-from .internal import PythonUDF, _internal_rpc_pickler, _run_serialized
+from .internal import PythonUDF, RPCExecMode, _internal_rpc_pickler, _run_serialized
 from .options import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     UNSET_RPC_TIMEOUT,
@@ -316,8 +316,11 @@ def rpc_sync(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | 
     """
     agent = current_agent()
     payload, what = _payload(func, args, kwargs)
-    p = agent.send_request(agent.resolve(to), Kind.CALL, payload, what, timeout, sync=True)
-    return agent.wait(p)
+    dest = agent.resolve(to)
+    if profiling.legacy_profiler_on():
+        with profiling.rpc_scope(RPCExecMode.SYNC, func, agent.name, dest.name):
+            return agent.wait(agent.send_request(dest, Kind.CALL, payload, what, timeout, sync=True))
+    return agent.wait(agent.send_request(dest, Kind.CALL, payload, what, timeout, sync=True))
 
 
 def rpc_async(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | None = None,
@@ -332,7 +335,13 @@ def rpc_async(to: Any, func: Callable, args: tuple | None = None, kwargs: dict |
     """
     agent = current_agent()
     payload, what = _payload(func, args, kwargs)
-    fut = agent.send_request(agent.resolve(to), Kind.CALL, payload, what, timeout).future
+    dest = agent.resolve(to)
+    if profiling.legacy_profiler_on():
+        with profiling.rpc_scope(RPCExecMode.ASYNC, func, agent.name, dest.name) as rf:
+            fut = rf._call_end_callbacks_on_future(
+                agent.send_request(dest, Kind.CALL, payload, what, timeout).future)
+    else:
+        fut = agent.send_request(dest, Kind.CALL, payload, what, timeout).future
     if hasattr(_thread_local_var, "future_list"):
         _thread_local_var.future_list.append(fut)
     return fut
@@ -352,6 +361,11 @@ def remote(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | No
     agent = current_agent()
     dest = agent.resolve(to)
     payload, what = _payload(func, args, kwargs)
+    if profiling.legacy_profiler_on():
+        with profiling.rpc_scope(RPCExecMode.REMOTE, func, agent.name, dest.name) as rf:
+            rref = _remote_with(dest, payload, what, timeout, {})
+            rref._profiling_future = rf._call_end_callbacks_on_future(rref._get_future())
+            return rref
     return _remote_with(dest, payload, what, timeout, {})
 
 

@@ -75,3 +75,27 @@ def run(func: Callable, args: tuple, kwargs: dict) -> Any:
             for prof in profiles:
                 if prof in active:
                     prof._records.append(records)
+
+
+def legacy_profiler_on() -> bool:
+    """Whether torch's legacy autograd profiler records on this thread (as torch,
+    RPCs are then recorded under their profiling key)."""
+    return torch.autograd._profiler_enabled() and \
+        torch._C._autograd._profiler_type() == torch._C._profiler.ActiveProfilerType.LEGACY
+
+
+def rpc_scope(mode: Any, func: Any, src: str, dst: str) -> Any:
+    """The record_function scope an RPC is profiled under, named as torch names it
+    (``rpc_async#my_fn(worker0 -> worker1)``). Only the caller's side is
+    recorded: the callee's events are not merged in (see docs/compatibility.md)."""
+    from .internal import _build_rpc_profiling_key
+    return torch.autograd.profiler.record_function(_build_rpc_profiling_key(mode, _name(func), src, dst))
+
+
+def _name(func: Any) -> str:
+    builtin = torch.jit._builtins._find_builtin(func)
+    if builtin is not None:
+        return builtin
+    if isinstance(func, torch.jit.ScriptFunction):
+        return torch._jit_internal._qualified_name(func)
+    return getattr(func, "__qualname__", None) or repr(func)

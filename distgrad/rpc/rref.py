@@ -29,8 +29,10 @@ import torch
 from ..errors import RPCTimeoutError
 from ..wire import Kind
 from ..wire.pickler import current_destination, current_pins
+from . import profiling
 from .agent import AsyncResult, RpcAgent, agent_or_none, current_agent
 from .extensions import AgentExtension, register_extension
+from .internal import RPCExecMode
 from .worker_info import WorkerInfo
 
 T = TypeVar("T")
@@ -401,6 +403,8 @@ class RRef(Generic[T]):
         if self.is_owner():
             _rref_backward_local(self._future.wait(), *args[1:]).wait()
             return
+        if dist_autograd_ctx_id == -1:
+            raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
         agent = self._agent
         p = agent.send_request(self.owner(), Kind.CALL, (_rref_backward, args[1:], {}),
                                "RRef.backward", -1, sync=True, extra={"rref": self._rref_id})
@@ -419,8 +423,7 @@ class RRef(Generic[T]):
             fut = _map_value(self._future, type)
         else:
             self._check_alive("_get_type()")
-            fut = self._agent.send_request(self.owner(), Kind.CALL, (_rref_type, (), {}), "RRef._get_type",
-                                           timeout, extra={"rref": self._rref_id}).future
+            fut = self._ask_type(timeout)
 
         def cache(f: torch.futures.Future) -> None:
             try:
@@ -430,9 +433,22 @@ class RRef(Generic[T]):
         fut.add_done_callback(cache)
         return fut.wait() if blocking else fut
 
+    def _ask_type(self, timeout: float) -> torch.futures.Future:
+        """The owner's answer to "what type is the value" (an RPC, profiled as
+        torch's ``_rref_typeof_on_owner``)."""
+        def send() -> torch.futures.Future:
+            return self._agent.send_request(self.owner(), Kind.CALL, (_rref_type, (), {}), "RRef._get_type",
+                                            timeout, extra={"rref": self._rref_id}).future
+        if not profiling.legacy_profiler_on():
+            return send()
+        with profiling.rpc_scope(RPCExecMode.ASYNC, _rref_typeof_on_owner, self._agent.name,
+                                 self.owner_name()) as rf:
+            return rf._call_end_callbacks_on_future(send())
+
     def _get_profiling_future(self) -> torch.futures.Future:
-        """torch's hook for profiled remote() calls: done once the creation is."""
-        return self._get_future()
+        """torch's hook for profiled remote() calls: done once the creation is
+        and its profiling scope ended."""
+        return getattr(self, "_profiling_future", None) or self._get_future()
 
 
 def _gid(ident: tuple) -> str:
@@ -465,6 +481,10 @@ def _rref_fetch():
     return AsyncResult(current_agent().current_request().local["source"])
 
 
+def _rref_typeof_on_owner():
+    """torch's name for the call that asks an owner for its value's type (profiles)."""
+
+
 def _rref_type():
     """Runs on the owner: the type of the value, once it exists."""
     source = current_agent().current_request().local["source"]
@@ -486,6 +506,8 @@ def _map_value(source: torch.futures.Future, fn) -> torch.futures.Future:
 
 
 def _rref_backward_local(value: Any, ctx_id: int, retain_graph: bool) -> torch.futures.Future:
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"RRef should contain a tensor for .backward(), got {type(value).__name__}")
     if ctx_id == -1:
         torch.autograd.backward(value, retain_graph=retain_graph)
         fut = torch.futures.Future()
