@@ -170,3 +170,35 @@ def test_kill_at_message_n():
     out = run_workers(_killed_at, world_size=3, timeout=60, expect_exit={1},
                       env_per_rank=_env(1, cfg))
     assert out == ["ok", None, "ok"]
+
+
+# -- an RRef's creation overtaken ---------------------------------------------------
+def _fetch(rref):
+    return rref.to_here()
+
+
+def _owned_count():
+    return len(rpc.api.current_agent().rrefs.owned)
+
+
+def _overtaken_creation(rank, world_size):
+    import torch
+    if rank != 0:
+        return None
+    # worker0's remote() to worker1 (and its fork_add) are delayed, so worker2's
+    # to_here on the RRef reaches the owner before the request that creates it
+    t = torch.arange(4.0)
+    rref = rpc.remote("worker1", torch.add, args=(t, 1))
+    got = rpc.rpc_sync("worker2", _fetch, args=(rref,), timeout=20)
+    assert torch.equal(got, t + 1), got
+    del rref
+    deadline = time.monotonic() + 20
+    while rpc.rpc_sync("worker1", _owned_count) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rpc.rpc_sync("worker1", _owned_count)  # every fork gone: nothing kept
+
+
+def test_rref_used_before_its_creation_arrives():
+    cfg = {"delay": {"kinds": ["REMOTE", "CONTROL"], "peers": [1], "seconds": 1.0}}
+    out = run_workers(_overtaken_creation, world_size=3, timeout=90, env_per_rank=_env(0, cfg))
+    assert out[0] == 0

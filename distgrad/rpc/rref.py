@@ -15,7 +15,10 @@ fork that carried it; inside a request (rpc_sync/rpc_async/remote, e.g. every
 no fork is made at all: the request names the RRef in its meta and the owner's
 I/O thread, handling it in arrival order (so before any later ``fork_del`` of
 the sender), pins the value for the request, which saves a control message per
-call. Forks held by a lost worker are dropped.
+call. Forks held by a lost worker are dropped. A message from a third worker
+about an RRef (a fork, a call on it) can reach the owner before the remote()
+that creates it there (that one comes from the creator): the owner then holds a
+pending value, which the creating request fills in, as torch's owner does.
 """
 from __future__ import annotations
 
@@ -71,21 +74,29 @@ class RRefContext(AgentExtension):
         return (self.agent.rank, next(self._ids))
 
     # -- owner side -----------------------------------------------------------
-    def add_fork(self, rref_id: tuple, fork_id: tuple, child: int, future=None) -> None:
+    def _entry(self, rref_id: tuple, future: torch.futures.Future | None = None) -> _Entry:
+        """The owned entry of ``rref_id``, pending when unknown: a third worker's
+        message about an RRef (a fork, a call on it) can overtake the remote() that
+        creates it here, which comes from another worker. As torch's owner does, hold
+        an unset value that the creating request fills in. Caller holds the lock."""
+        entry = self.owned.get(rref_id)
+        if entry is None:
+            entry = self.owned[rref_id] = _Entry(future if future is not None else torch.futures.Future())
+        return entry
+
+    def add_fork(self, rref_id: tuple, fork_id: tuple, child: int,
+                 future: torch.futures.Future | None = None) -> torch.futures.Future:
+        """Count a fork of ``rref_id`` held by ``child``; returns the value's future
+        (``future``: the value of an RRef owned here, when it is not in the table yet)."""
         with self.lock:
-            entry = self.owned.get(rref_id)
-            if entry is None:
-                if future is None:
-                    return  # value already gone: the fork's holder learns it on to_here
-                entry = self.owned[rref_id] = _Entry(future)
+            entry = self._entry(rref_id, future)
             entry.forks[(fork_id, child)] += 1
             self._gc(rref_id, entry, (fork_id, child))
+            return entry.future
 
     def del_fork(self, rref_id: tuple, fork_id: tuple, child: int) -> None:
         with self.lock:
-            entry = self.owned.get(rref_id)
-            if entry is None:
-                return
+            entry = self._entry(rref_id)
             entry.forks[(fork_id, child)] -= 1
             self._gc(rref_id, entry, (fork_id, child))
 
@@ -113,18 +124,18 @@ class RRefContext(AgentExtension):
                 entry = self.local_owned.get(src)
                 entry = _Entry(entry[0]) if entry is not None else None
             if entry is None:
-                raise RuntimeError(f"RRef {src} is not known to its owner {self.agent.name} "
-                                   "(deleted or never created)")
+                if src[0] == self.agent.rank:  # created here: no request can still create it
+                    raise RuntimeError(f"RRef {src} is not known to its owner {self.agent.name} "
+                                       "(deleted or never created)")
+                with self.lock:  # its creating remote() is still on its way
+                    entry = self._entry(src)
             local["source"] = entry.future
         pins = extra.get("pins")
         if pins is not None:
             local["pins"] = {}
             for rref_id in pins:
-                entry = self.owned.get(tuple(rref_id))
-                if entry is None:
-                    raise RuntimeError(f"RRef {tuple(rref_id)} is not known to its owner "
-                                       f"{self.agent.name} (deleted or never created)")
-                local["pins"][tuple(rref_id)] = entry.future
+                with self.lock:  # pending if its creating remote() is still on its way
+                    local["pins"][tuple(rref_id)] = self._entry(tuple(rref_id)).future
         own = extra.get("own")
         if own is not None:
             if peer != self.agent.rank or tuple(own) not in self.local_targets:
@@ -133,9 +144,7 @@ class RRefContext(AgentExtension):
         new = extra.get("new")
         if new is not None:
             rref_id, fork_id = new
-            fut = torch.futures.Future()
-            self.add_fork(rref_id, fork_id, peer, fut)
-            local["target"] = fut
+            local["target"] = self.add_fork(rref_id, fork_id, peer)
         msg.local = local
         return True
 
