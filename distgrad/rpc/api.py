@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..errors import WorkerLostError
 from ..launch import rendezvous
 from ..wire import Kind
 from . import backend_registry, collective, lifecycle, profiling, script
@@ -159,9 +160,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
             deadline = time.monotonic() + limit
             _wait_all_workers(timeout)
             _delete_all_user_and_unforked_owner_rrefs()
-            lifecycle.join(agent, deadline)
-            if not _ignore_rref_leak:
-                lifecycle.check_rref_leak(agent)
+            lifecycle.join(agent, deadline, check_leak=not _ignore_rref_leak)
     finally:
         lifecycle.finalize_shutdown(agent, graceful)
 
@@ -179,11 +178,10 @@ def _wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     agent = current_agent()
     try:
         _all_gather(None, timeout=timeout)
+    except WorkerLostError as e:
+        log.info("worker %s: shutdown all-gather incomplete (%s); lost: %s", agent.name, e,
+                 sorted(agent.lost))
     except RuntimeError as e:
-        if agent.lost:
-            log.info("worker %s: shutdown all-gather incomplete (%s); lost: %s", agent.name, e,
-                     sorted(agent.lost))
-            return
         log.error("worker %s: failed to respond to 'Shutdown Proceed' in time: %s", agent.name, e)
         raise
 
