@@ -72,12 +72,14 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
             raise RuntimeError("RPC is already initialized")
         _check_rank(opts.init_method, rank)
         init_method, rank, world_size = rendezvous.resolve(opts.init_method, rank, world_size)
-        store = rendezvous.make_store(init_method, rank, world_size, lifecycle.rdv_timeout(opts))
         if not backend_registry.is_builtin(backend):
+            # as torch does for any backend: a store every worker reached
+            store, _, _ = next(torch.distributed.rendezvous(init_method, rank=rank, world_size=world_size))
             _set_and_start_rpc_agent(backend_registry.init_backend(
                 backend, store=store, name=name, rank=rank, world_size=world_size,
                 rpc_backend_options=opts))
             return
+        store = rendezvous.make_store(init_method, rank, world_size, lifecycle.rdv_timeout(opts))
         lifecycle.start_agent(store, name, rank, world_size, opts, rendezvous.master_host(init_method))
 
 

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def rdv_timeout(opts: RpcBackendOptions) -> float:
-    return opts.rpc_timeout if opts.rpc_timeout > 0 else 300.0
+    """How long init_rpc waits for the other workers: the call timeout, but at
+    least a minute (workers start at different times; a loaded machine is slow)."""
+    return max(opts.rpc_timeout, 60.0) if opts.rpc_timeout > 0 else 300.0
 
 
 def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBackendOptions,
