@@ -77,6 +77,7 @@ class RpcAgent:
         self.rpc_timeout = options.rpc_timeout
         self.pending: dict[int, _Pending] = {}
         self.lost: dict[int, str] = {}
+        self.left: set[int] = set()  # lost peers that said goodbye (shut down on purpose)
         self._rids = itertools.count(1)
         self.pool = WorkerPool(options.num_worker_threads, thread_name_prefix=f"distgrad-{name}")
         self.callbacks = WorkerPool(max(4, options.num_worker_threads),
@@ -272,6 +273,8 @@ class RpcAgent:
 
     def on_peer_lost(self, peer: int, reason: str, graceful: bool) -> None:
         self.lost[peer] = reason
+        if graceful:
+            self.left.add(peer)
         if not graceful or not self.shutting_down:
             log.log(logging.INFO if graceful else logging.WARNING, "worker %s: lost worker %s: %s",
                     self.name, self.workers[peer].name, reason)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..errors import WorkerLostError
 from ..launch import rendezvous
 from ..wire import Kind
 from . import backend_registry, collective, lifecycle, profiling, script
@@ -71,12 +72,14 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
             raise RuntimeError("RPC is already initialized")
         _check_rank(opts.init_method, rank)
         init_method, rank, world_size = rendezvous.resolve(opts.init_method, rank, world_size)
-        store = rendezvous.make_store(init_method, rank, world_size, lifecycle.rdv_timeout(opts))
         if not backend_registry.is_builtin(backend):
+            # as torch does for any backend: a store every worker reached
+            store, _, _ = next(torch.distributed.rendezvous(init_method, rank=rank, world_size=world_size))
             _set_and_start_rpc_agent(backend_registry.init_backend(
                 backend, store=store, name=name, rank=rank, world_size=world_size,
                 rpc_backend_options=opts))
             return
+        store = rendezvous.make_store(init_method, rank, world_size, lifecycle.rdv_timeout(opts))
         lifecycle.start_agent(store, name, rank, world_size, opts, rendezvous.master_host(init_method))
 
 
@@ -159,9 +162,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
             deadline = time.monotonic() + limit
             _wait_all_workers(timeout)
             _delete_all_user_and_unforked_owner_rrefs()
-            lifecycle.join(agent, deadline)
-            if not _ignore_rref_leak:
-                lifecycle.check_rref_leak(agent)
+            lifecycle.join(agent, deadline, check_leak=not _ignore_rref_leak)
     finally:
         lifecycle.finalize_shutdown(agent, graceful)
 
@@ -179,11 +180,10 @@ def _wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     agent = current_agent()
     try:
         _all_gather(None, timeout=timeout)
+    except WorkerLostError as e:
+        log.info("worker %s: shutdown all-gather incomplete (%s); lost: %s", agent.name, e,
+                 sorted(agent.lost))
     except RuntimeError as e:
-        if agent.lost:
-            log.info("worker %s: shutdown all-gather incomplete (%s); lost: %s", agent.name, e,
-                     sorted(agent.lost))
-            return
         log.error("worker %s: failed to respond to 'Shutdown Proceed' in time: %s", agent.name, e)
         raise
 

@@ -118,7 +118,8 @@ def _wait(agent: Any, states: _States, names: set, leader: str, timeout: float |
           sent: Any = None) -> set:
     """Wait for the signal; returns the members given up on as lost (leader only).
     ``sent``: a follower's call to the leader, whose error ends the wait."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    # As torch, the signal's timeout runs once the leader answered the call.
+    deadline = None if timeout is None or sent is not None else time.monotonic() + timeout
     while True:
         step = _POLL if deadline is None else max(0.0, min(_POLL, deadline - time.monotonic()))
         if states.proceed_signal.wait(step):
@@ -126,6 +127,7 @@ def _wait(agent: Any, states: _States, names: set, leader: str, timeout: float |
         if sent is not None and sent.done():
             sent.wait()  # raises the call's error; a success just means "wait on"
             sent = None
+            deadline = None if timeout is None else time.monotonic() + timeout
         if deadline is not None and time.monotonic() >= deadline:
             return set()  # as torch: go on with what arrived
         lost = {agent.workers[r].name for r in list(agent.lost)}
@@ -143,7 +145,7 @@ def _send_to_followers(agent: Any, states: _States, followers: set, sequence_id:
     futs = {name: rpc_async(name, broadcast_fn, args=(sequence_id, states.gathered_objects),
                             timeout=rpc_timeout)
             for name in followers}
-    errors = []
+    errors, crashed = [], []
     for name, fut in futs.items():
         if not _await_reply(agent, name, fut):
             if hasattr(agent, "abandon"):
@@ -152,8 +154,18 @@ def _send_to_followers(agent: Any, states: _States, followers: set, sequence_id:
             continue
         try:
             fut.wait()
+        except WorkerLostError as e:
+            # a follower that crashed is given up on (the caller decides); one that
+            # left on purpose without answering failed the all-gather, as in torch
+            rank = agent.by_name[name].id if hasattr(agent, "by_name") else None
+            if rank in getattr(agent, "shutdown_arrivals", ()):
+                continue  # it had the result and went on to shut down
+            (errors if rank in getattr(agent, "left", ()) else crashed).append((name, e))
         except RuntimeError as e:
             errors.append((name, e))
+    if crashed and not errors:
+        raise WorkerLostError(f"_all_gather: followers {[c[0] for c in crashed]} are lost")
+    errors += crashed
     if errors:
         raise RuntimeError(f"Followers {[e[0] for e in errors]} timed out in _all_gather after "
                            f"{rpc_timeout:.2f} seconds. The first exception is {errors[0][1]}")

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def rdv_timeout(opts: RpcBackendOptions) -> float:
-    return opts.rpc_timeout if opts.rpc_timeout > 0 else 300.0
+    """How long init_rpc waits for the other workers: the call timeout, but at
+    least a minute (workers start at different times; a loaded machine is slow)."""
+    return max(opts.rpc_timeout, 60.0) if opts.rpc_timeout > 0 else 300.0
 
 
 def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBackendOptions,
@@ -69,8 +71,14 @@ def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBack
         raise
 
 
-def join(agent: RpcAgent, deadline: float) -> None:
-    """Wait for outstanding work, then for every worker not lost (the barrier)."""
+def join(agent: RpcAgent, deadline: float, check_leak: bool = False) -> None:
+    """Wait for outstanding work, then for every worker not lost (the barrier).
+
+    With ``check_leak``, raise "Leaking RRef" (after the barrier) when values
+    owned here are still referenced once every peer's releases were handled:
+    checked before the barrier, since peers leave (and their forks are dropped
+    as lost) once it completes.
+    """
     while not agent.idle() and time.monotonic() < deadline:
         time.sleep(0.002)
     if not agent.idle():
@@ -82,6 +90,7 @@ def join(agent: RpcAgent, deadline: float) -> None:
     for peer in range(agent.world_size):
         if peer != agent.rank:
             agent.send_control(peer, "shutdown_arrived")
+    leak = rref_leak(agent, deadline) if check_leak else None
     try:
         # Bound every store operation too: the store's host (rank 0) may be gone or
         # stopped, and a store call would then wait for its timeout.
@@ -93,15 +102,18 @@ def join(agent: RpcAgent, deadline: float) -> None:
                  "survivors' announcements", agent.name, e)
         if not await_arrivals(agent, deadline):
             log.warning("worker %s: shutdown barrier incomplete: %s", agent.name, e)
+    if leak is not None:
+        raise DistgradError(leak, agent.name)
 
 
-def check_rref_leak(agent: RpcAgent) -> None:
-    await_arrivals(agent, time.monotonic() + 5)  # every peer's releases handled
+def rref_leak(agent: RpcAgent, deadline: float) -> str | None:
+    """What this worker still owns for others once every peer's releases arrived."""
+    await_arrivals(agent, min(deadline, time.monotonic() + 30))
     owned = agent.rrefs.debug_info()
     if owned["num_owner_rrefs"] or owned["num_pending_users"]:
-        raise DistgradError(f"Leaking RRef on worker {agent.name}: {owned['num_owner_rrefs']} owner "
-                            f"RRefs still forked, {owned['num_pending_users']} user RRefs unconfirmed "
-                            "at shutdown", agent.name)
+        return (f"Leaking RRef on worker {agent.name}: {owned['num_owner_rrefs']} owner RRefs still "
+                f"forked, {owned['num_pending_users']} user RRefs unconfirmed at shutdown")
+    return None
 
 
 def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:

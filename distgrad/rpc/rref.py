@@ -307,6 +307,9 @@ class RRef(Generic[T]):
         payload = (_rref_invoke, (method, args, kwargs), {})
         if mode == "remote":
             self._await_creation(timeout)
+            value_type = self._get_type(timeout)  # as torch: the method must exist (cached after once)
+            if not hasattr(value_type, method):
+                raise AttributeError(f"type object '{value_type.__name__}' has no attribute '{method}'")
             return api._remote_with(self.owner(), payload, f"RRef.{method}", timeout,
                                     {"rref": self._rref_id})
         p = self._agent.send_request(self.owner(), Kind.CALL, payload, f"RRef.{method}", timeout,
