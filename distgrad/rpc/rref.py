@@ -428,8 +428,10 @@ class RRef(Generic[T]):
         if self._type_hint is not None:
             if blocking:
                 return self._type_hint
-            fut = torch.futures.Future()
-            fut.set_result(self._type_hint)
+            fut = getattr(self, "_type_future", None)  # as torch: the same future every time
+            if fut is None:
+                fut = self._type_future = torch.futures.Future()
+                fut.set_result(self._type_hint)
             return fut
         if self.is_owner():
             fut = _map_value(self._future, type)
@@ -440,6 +442,7 @@ class RRef(Generic[T]):
         def cache(f: torch.futures.Future) -> None:
             try:
                 self._type_hint = f.value()
+                self._type_future = fut  # the very object returned below
             except BaseException:  # noqa: BLE001 - the caller sees the error through the future
                 pass
         fut.add_done_callback(cache)
