@@ -424,25 +424,25 @@ class RRef(Generic[T]):
 
     def _get_type(self, timeout: float = -1, blocking: bool = True):
         """The type of the value (asked of the owner once, then cached); with
-        ``blocking=False`` a Future of it."""
-        if self._type_hint is not None:
-            if blocking:
-                return self._type_hint
-            fut = torch.futures.Future()
-            fut.set_result(self._type_hint)
-            return fut
-        if self.is_owner():
-            fut = _map_value(self._future, type)
-        else:
-            self._check_alive("_get_type()")
-            fut = self._ask_type(timeout)
+        ``blocking=False`` a Future of it, the same one every time (as torch)."""
+        fut = getattr(self, "_type_future", None)
+        if fut is None:
+            if self._type_hint is not None:
+                fut = torch.futures.Future()
+                fut.set_result(self._type_hint)
+            elif self.is_owner():
+                fut = _map_value(self._future, type)
+            else:
+                self._check_alive("_get_type()")
+                fut = self._ask_type(timeout)
+            self._type_future = fut  # cached at once: a second call never asks again
 
-        def cache(f: torch.futures.Future) -> None:
-            try:
-                self._type_hint = f.value()
-            except BaseException:  # noqa: BLE001 - the caller sees the error through the future
-                pass
-        fut.add_done_callback(cache)
+            def settle(f: torch.futures.Future) -> None:
+                try:
+                    self._type_hint = f.value()
+                except BaseException:  # noqa: BLE001 - the caller sees the error; ask again next time
+                    self._type_future = None
+            fut.add_done_callback(settle)
         return fut.wait() if blocking else fut
 
     def _ask_type(self, timeout: float) -> torch.futures.Future:
