@@ -78,7 +78,7 @@ def ship_gradients(dg_info: tuple, grads: Sequence, reached: Sequence[bool] | No
     if reached is None:
         run_fed = getattr(_tls, "fed", None)
         fed = (state.recv_slots if run_fed is None else run_fed).get(msg_id)
-        unreached = [i for i in range(len(grads)) if fed is not None and i not in fed]
+        unreached = [] if fed is None else [i for i in range(len(grads)) if i not in fed]
     else:
         unreached = [i for i, r in enumerate(reached) if not r]
     _tls.exp += 1
