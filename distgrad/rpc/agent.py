@@ -79,7 +79,10 @@ class RpcAgent:
         self.lost: dict[int, str] = {}
         self.left: set[int] = set()  # lost peers that said goodbye (shut down on purpose)
         self._rids = itertools.count(1)
-        self.pool = WorkerPool(options.num_worker_threads, thread_name_prefix=f"distgrad-{name}")
+        # the transport's reading threads serve requests (leader/followers); a
+        # transport without its own pool gets a plain one
+        self.pool = getattr(transport, "pool", None) or WorkerPool(
+            options.num_worker_threads, thread_name_prefix=f"distgrad-{name}")
         self.callbacks = WorkerPool(max(4, options.num_worker_threads),
                                     thread_name_prefix=f"distgrad-cb-{name}")
         self.busy_threads = 0
@@ -166,7 +169,12 @@ class RpcAgent:
 
     def wait(self, p: _Pending) -> Any:
         """Block until a sync pending call finishes; decode its reply here."""
-        p.lock.acquire()
+        if not p.lock.acquire(False):
+            # read the reply on this thread when nobody else reads that connection
+            read_until = getattr(self.transport, "read_until", None)
+            if read_until is not None:
+                read_until(p.peer, lambda: p.result is not None)
+            p.lock.acquire()
         kind, value = p.result
         if kind is None:
             raise value
@@ -200,8 +208,10 @@ class RpcAgent:
         payload, _ = dumps((op, args))
         self.transport.send(dest, encode(Kind.CONTROL, 0, None, payload))
 
-    # -- receiving (I/O thread) -----------------------------------------------
-    def on_message(self, peer: int, frames: list) -> None:
+    # -- receiving (the reading thread, in order per peer) ---------------------
+    def on_message(self, peer: int, frames: list) -> tuple | None:
+        """Handle what must happen in arrival order; return the work (``(fn, args)``)
+        the reading thread runs once another thread reads in its place."""
         try:
             kind, rid, _ = peek_header(frames)
         except ProtocolError as e:
@@ -216,8 +226,11 @@ class RpcAgent:
                 return  # late (timed out) or duplicated reply
             if p.timer is not None:
                 p.timer.cancel()
-            self.transport.after_batch(lambda: self._complete(p, (kind, frames)))
-            return
+            if p.lock is not None:  # a waiting caller: wake it, it decodes
+                p.result = (kind, frames)
+                p.lock.release()
+                return None
+            return (self._finish_async, (p, (kind, frames)))
         if kind != Kind.CONTROL and self._repeated(peer, rid):
             log.debug("worker %s: dropped a repeated request %d from worker %d", self.name, rid, peer)
             return
@@ -246,7 +259,7 @@ class RpcAgent:
             self.inflight += 1
         if self.gil_wait is not None:
             msg.handed_off = time.perf_counter()
-        self.transport.after_batch(lambda: self.pool.submit(self._serve, peer, msg))
+        return (self._serve, (peer, msg))
 
     def _repeated(self, peer: int, rid: int) -> bool:
         """Whether request ``rid`` of ``peer`` was seen among its last _DEDUP_WINDOW

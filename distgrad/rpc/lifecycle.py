@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import DistgradError
 from ..launch import rendezvous
-from ..transport import ZmqTransport
+from ..transport import SocketTransport
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
 from . import collective
@@ -48,10 +48,12 @@ def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBack
     encrypt = getattr(opts, "encrypt", False)
     if faults is not None:  # tests only: see distgrad/transport/faults.py
         transport = FaultyTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
-                                    opts.max_message_size, secret=secret, faults=faults, encrypt=encrypt)
+                                    opts.max_message_size, secret=secret, faults=faults, encrypt=encrypt,
+                                    num_threads=opts.num_worker_threads)
     else:
-        transport = ZmqTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
-                                 opts.max_message_size, secret=secret, encrypt=encrypt)
+        transport = SocketTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
+                                    opts.max_message_size, secret=secret, encrypt=encrypt,
+                                    num_threads=opts.num_worker_threads)
     try:
         address = transport.listen(host)
         peers = rendezvous.exchange(store, rank, world_size, name, address, timeout)

@@ -1,5 +1,5 @@
 """Moves frames between workers; knows nothing of pickles."""
 from .base import Transport, TransportHandler
-from .zmq_transport import ZmqTransport
+from .socket_transport import SocketTransport
 
-__all__ = ["Transport", "TransportHandler", "ZmqTransport"]
+__all__ = ["SocketTransport", "Transport", "TransportHandler"]

@@ -29,21 +29,9 @@ import hmac
 import os
 import struct
 
-import zmq
-from zmq.utils import z85
-
 _HEAD = struct.Struct("!QI")  # sequence number, frames covered in full
 TAG_BYTES = 16
 AUTH_FRAME_BYTES = _HEAD.size + TAG_BYTES
-
-
-def curve_keys(secret: bytes, role: str) -> tuple[bytes, bytes]:
-    """(public, secret) z85 CURVE keypair for ``role`` ("server" or "client<rank>"),
-    derived from the cluster secret: every worker computes every key it needs."""
-    seed = hashlib.blake2b(role.encode(), key=hashlib.sha256(secret).digest(), digest_size=32,
-                           person=b"distgrad-curve").digest()
-    private = z85.encode(seed)
-    return zmq.curve_public(private), private
 
 
 class AuthError(Exception):

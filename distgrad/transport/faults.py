@@ -5,7 +5,7 @@ Enable it in a worker with the environment variable ``DISTGRAD_FAULTS`` (a JSON
 object), or by setting ``opts.faults`` (the same object, as a dict or JSON
 string) on the :class:`~distgrad.rpc.RpcBackendOptions` passed to ``init_rpc``;
 ``init_rpc`` then builds a :class:`FaultyTransport` instead of the plain
-:class:`~distgrad.transport.ZmqTransport`. A warning is logged when it is on.
+:class:`~distgrad.transport.SocketTransport`. A warning is logged when it is on.
 
 Faults act on this worker's *send* path only (``Transport.send``), on agent
 messages (heartbeats and goodbyes are never touched, so peer-loss detection is
@@ -78,7 +78,7 @@ from typing import Any
 
 from ..errors import ProtocolError
 from ..wire.messages import Kind, peek_header
-from .zmq_transport import ZmqTransport
+from .socket_transport import SocketTransport
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +151,8 @@ def config_from(options: Any = None) -> Any:
     return cfg
 
 
-class FaultyTransport(ZmqTransport):
-    """A :class:`ZmqTransport` whose ``send`` misbehaves as configured (see the module)."""
+class FaultyTransport(SocketTransport):
+    """A :class:`SocketTransport` whose ``send`` misbehaves as configured (see the module)."""
 
     def __init__(self, rank: int, *args: Any, faults: Any, **kwargs: Any) -> None:
         super().__init__(rank, *args, **kwargs)
@@ -207,7 +207,6 @@ class FaultyTransport(ZmqTransport):
                     pass
             os._exit(kill)
         if drop:
-            self._wake()  # what the send would have done: a timer queued with wake=False waits on it
             return
         send = super().send
         for _ in range(1 + copies):

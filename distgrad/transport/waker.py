@@ -13,7 +13,7 @@ class Waker:
     Example::
 
         >>> w = Waker()
-        >>> poller.register(w.fileno(), zmq.POLLIN)   # the I/O thread polls it
+        >>> epoll.register(w.fileno(), select.EPOLLIN)  # the reading thread polls it
         >>> w.wake()                                  # any thread
         >>> w.clear()                                 # the I/O thread, once woken
     """

@@ -1,0 +1,778 @@
+"""Stream sockets from the standard library, read by a leader/followers pool.
+
+One connection per pair of workers, opened at start-up by the lower rank after
+a handshake (:mod:`.handshake`): a Unix domain socket between workers of one
+host (same boot, hostname and network namespace, learnt from the listening
+address), TCP between hosts. Messages are length-prefixed frame lists
+(:mod:`.framing`).
+
+Threads and hand-offs, the point of this module:
+
+* **Sending** happens on the thread that makes the call, under the peer's
+  write lock, with ``sendmsg`` and the frames as separate iovecs. A thread
+  that is reading (the leader, or a caller reading its own reply) never blocks
+  on a full socket: what does not fit is queued and flushed when the socket
+  drains; any other thread waits for that one peer only.
+* **Receiving**: the pool's leader waits on every socket (``epoll`` with
+  one-shot registrations where available, so one thread reads a socket at a
+  time and in order); what it reads is handled in order on that thread (the
+  agent's bookkeeping), and work it read (a request to run, a reply to
+  complete) is run by that same thread once it passed the leader role on
+  (:mod:`.leader`).
+* **A caller waiting for a reply** reads its own connection when nobody else
+  is reading it (:meth:`SocketTransport.read_until`), so the reply wakes the
+  caller directly.
+
+Heartbeats catch silent peers, a closed connection is a lost peer at once,
+frames are bounded (``max_message_size``), and with a cluster secret every
+message is MAC'd (:mod:`.auth`) or, with ``encrypt``, encrypted (:mod:`.crypto`)
+before anything is handed up. Same-host frames of ``shm_threshold`` bytes and
+more go through reused shared-memory segments (:mod:`.shm`).
+
+Platforms: ``epoll`` (Linux) drives the leader; elsewhere ``selectors``'
+default poller with a lock takes its place (``poll``/``kqueue``). Without
+``AF_UNIX``, same-host peers use TCP; without ``/dev/shm``, no shared memory.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from . import framing, shm
+from .auth import Authenticator, AuthError
+from .base import Timer, Transport, TransportHandler
+from .handshake import HandshakeError, client_handshake, server_handshake
+from .leader import LeaderFollowers
+from .waker import Waker
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT = b"\xffHB"
+_GOODBYE = b"\xffBYE"
+_UNIX_TAG, _HOST_TAG, _SHM_TAG, _AUTH_TAG, _ENC_TAG = "unix", "host", "shm", "auth", "enc"
+DEFAULT_MAX_MESSAGE_SIZE = 1 << 33
+DEFAULT_SHM_THRESHOLD = 256 << 10
+_EPOLL = hasattr(select, "epoll")
+_IN = select.EPOLLIN if _EPOLL else 1
+_OUT = select.EPOLLOUT if _EPOLL else 4
+_ONESHOT = select.EPOLLONESHOT if _EPOLL else 0
+_CONNECT_TIMEOUT = 60.0
+
+
+def _default_shm_threshold() -> int:
+    value = os.environ.get("DISTGRAD_SHM_THRESHOLD")
+    return int(value) if value else DEFAULT_SHM_THRESHOLD
+
+
+def host_key() -> str:
+    """What two processes share only if they can reach each other's Unix sockets
+    and shared memory: boot id, hostname and network namespace. Two machines
+    never share a boot id; two namespaces of one machine never share the
+    namespace's inode (so a test can treat them as two hosts)."""
+    base = shm.host_id() or ""
+    try:
+        ns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        ns = 0
+    return f"{base}/{ns}" if base else ""
+
+
+class _Conn:
+    __slots__ = ("peer", "sock", "fd", "wlock", "rlock", "alock", "reader", "outq", "owned",
+                 "lost", "cipher")
+
+    def __init__(self, peer: int, sock: socket.socket, max_frame: int, cipher) -> None:
+        self.peer, self.sock, self.fd = peer, sock, sock.fileno()
+        self.wlock = threading.Lock()   # one sender at a time, whole messages
+        self.rlock = threading.Lock()   # one reader at a time, in order
+        self.alock = threading.Lock()   # poller registration changes
+        self.reader = framing.FrameReader(max_frame)
+        self.outq: list = []            # iovecs a reading thread could not send
+        self.owned = False              # a caller reads its own reply here
+        self.lost = False
+        self.cipher = cipher
+
+
+class SocketTransport(Transport):
+    """See the module docstring.
+
+    Example::
+
+        >>> t = SocketTransport(rank=0)
+        >>> addr = t.listen("127.0.0.1")          # publish addr, learn the others'
+        >>> t.start(handler, {1: addr_of_worker1})
+        >>> t.send(1, [b"frame"])
+    """
+
+    def __init__(self, rank: int, heartbeat_interval: float = 0.5, heartbeat_deadline: float = 4.0,
+                 max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE, shm_threshold: int | None = None,
+                 secret: bytes | None = None, encrypt: bool = False, num_threads: int = 16) -> None:
+        if encrypt and not secret:
+            raise ValueError("encryption (DISTGRAD_ENCRYPT / encrypt=True) derives its keys from "
+                             "the cluster secret: set DISTGRAD_SECRET")
+        self.rank = rank
+        self.encrypt = bool(encrypt)
+        self._secret = secret
+        self._auth = Authenticator(secret, rank) if secret and not encrypt else None
+        self.max_message_size = max_message_size if max_message_size > 0 else 1 << 62
+        self.shm_threshold = _default_shm_threshold() if shm_threshold is None else shm_threshold
+        self.host_id = host_key()
+        self._shm_peers: dict[int, str] = {}
+        self._shm_writer = shm.ShmWriter(rank)
+        self._shm_reader = shm.ShmReader()
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_deadline = heartbeat_deadline
+        self._tcp: socket.socket | None = None
+        self._unix: socket.socket | None = None
+        self._unix_name = ""
+        self._conns: dict[int, _Conn] = {}
+        self._by_fd: dict[int, _Conn] = {}
+        self._peers: set[int] = set()
+        self._last_recv: dict[int, float] = {}
+        self._last_sent: dict[int, float] = {}
+        self._lost: set[int] = set()
+        self._lose_lock = threading.Lock()
+        self._inbox: collections.deque = collections.deque()
+        self._timers: list[Timer] = []
+        self._tlock = threading.Lock()
+        self._next_wake = 0.0
+        self._waker = Waker()
+        self._wake_pending = False
+        self._tls = threading.local()
+        self._handler: TransportHandler | None = None
+        self._poller = None
+        self._plock = threading.Lock()  # non-epoll pollers are not thread safe
+        self._running = False
+        self._closing = False
+        self._handshakes = 0
+        self._last_beat = time.monotonic()
+        self._next_beat = 0.0
+        self.pool = LeaderFollowers(self._lead, num_threads, name=f"distgrad-{rank}")
+        self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
+
+    # -- set-up ------------------------------------------------------------
+    def listen(self, host: str) -> str:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._tcp = socket.socket(family, socket.SOCK_STREAM)
+        self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._tcp.bind((host, 0))
+        self._tcp.listen(socket.SOMAXCONN)
+        port = self._tcp.getsockname()[1]
+        addr = f"tcp://[{host}]:{port}" if family == socket.AF_INET6 else f"tcp://{host}:{port}"
+        if self.host_id and hasattr(socket, "AF_UNIX"):
+            self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            name = f"distgrad-{os.getpid()}-{self.rank}-{os.urandom(6).hex()}"
+            # Linux: the abstract namespace (no file to clean up, private to the
+            # network namespace); elsewhere a file in the temp directory
+            if os.uname().sysname == "Linux":
+                self._unix_name = "@" + name
+                self._unix.bind("\0" + name)
+            else:
+                import tempfile
+                self._unix_name = os.path.join(tempfile.gettempdir(), name + ".sock")
+                self._unix.bind(self._unix_name)
+            self._unix.listen(socket.SOMAXCONN)
+            addr += f"#{_UNIX_TAG}={self._unix_name}"
+        if self.host_id:
+            addr += f"#{_HOST_TAG}={self.host_id}"
+            if self.shm_threshold > 0 and shm.host_id():
+                addr += f"#{_SHM_TAG}={os.getpid()}"
+        if self._secret:
+            addr += f"#{_AUTH_TAG}={self._auth.nonce.hex() if self._auth else '1'}"
+        if self.encrypt:
+            addr += f"#{_ENC_TAG}=1"
+        return addr
+
+    def start(self, handler: TransportHandler, peers: Mapping[int, str]) -> None:
+        """Connect to every peer (lower ranks connect, higher ones accept), then start reading."""
+        self._handler = handler
+        plan = {}
+        for peer, full in peers.items():
+            addr, *tagged = full.split("#")
+            tags = dict(t.partition("=")[::2] for t in tagged)
+            self._check_peer(peer, addr, tags)
+            same = bool(self.host_id) and tags.get(_HOST_TAG) == self.host_id
+            if same and _SHM_TAG in tags and self.shm_threshold > 0 and shm.host_id():
+                self._shm_peers[peer] = shm.owner_prefix(int(tags[_SHM_TAG]), peer)
+            plan[peer] = (tags[_UNIX_TAG] if same and _UNIX_TAG in tags and self._unix else None, addr)
+        self._peers = set(plan)
+        deadline = time.monotonic() + _CONNECT_TIMEOUT
+        accepted: dict[int, _Conn] = {}
+        errors: list[BaseException] = []
+        lower = {p for p in plan if p < self.rank}
+        acceptor = threading.Thread(target=self._accept_all, args=(lower, accepted, errors, deadline),
+                                    daemon=True, name=f"distgrad-accept-{self.rank}")
+        acceptor.start()
+        try:
+            for peer in sorted(p for p in plan if p > self.rank):
+                self._add(self._connect(peer, *plan[peer], deadline))
+        finally:
+            acceptor.join(max(0.0, deadline - time.monotonic()) + 1)
+        if errors:
+            raise errors[0]
+        for conn in accepted.values():
+            self._add(conn)
+        missing = sorted(self._peers - set(self._conns))
+        if missing:
+            raise RuntimeError(f"worker {self.rank}: workers {missing} never connected within "
+                               f"{_CONNECT_TIMEOUT:.0f} s")
+        self._open_poller()
+        now = time.monotonic()
+        for peer in self._conns:
+            self._last_recv[peer] = now
+            self._last_sent[peer] = 0.0
+        self._running = True
+        self.pool.start()
+
+    def _check_peer(self, peer: int, addr: str, tags: dict) -> None:
+        if self._secret and _AUTH_TAG not in tags:
+            raise RuntimeError(f"worker {peer} ({addr}) runs without the cluster secret "
+                               "(DISTGRAD_SECRET) while this worker has one")
+        if not self._secret and _AUTH_TAG in tags:
+            raise RuntimeError(f"worker {peer} ({addr}) requires the cluster secret "
+                               "(DISTGRAD_SECRET) and this worker has none")
+        if (_ENC_TAG in tags) != self.encrypt:
+            raise RuntimeError(f"worker {peer} ({addr}) runs with encryption "
+                               f"{'on' if _ENC_TAG in tags else 'off'} and this worker with it "
+                               f"{'on' if self.encrypt else 'off'} (DISTGRAD_ENCRYPT)")
+        if self._auth is not None:
+            self._auth.set_peer_nonce(peer, bytes.fromhex(tags[_AUTH_TAG]))
+
+    def _connect(self, peer: int, unix: str | None, addr: str, deadline: float) -> _Conn:
+        host, _, port = addr[len("tcp://"):].rpartition(":")
+        while True:
+            try:
+                if unix:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    target = "\0" + unix[1:] if unix.startswith("@") else unix
+                else:
+                    host = host.strip("[]")
+                    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+                    target = (host, int(port))
+                sock.settimeout(max(1.0, deadline - time.monotonic()))
+                sock.connect(target)
+                break
+            except OSError as e:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {self.rank} could not connect to worker {peer} at "
+                                       f"{unix or addr}: {e}") from e
+                time.sleep(0.05)
+        try:
+            cc, sc = client_handshake(sock, self.rank, peer, self._secret, self.encrypt)
+        except (HandshakeError, OSError) as e:
+            sock.close()
+            raise RuntimeError(f"worker {self.rank}: handshake with worker {peer} failed: {e}") from e
+        return self._conn(peer, sock, cc, sc)
+
+    def _conn(self, peer: int, sock: socket.socket, cc: bytes, sc: bytes) -> _Conn:
+        cipher = None
+        if self.encrypt:
+            from .crypto import FrameCipher
+            cipher = FrameCipher(self._secret, self.rank, peer, cc, sc)
+        if sock.family != getattr(socket, "AF_UNIX", None):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        return _Conn(peer, sock, self.max_message_size, cipher)
+
+    def _accept_all(self, lower: set[int], accepted: dict, errors: list, deadline: float) -> None:
+        listeners = [s for s in (self._unix, self._tcp) if s is not None]
+        try:
+            while lower - set(accepted) and time.monotonic() < deadline:
+                ready, _, _ = select.select(listeners, [], [], 0.2)
+                for ls in ready:
+                    try:
+                        sock, _ = ls.accept()
+                    except OSError:
+                        continue
+                    sock.settimeout(10)
+                    try:
+                        peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt,
+                                                        lower - set(accepted))
+                    except (HandshakeError, OSError) as e:
+                        log.warning("worker %d: refused a connection: %s", self.rank, e)
+                        if isinstance(e, HandshakeError) and "runs with" in str(e):
+                            errors.append(RuntimeError(f"worker {self.rank}: {e}"))
+                            return
+                        sock.close()
+                        continue
+                    accepted[peer] = self._conn(peer, sock, cc, sc)
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            errors.append(e)
+
+    def _add(self, conn: _Conn) -> None:
+        self._conns[conn.peer] = conn
+        self._by_fd[conn.fd] = conn
+
+    def _open_poller(self) -> None:
+        wake = self._waker.fileno()
+        if _EPOLL:
+            self._poller = select.epoll()
+            self._poller.register(wake, _IN)
+            for ls in (self._tcp, self._unix):
+                if ls is not None:
+                    ls.setblocking(False)
+                    self._poller.register(ls.fileno(), _IN)
+            for conn in self._conns.values():
+                self._poller.register(conn.fd, _IN | _ONESHOT)
+        else:
+            import selectors
+            self._poller = selectors.DefaultSelector()
+            self._poller.register(wake, selectors.EVENT_READ)
+            for ls in (self._tcp, self._unix):
+                if ls is not None:
+                    ls.setblocking(False)
+                    self._poller.register(ls, selectors.EVENT_READ)
+            for conn in self._conns.values():
+                self._poller.register(conn.sock, selectors.EVENT_READ)
+
+    def _arm(self, conn: _Conn) -> None:
+        """Re-register ``conn`` for what it waits for now (read unless a caller owns
+        it; write while its queue is not empty)."""
+        with conn.alock:
+            if conn.lost:
+                return
+            mask = (0 if conn.owned else _IN) | (_OUT if conn.outq else 0)
+            try:
+                if _EPOLL:
+                    self._poller.modify(conn.fd, mask | _ONESHOT if mask else 0)
+                else:
+                    import selectors
+                    ev = (selectors.EVENT_READ if mask & _IN else 0) | \
+                        (selectors.EVENT_WRITE if mask & _OUT else 0)
+                    with self._plock:
+                        if ev:
+                            self._poller.modify(conn.sock, ev)
+                        else:
+                            self._poller.unregister(conn.sock)
+                            self._poller.register(conn.sock, selectors.EVENT_READ)
+            except (OSError, ValueError, KeyError):
+                pass
+
+    # -- any thread --------------------------------------------------------
+    def send(self, peer: int, frames: Sequence) -> None:
+        if peer == self.rank:  # loopback: copy, as a socket would, and deliver in order
+            body = [bytearray(memoryview(f)) for f in frames]
+            self._inbox.append((self.rank, body))
+            self._wake()
+            return
+        conn = self._conns.get(peer)
+        if conn is None or conn.lost:
+            return
+        nbytes = sum(memoryview(f).nbytes for f in frames)
+        if peer in self._shm_peers:  # the copy into shared memory runs here, on the sender
+            frames = self._shm_writer.pack(frames, self.shm_threshold, peer) or frames
+        self._send(conn, frames)
+        st = self.stats[peer]
+        st[0] += 1
+        st[1] += nbytes
+
+    def _send(self, conn: _Conn, frames: Sequence) -> None:
+        reading = getattr(self._tls, "reading", False)
+        arm = failed = False
+        with conn.wlock:
+            if conn.lost:
+                return
+            if conn.cipher is not None:
+                frames = conn.cipher.seal(list(frames))
+            elif self._auth is not None:
+                frames = self._auth.seal(conn.peer, list(frames), shm.parsed_frames(frames))
+            views = framing.coalesce(frames)
+            try:
+                if conn.outq:
+                    conn.outq.extend(views)
+                    if not reading:
+                        self._flush_blocking(conn)
+                else:
+                    rest = framing.send_some(conn.sock, views)
+                    if rest:
+                        conn.outq.extend(rest)
+                        if reading:  # never block while reading: the poller flushes it
+                            arm = True
+                        else:
+                            self._flush_blocking(conn)
+            except OSError as e:
+                failed = e
+            self._last_sent[conn.peer] = time.monotonic()
+        if failed:
+            self._lose(conn.peer, f"connection failed: {failed}", graceful=False)
+        elif arm:
+            self._arm(conn)
+
+    def _flush_blocking(self, conn: _Conn) -> None:
+        """Send ``conn``'s queue, waiting for the peer to drain it (write lock held)."""
+        while conn.outq and not conn.lost:
+            conn.outq[:] = framing.send_some(conn.sock, conn.outq)
+            if conn.outq:
+                framing.wait_writable(conn.sock, 0.2)
+
+    def uses_shm(self, peer: int) -> bool:
+        """Whether large frames to ``peer`` go through shared memory."""
+        return peer in self._shm_peers
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        self._inbox.append((None, fn))
+        self._wake()
+
+    def call_later(self, delay: float, fn: Callable[[], None], wake: bool = True) -> Timer:
+        timer = Timer(time.monotonic() + delay, fn)
+        with self._tlock:
+            heapq.heappush(self._timers, timer)
+        if timer.when < self._next_wake and not getattr(self._tls, "reading", False):
+            self._wake()
+        return timer
+
+    def on_io_thread(self) -> bool:
+        """Whether this thread is reading (the leader, or a caller reading its reply):
+        it must not block nor run user code."""
+        return getattr(self._tls, "reading", False)
+
+    def after_batch(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def _wake(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._waker.wake()
+
+    # -- reading -------------------------------------------------------------
+    def _lead(self) -> list | None:
+        """The leader's loop (see :mod:`.leader`): wait, read in order, return work."""
+        tls = self._tls
+        tls.reading = True
+        try:
+            while self._running:
+                work: list = []
+                now = time.monotonic()
+                wait = max(0.0, self._next_beat - now)
+                if self._timers and self._timers[0].when - now < wait:
+                    wait = max(0.0, self._timers[0].when - now)
+                if self._inbox:
+                    wait = 0.0
+                self._next_wake = now + wait
+                events = self._poll(wait)
+                self._next_wake = 0.0
+                for fd, ev in events:
+                    conn = self._by_fd.get(fd)
+                    if conn is not None:
+                        self._service(conn, ev, work)
+                    elif fd == self._waker.fileno():
+                        self._waker.clear()
+                        self._wake_pending = False
+                    else:
+                        self._accept_late(fd)
+                if self._inbox:
+                    self._drain_inbox(work)
+                now = time.monotonic()
+                if now >= self._next_beat:
+                    self._heartbeat(now)
+                    self._next_beat = now + self.heartbeat_interval / 2
+                if self._timers and self._timers[0].when <= now:
+                    self._run_timers(now)
+                if work:
+                    return work
+            return None
+        finally:
+            tls.reading = False
+
+    def _poll(self, wait: float) -> list:
+        if _EPOLL:
+            try:
+                return self._poller.poll(wait)
+            except (OSError, ValueError):
+                if not self._running:
+                    return []
+                raise
+        with self._plock:
+            ready = self._poller.select(wait)
+        return [(k.fd, (_IN if ev & 1 else 0) | (_OUT if ev & 2 else 0)) for k, ev in ready]
+
+    def _service(self, conn: _Conn, ev: int, work: list) -> None:
+        if ev & _OUT and conn.outq:
+            with conn.wlock:
+                try:
+                    conn.outq[:] = framing.send_some(conn.sock, conn.outq)
+                except OSError as e:
+                    self._lose(conn.peer, f"connection failed: {e}", graceful=False)
+                    return
+        if ev & ~_OUT and conn.rlock.acquire(False):
+            try:
+                self._read(conn, work)
+            finally:
+                conn.rlock.release()
+        self._arm(conn)
+
+    def _read(self, conn: _Conn, work: list) -> None:
+        """Read what ``conn`` has and hand each message up, in order (read lock held)."""
+        peer = conn.peer
+        try:
+            msgs = conn.reader.read(conn.sock)
+        except EOFError:
+            msgs, why = None, "connection closed"
+        except framing.FrameError as e:
+            msgs, why = None, f"broke the framing: {e}"
+            log.warning("worker %d: worker %d %s", self.rank, peer, why)
+        except OSError as e:
+            msgs, why = None, f"connection failed: {e}"
+        if msgs is None:
+            self._lose(peer, why, graceful=False)
+            return
+        self._last_recv[peer] = time.monotonic()
+        for frames in msgs:
+            self._deliver(conn, frames, work)
+
+    def _deliver(self, conn: _Conn, body: list, work: list) -> None:
+        peer = conn.peer
+        if conn.lost:
+            return
+        try:
+            if conn.cipher is not None:
+                body = conn.cipher.open(body)
+            elif self._auth is not None:
+                body = self._auth.open(peer, body, shm.parsed_frames(body[1:]))
+        except AuthError as e:
+            self._reject(peer, str(e))
+            return
+        first = body[0]
+        if len(body) == 1 and first[:1] == b"\xff":
+            self._on_transport_frame(peer, bytes(first))
+            return
+        try:
+            if bytes(first[:4]) == shm.MARK:
+                prefix = self._shm_peers.get(peer)
+                if prefix is None:
+                    self._reject(peer, "sent shared memory, not on this host")
+                    return
+                body = self._shm_reader.unpack(prefix, body)
+            st = self.stats[peer]
+            st[2] += 1
+            st[3] += sum(memoryview(b).nbytes for b in body)
+            w = self._handler.on_message(peer, body)
+        except Exception:
+            log.exception("worker %d: error handling a message from worker %d", self.rank, peer)
+            return
+        if w is not None:
+            work.append(w)
+
+    def _reject(self, peer: int, why: str) -> None:
+        log.warning("worker %d: dropped a message from worker %d (%s)", self.rank, peer, why)
+
+    def _on_transport_frame(self, peer: int, frame: bytes) -> None:
+        if frame == _GOODBYE:
+            self._lose(peer, "shut down", graceful=True)
+        elif frame[:4] == shm.DROP:
+            self._shm_reader.forget(shm.parse_names(frame))
+        # else a heartbeat: its arrival was all it had to say
+
+    def _drain_inbox(self, work: list) -> None:
+        inbox = self._inbox
+        while inbox:
+            peer, item = inbox.popleft()
+            if peer is None:
+                self._guard(item)
+                continue
+            st = self.stats[peer]
+            st[2] += 1
+            try:
+                w = self._handler.on_message(peer, item)
+            except Exception:
+                log.exception("worker %d: error handling a message to itself", self.rank)
+                continue
+            if w is not None:
+                work.append(w)
+
+    def read_until(self, peer: int, done: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Read ``peer``'s connection on this thread until ``done()`` (a caller waiting
+        for its reply), when nobody else is reading it. Returns False at once when
+        someone is (the reader completes the waiter), True once ``done()`` or the
+        peer is lost. Work read on the way goes to the pool."""
+        conn = self._conns.get(peer)
+        tls = self._tls
+        if conn is None or conn.lost or getattr(tls, "reading", False) or not self._running:
+            return False
+        if not conn.rlock.acquire(False):
+            return False
+        tls.reading = True
+        try:
+            with conn.alock:
+                conn.owned = True
+            self._arm(conn)  # the leader stops watching it for reading
+            poller = select.poll()
+            poller.register(conn.fd, select.POLLIN)
+            end = None if timeout is None else time.monotonic() + timeout
+            while not done() and not conn.lost and self._running:
+                if end is not None and time.monotonic() > end:
+                    break
+                if poller.poll(100):
+                    work: list = []
+                    self._read(conn, work)
+                    for fn, args in work:
+                        self.pool.submit(fn, *args)
+            return True
+        finally:
+            tls.reading = False
+            with conn.alock:
+                conn.owned = False
+            conn.rlock.release()
+            self._arm(conn)
+
+    def _accept_late(self, fd: int) -> None:
+        """A connection after start-up: every peer is connected, so it is refused
+        (after its handshake, on a short-lived thread, so that the refusal says why)."""
+        ls = self._tcp if self._tcp is not None and fd == self._tcp.fileno() else self._unix
+        try:
+            sock, _ = ls.accept()
+        except OSError:
+            return
+        if self._handshakes >= 8:
+            sock.close()
+            return
+        self._handshakes += 1
+
+        def refuse():
+            try:
+                sock.settimeout(5)
+                server_handshake(sock, self.rank, self._secret, self.encrypt, set())
+            except (HandshakeError, OSError) as e:
+                log.warning("worker %d: refused a connection: %s", self.rank, e)
+            finally:
+                sock.close()
+                self._handshakes -= 1
+        threading.Thread(target=refuse, daemon=True).start()
+
+    # -- liveness --------------------------------------------------------------
+    def _heartbeat(self, now: float) -> None:
+        deadline = self.heartbeat_deadline
+        stalled = now - self._last_beat - self.heartbeat_interval
+        self._last_beat = now
+        if stalled > self.heartbeat_interval:
+            # this process did not run for a while (starved, stopped): peers'
+            # silence over that time is not theirs to answer for
+            for p in self._last_recv:
+                self._last_recv[p] += stalled
+        if self._shm_peers:
+            for peer, names in self._shm_writer.expire().items():
+                conn = self._conns.get(peer)
+                if conn is not None and not conn.lost:
+                    self._send(conn, [shm.names_frame(names)])
+        for peer, conn in self._conns.items():
+            if conn.lost:
+                continue
+            silent = now - self._last_recv[peer]
+            if silent > deadline and not conn.owned and conn.rlock.acquire(False):
+                try:  # read what already arrived before calling anyone silent
+                    work: list = []
+                    self._read(conn, work)
+                    for fn, args in work:
+                        self.pool.submit(fn, *args)
+                finally:
+                    conn.rlock.release()
+                silent = now - self._last_recv[peer] if not conn.lost else 0
+            if silent > deadline:
+                self._lose(peer, f"no heartbeat for {silent:.1f} s", graceful=False)
+                continue
+            if now - self._last_sent[peer] >= self.heartbeat_interval:
+                self._send(conn, [_HEARTBEAT])
+
+    def _lose(self, peer: int, reason: str, graceful: bool) -> None:
+        with self._lose_lock:
+            if peer in self._lost:
+                return
+            self._lost.add(peer)
+        conn = self._conns.get(peer)
+        if conn is not None:
+            conn.lost = True
+            try:
+                if _EPOLL:
+                    self._poller.unregister(conn.fd)
+                elif self._poller is not None:
+                    with self._plock:
+                        self._poller.unregister(conn.sock)
+            except (OSError, ValueError, KeyError, AttributeError):
+                pass
+            try:  # wakes a caller reading it; the fd stays open (no reuse) until close()
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        prefix = self._shm_peers.get(peer)
+        if prefix is not None:  # its segments, and ours it held
+            self._shm_reader.forget_prefix(prefix)
+            shm.remove_prefix(prefix)
+            self._shm_writer.peer_lost(peer)
+        if self._closing:
+            return
+        self._guard(lambda: self._handler.on_peer_lost(peer, reason, graceful))
+
+    def _run_timers(self, now: float) -> None:
+        timers = self._timers
+        while True:
+            with self._tlock:
+                if not timers or timers[0].when > now:
+                    return
+                t = heapq.heappop(timers)
+            if not t.cancelled:
+                self._guard(t.fn)
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("worker %d: error on the transport's reading thread", self.rank)
+
+    # -- closing -----------------------------------------------------------------
+    def close(self, linger: float = 1.0) -> None:
+        """Say goodbye to every peer (flushing for at most ``linger`` s), stop reading,
+        close the sockets. The pool's threads finish what they run."""
+        if self._running:
+            for conn in list(self._conns.values()):
+                if not conn.lost:
+                    self._goodbye(conn, linger)
+        self._closing = True
+        self._running = False
+        self._wake()
+        self.pool.shutdown(wait=False)
+        end = time.monotonic() + 2
+        while self.pool._has_leader and time.monotonic() < end:
+            time.sleep(0.002)
+        for conn in self._conns.values():
+            conn.lost = True
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+        for ls in (self._tcp, self._unix):
+            if ls is not None:
+                ls.close()
+        if self._unix_name and not self._unix_name.startswith("@"):
+            try:
+                os.unlink(self._unix_name)
+            except OSError:
+                pass
+        if self._poller is not None:
+            self._poller.close()
+        self._shm_writer.cleanup()
+        self._waker.close()
+
+    def _goodbye(self, conn: _Conn, linger: float) -> None:
+        frames = [_GOODBYE]
+        with conn.wlock:
+            try:
+                if conn.cipher is not None:
+                    frames = conn.cipher.seal(frames)
+                elif self._auth is not None:
+                    frames = self._auth.seal(conn.peer, frames)
+                conn.outq.extend(framing.coalesce(frames))
+                end = time.monotonic() + max(linger, 0.05)
+                while conn.outq and time.monotonic() < end:
+                    conn.outq[:] = framing.send_some(conn.sock, conn.outq)
+                    if conn.outq:
+                        framing.wait_writable(conn.sock, max(0.0, end - time.monotonic()))
+            except OSError:
+                pass
