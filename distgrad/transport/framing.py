@@ -117,6 +117,7 @@ class FrameReader:
         self._frames: list = []
         self._big = None                      # the large frame being filled
         self._filled = 0
+        self._eof = False
 
     def read(self, sock: socket.socket) -> list[list]:
         """Read what the socket has now; returns the messages it completed.
@@ -124,6 +125,8 @@ class FrameReader:
         Raises EOFError when the peer closed the stream, FrameError when it broke
         the rules, OSError when the connection failed."""
         out: list[list] = []
+        if self._eof:
+            raise EOFError
         while True:
             if self._big is not None:
                 want = len(self._big) - self._filled
@@ -132,7 +135,7 @@ class FrameReader:
                 except (BlockingIOError, InterruptedError):
                     return out
                 if n == 0:
-                    raise EOFError
+                    return self._closed(out)
                 self._filled += n
                 if n < want:
                     return out  # the socket is drained; wait for more
@@ -155,12 +158,19 @@ class FrameReader:
             except (BlockingIOError, InterruptedError):
                 return out
             if n == 0:
-                raise EOFError
+                return self._closed(out)
             self._end += n
             if n < space:  # drained: parse what came and let the poller say when there is more
                 self._parse(out)
                 if self._big is None:
                     return out
+
+    def _closed(self, out: list[list]) -> list[list]:
+        # the messages completed before the end first (a goodbye, say); EOF next time
+        if not out:
+            raise EOFError
+        self._eof = True
+        return out
 
     def pending(self) -> bool:
         """Whether part of a message is buffered (a torn message on close)."""

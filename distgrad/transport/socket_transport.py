@@ -86,7 +86,7 @@ def host_key() -> str:
 
 class _Conn:
     __slots__ = ("peer", "sock", "fd", "wlock", "rlock", "alock", "reader", "outq", "owned",
-                 "lost", "cipher")
+                 "lost", "cipher", "poll")
 
     def __init__(self, peer: int, sock: socket.socket, max_frame: int, cipher) -> None:
         self.peer, self.sock, self.fd = peer, sock, sock.fileno()
@@ -98,6 +98,8 @@ class _Conn:
         self.owned = False              # a caller reads its own reply here
         self.lost = False
         self.cipher = cipher
+        self.poll = select.poll()       # for a caller reading its own reply
+        self.poll.register(self.fd, select.POLLIN)
 
 
 class SocketTransport(Transport):
@@ -604,13 +606,12 @@ class SocketTransport(Transport):
             with conn.alock:
                 conn.owned = True
             self._arm(conn)  # the leader stops watching it for reading
-            poller = select.poll()
-            poller.register(conn.fd, select.POLLIN)
+            poll = conn.poll.poll
             end = None if timeout is None else time.monotonic() + timeout
             while not done() and not conn.lost and self._running:
                 if end is not None and time.monotonic() > end:
                     break
-                if poller.poll(100):
+                if poll(100):
                     work: list = []
                     self._read(conn, work)
                     for fn, args in work:
