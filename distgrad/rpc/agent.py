@@ -50,14 +50,30 @@ def agent_or_none() -> RpcAgent | None:
 
 
 
+class RpcFuture(torch.futures.Future):
+    """The future of an ``rpc_async``: ``wait()`` reads the reply on the waiting
+    thread when nobody else is reading that connection (no thread hand-off)."""
+
+    def wait(self):  # noqa: D102 - torch.futures.Future.wait
+        p = self.__dict__.get("_dg_pending")
+        if p is not None and not self.done():
+            agent = _holder.get("agent")
+            if agent is not None:
+                agent.read_reply(p)
+        return super().wait()
+
+
 class _Pending:
-    __slots__ = ("future", "peer", "what", "timeout", "timer", "lock", "result", "ctx")
+    __slots__ = ("future", "peer", "what", "timeout", "timer", "lock", "result", "ctx", "reader")
 
     def __init__(self, peer: int, what: str, timeout: float, sync: bool, ctx: Any) -> None:
         self.peer, self.what, self.timeout, self.ctx = peer, what, timeout, ctx
         self.timer = None
         self.result: Any = None
-        self.future = None if sync else torch.futures.Future()
+        self.reader = None  # the thread that reads this reply while it waits for it
+        self.future = None if sync else RpcFuture()
+        if not sync:
+            self.future._dg_pending = self
         self.lock = threading.Lock() if sync else None
         if sync:
             self.lock.acquire()
@@ -180,6 +196,21 @@ class RpcAgent:
             raise value
         return self._decode_reply(p, kind, value)
 
+    def read_reply(self, p: _Pending) -> None:
+        """Wait for the reply of an rpc_async call on this thread, reading it here
+        when nobody else reads that connection, and complete its future."""
+        read_until = getattr(self.transport, "read_until", None)
+        if read_until is None:
+            return
+        p.reader = threading.get_ident()
+        try:
+            read_until(p.peer, lambda: p.result is not None or p.future.done())
+        finally:
+            p.reader = None
+        result, p.result = p.result, None
+        if result is not None:
+            self._finish_async(p, result)
+
     def abandon(self, future: torch.futures.Future, why: str) -> None:
         """Stop waiting for the reply of the rpc_async call whose future is
         ``future`` (it fails with ``why``); a late reply is then ignored."""
@@ -229,6 +260,9 @@ class RpcAgent:
             if p.lock is not None:  # a waiting caller: wake it, it decodes
                 p.result = (kind, frames)
                 p.lock.release()
+                return None
+            if p.reader == threading.get_ident():  # read by its waiter, who completes it
+                p.result = (kind, frames)
                 return None
             return (self._finish_async, (p, (kind, frames)))
         if kind != Kind.CONTROL and self._repeated(peer, rid):
@@ -328,6 +362,7 @@ class RpcAgent:
         self._complete(p, (None, exc))
 
     def _finish_async(self, p: _Pending, result: tuple) -> None:
+        p.future.__dict__.pop("_dg_pending", None)
         kind, value = result
         if kind is None:
             p.future.set_exception(value)
