@@ -64,13 +64,15 @@ class RpcFuture(torch.futures.Future):
 
 
 class _Pending:
-    __slots__ = ("future", "peer", "what", "timeout", "timer", "lock", "result", "ctx", "reader")
+    __slots__ = ("future", "peer", "what", "timeout", "timer", "lock", "result", "ctx", "reader",
+                 "claimed")
 
     def __init__(self, peer: int, what: str, timeout: float, sync: bool, ctx: Any) -> None:
         self.peer, self.what, self.timeout, self.ctx = peer, what, timeout, ctx
         self.timer = None
         self.result: Any = None
         self.reader = None  # the thread that reads this reply while it waits for it
+        self.claimed = False  # this caller took its connection's reading role
         self.future = None if sync else RpcFuture()
         if not sync:
             self.future._dg_pending = self
@@ -161,7 +163,18 @@ class RpcAgent:
         self.pending[rid] = p
         if timeout > 0:
             p.timer = self.transport.call_later(timeout, lambda: self._expire(rid), wake=False)
-        self.transport.send(dest.id, frames)
+        # a small sync call takes the connection's reading role before it sends: its
+        # reply then wakes this thread, and no other (see SocketTransport.claim)
+        claim = getattr(self.transport, "claim", None)
+        if sync and claim is not None and len(frames) < 3 and len(frames[-1]) < 65536:
+            p.claimed = claim(dest.id)
+        try:
+            self.transport.send(dest.id, frames)
+        except BaseException:
+            if p.claimed:
+                p.claimed = False
+                self.transport.release(dest.id)
+            raise
         return p
 
     def _request_frames(self, dest: WorkerInfo, kind: Kind, rid: int, payload_obj: Any, what: str,
@@ -189,8 +202,10 @@ class RpcAgent:
             # read the reply on this thread when nobody else reads that connection
             read_until = getattr(self.transport, "read_until", None)
             if read_until is not None:
-                read_until(p.peer, lambda: p.result is not None)
+                read_until(p.peer, lambda: p.result is not None, claimed=p.claimed)
             p.lock.acquire()
+        elif p.claimed:
+            self.transport.release(p.peer)
         kind, value = p.result
         if kind is None:
             raise value

@@ -35,6 +35,7 @@ _IOV_MAX = 512                # iovecs per sendmsg (the platform allows at least
 _BUF = 256 << 10              # reusable read buffer
 _DIRECT = 32 << 10            # frames from this size are read into their own buffer
 _SMALL = 4 << 10              # below this, frames are joined into one send
+_SENDMSG = hasattr(socket.socket, "sendmsg")
 
 
 class FrameError(Exception):
@@ -70,7 +71,10 @@ def send_some(sock: socket.socket, views: list[memoryview]) -> list[memoryview]:
     (empty when all went). Raises OSError when the connection is broken."""
     while views:
         try:
-            n = sock.sendmsg(views[:_IOV_MAX])
+            if _SENDMSG:
+                n = sock.sendmsg(views[:_IOV_MAX])
+            else:  # Windows: no sendmsg; one send per buffer
+                n = sock.send(views[0])
         except (BlockingIOError, InterruptedError):
             return views
         while n:
@@ -94,6 +98,8 @@ def send_frames(sock: socket.socket, frames: Sequence, timeout: float | None = N
 
 def wait_writable(sock: socket.socket, timeout: float | None) -> bool:
     """Wait until ``sock`` takes more bytes (True) or ``timeout`` s pass (False)."""
+    if not hasattr(select, "poll"):  # Windows
+        return bool(select.select([], [sock], [], timeout)[1])
     p = select.poll()
     p.register(sock.fileno(), select.POLLOUT)
     return bool(p.poll(None if timeout is None else timeout * 1000))

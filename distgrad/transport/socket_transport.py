@@ -98,8 +98,10 @@ class _Conn:
         self.owned = False              # a caller reads its own reply here
         self.lost = False
         self.cipher = cipher
-        self.poll = select.poll()       # for a caller reading its own reply
-        self.poll.register(self.fd, select.POLLIN)
+        self.poll = None                # for a caller reading its own reply
+        if hasattr(select, "poll"):     # (Windows: the leader reads every reply)
+            self.poll = select.poll()
+            self.poll.register(self.fd, select.POLLIN)
 
 
 class SocketTransport(Transport):
@@ -590,22 +592,42 @@ class SocketTransport(Transport):
             if w is not None:
                 work.append(w)
 
-    def read_until(self, peer: int, done: Callable[[], bool], timeout: float | None = None) -> bool:
+    def claim(self, peer: int) -> bool:
+        """Take the reading role of ``peer``'s connection for this thread, before it
+        sends a request whose reply it will read (:meth:`read_until` with
+        ``claimed=True`` gives the role back); False when someone else reads it.
+        Taken before the send, the reply can never wake the leader first."""
+        conn = self._conns.get(peer)
+        if conn is None or conn.lost or conn.poll is None or not self._running \
+                or getattr(self._tls, "reading", False) or not conn.rlock.acquire(False):
+            return False
+        with conn.alock:
+            conn.owned = True
+        self._arm(conn)  # the leader stops watching it for reading
+        self._tls.reading = True  # holding a reading role: its sends must not block
+        return True
+
+    def release(self, peer: int) -> None:
+        """Give back a role taken with :meth:`claim` (the send failed)."""
+        conn = self._conns.get(peer)
+        self._tls.reading = False
+        with conn.alock:
+            conn.owned = False
+        conn.rlock.release()
+        self._arm(conn)
+
+    def read_until(self, peer: int, done: Callable[[], bool], timeout: float | None = None,
+                   claimed: bool = False) -> bool:
         """Read ``peer``'s connection on this thread until ``done()`` (a caller waiting
         for its reply), when nobody else is reading it. Returns False at once when
         someone is (the reader completes the waiter), True once ``done()`` or the
         peer is lost. Work read on the way goes to the pool."""
         conn = self._conns.get(peer)
         tls = self._tls
-        if conn is None or conn.lost or getattr(tls, "reading", False) or not self._running:
-            return False
-        if not conn.rlock.acquire(False):
+        if not claimed and not self.claim(peer):
             return False
         tls.reading = True
         try:
-            with conn.alock:
-                conn.owned = True
-            self._arm(conn)  # the leader stops watching it for reading
             poll = conn.poll.poll
             end = None if timeout is None else time.monotonic() + timeout
             while not done() and not conn.lost and self._running:
@@ -619,10 +641,7 @@ class SocketTransport(Transport):
             return True
         finally:
             tls.reading = False
-            with conn.alock:
-                conn.owned = False
-            conn.rlock.release()
-            self._arm(conn)
+            self.release(peer)
 
     def _accept_late(self, fd: int) -> None:
         """A connection after start-up: every peer is connected, so it is refused
