@@ -58,6 +58,8 @@ def _seeds():
         [torch.tensor(3.5), torch.zeros(4, dtype=torch.bool), torch.ones(2, requires_grad=True)],
         torch.nn.Parameter(torch.randn(3, 2)),
         ("just", "a", "tuple", 12345678901234567890),
+        # strided views travel with their strides: an offset narrow view, an expanded one
+        [torch.arange(25.).reshape(5, 5).narrow(1, 2, 2), torch.ones(1, 3).expand(4, 3)],
     ]
     out = []
     for i, obj in enumerate(objs):
@@ -212,10 +214,14 @@ def test_fuzz_mutated_valid_frames(seed, mutations):
 @SETTINGS
 @given(st.sampled_from(["torch.float32", "torch.int64", "torch.bool", "torch.evil", 7, None]),
        st.lists(st.integers(-2, 2**64), max_size=70), st.sampled_from([True, False, 1, "x"]),
-       st.integers(-1, 3), st.integers(0, 3))
-def test_fuzz_specs(dtype, shape, requires_grad, kind, nbuf):
-    # well-formed message around arbitrary specs: sizes are checked before any allocation
+       st.integers(-1, 3), st.integers(0, 3),
+       st.one_of(st.none(), st.lists(st.integers(-2, 2**64), max_size=6)))
+def test_fuzz_specs(dtype, shape, requires_grad, kind, nbuf, strides):
+    # well-formed message around arbitrary specs (strided views' strides too):
+    # sizes and spans are checked before any allocation
     spec = (dtype, tuple(shape), requires_grad, kind)
+    if strides is not None:
+        spec += ((), tuple(strides))
     meta = pickle.dumps((("f", None, None), (spec,)), protocol=5)
     payload, _ = dumps([1, 2])
     _check([_envelope(meta, payload, nbuf)] + [bytes(16)] * nbuf)

@@ -319,6 +319,9 @@ def _all_kinds(rank, world_size):
                 assert torch.equal(b.detach().to_dense(), v.detach().to_dense()), k
             else:
                 assert torch.equal(b.detach(), v.detach().resolve_conj().resolve_neg()), k
+                # views keep their strides, as in torch (expanded ones stay at stride 0)
+                assert v.is_contiguous() or b.stride() == v.stride(), (k, b.stride(), v.stride())
+        assert back["expanded"].stride() == (0, 1) or requires_grad
     # one-element (also at stride 0), zero-element and 0-dim tensors of every dtype the wire allows
     from distgrad.wire.pickler import _DTYPES
     for dtype in _DTYPES.values():

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from distgrad.errors import ProtocolError, SerializationError
 from distgrad.wire import Kind, decode, dumps, encode, loads
 from distgrad.wire.messages import HEADER, MAGIC, VERSION
+from distgrad.wire.pickler import rebuild_tensors
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -264,11 +265,13 @@ def test_one_zero_and_zero_dim_tensors_of_every_dtype(dtype):
     one = torch.ones(1).to(dtype) if dtype != torch.complex32 else torch.ones(1, dtype=dtype)
     cases = [one, torch.empty(0, dtype=dtype), torch.empty(2, 0, 3, dtype=dtype), one.reshape(()),
              one.expand(5), one.as_strided((1,), (0,)), one.expand(1, 1, 1)]
-    out, _ = roundtrip(cases)
+    out, frames = roundtrip(cases)
     for a, b in zip(cases, out):
         _same(a, b)
-        assert b.is_contiguous()
-    assert out[3].dim() == 0 and out[4].shape == (5,)
+        assert b.is_contiguous() == a.is_contiguous() and (a.is_contiguous() or b.stride() == a.stride())
+    assert out[3].dim() == 0 and out[4].shape == (5,) and out[4].stride() == (0,)
+    # an expanded tensor keeps stride 0 and sends the one element it repeats
+    assert [len(f) for f in frames[1:]] == [dtype.itemsize] * 5
 
 
 def test_stride_zero_one_element_gradient():
@@ -385,7 +388,7 @@ def _respec(frames, spec):
 def test_hostile_sparse_specs_are_protocol_errors():
     frames = _sparse_frames(_coo(True))
     spec = decode(frames).specs[0]
-    assert len(spec) == 5 and spec[4] == (2, 3, True)
+    assert len(spec) == 6 and spec[4] == (2, 3, True) and spec[5] == ()
     msg = decode(frames)
     _same(_coo(True), loads(msg.payload, msg.specs, msg.buffers))
     bad_indices = bytearray(frames[1])
@@ -417,3 +420,110 @@ def test_hostile_sparse_specs_are_protocol_errors():
     for name in ("sparse_dim > ndim", "negative nnz", "parts on a dense spec", "unknown kind",
                  "no parts on a sparse spec", "parts not a tuple"):
         assert reasons[name].startswith("malformed tensor spec"), (name, reasons[name])
+
+
+# -- non-contiguous views keep their strides (torch.distributed.rpc does) ------------
+def test_views_keep_strides_and_send_only_their_span():
+    t = torch.rand(5, 5)
+    base = torch.arange(60, dtype=torch.float64).reshape(3, 4, 5)
+    cases = {
+        "narrow": t.narrow(1, 2, 2),              # RpcTest.test_non_cont_tensors
+        "transposed": base.transpose(0, 2),
+        "stepped": base[::2, 1::3, ::2],
+        "diagonal": torch.diagonal(base, dim1=1, dim2=2),
+        "expanded": base[:, :1, :].expand(3, 7, 5),
+        "unfold": torch.arange(10.).unfold(0, 4, 1),  # overlapping windows
+        "conj_t": torch.randn(4, 3, dtype=torch.complex128).t().conj(),
+        "bool_cols": (torch.arange(12).reshape(3, 4) % 3 == 0)[:, 1:3],
+    }
+    out, frames = roundtrip(cases)
+    for k, v in cases.items():
+        _same(v, out[k])
+        assert not out[k].is_contiguous() and out[k].stride() == v.stride(), k
+    # each buffer holds the view's span: first element to last
+    spans = [1 + sum((n - 1) * s for n, s in zip(v.shape, v.stride())) for v in cases.values()]
+    assert [len(f) for f in frames[1:]] == [n * v.element_size() for n, v in zip(spans, cases.values())]
+    assert len(frames[1]) == (4 * 5 + 1 + 1) * 4  # the narrow view: 22 floats, not 25 nor 10
+    assert len(frames[5]) == (2 * 20 + 4 + 1) * 8  # expanded: the 3 rows it repeats, not 105 doubles
+    # the overlapping windows share their elements on the receiver too (10 floats)
+    assert out["unfold"].untyped_storage().nbytes() == 10 * 4
+
+
+def test_sparse_view_of_a_large_storage_is_compacted():
+    """A view whose span is both >= 8 KiB and >= twice its own bytes (a column of
+    a large matrix) travels compacted and arrives contiguous, as torch clones it;
+    small spans keep the strides whatever the ratio."""
+    big = torch.rand(100, 100)
+    col, small_col = big[:, 3], torch.rand(10, 10)[:, 3]
+    half = torch.rand(100, 40)[:, ::2]  # span 3999 elements, 2000 useful: kept (< 2x)
+    out, frames = roundtrip([col, small_col, half])
+    _same(col, out[0])
+    _same(small_col, out[1])
+    _same(half, out[2])
+    assert out[0].is_contiguous() and len(frames[1]) == 100 * 4
+    assert out[1].stride() == (10,) and len(frames[2]) == 91 * 4
+    assert out[2].stride() == (40, 2) and len(frames[3]) == 3999 * 4
+
+
+def _strided_frames():
+    payload, tensors = dumps(torch.arange(25.).reshape(5, 5).narrow(1, 2, 2))
+    return [bytes(memoryview(f)) for f in encode(Kind.CALL, 1, ("f", None, None), payload, tensors)]
+
+
+def test_hostile_strides_are_protocol_errors():
+    frames = _strided_frames()
+    spec = decode(frames).specs[0]
+    assert spec[5] == (5, 1) and len(frames[1]) == 22 * 4
+    head = spec[:5]
+    cases = {
+        "stride count": _respec(frames, head + ((5,),)),
+        "negative stride": _respec(frames, head + ((5, -1),)),
+        "float stride": _respec(frames, head + ((5.0, 1),)),
+        "stride beyond int64": _respec(frames, head + ((1 << 63, 1),)),
+        "strides not a tuple": _respec(frames, head + ([5, 1],)),
+        "span beyond the buffer": _respec(frames, head + ((6, 1),)),
+        "span short of the buffer": _respec(frames, head + ((4, 1),)),
+        "huge stride": _respec(frames, head + ((1 << 50, 1),)),
+        "span beyond int64": _respec(frames, head + ((1 << 61, 1),)),
+        "logical size beyond int64": _respec(frames, ("torch.float32", (1 << 40, 1 << 40), False, 0, (),
+                                                      (0, 0))),
+        "strides on a sparse spec": _respec(_sparse_frames(_coo(True)),
+                                            decode(_sparse_frames(_coo(True))).specs[0][:5] + ((1, 1),)),
+        "strides on an empty tensor": _respec(frames[:1], ("torch.float32", (0, 2), False, 0, (), (1, 1))),
+    }
+    reasons = {}
+    for name, fr in cases.items():
+        msg = decode(fr)
+        with pytest.raises(ProtocolError) as ei:
+            loads(msg.payload, msg.specs, msg.buffers)
+            pytest.fail(name)
+        reasons[name] = str(ei.value)
+    for name in ("stride count", "negative stride", "float stride", "stride beyond int64",
+                 "strides not a tuple", "logical size beyond int64", "span beyond int64",
+                 "strides on a sparse spec", "strides on an empty tensor"):
+        assert reasons[name].startswith("malformed tensor strides"), (name, reasons[name])
+    for name in ("span beyond the buffer", "span short of the buffer", "huge stride"):
+        assert "buffer" in reasons[name], (name, reasons[name])
+    # the honest message still decodes
+    msg = decode(frames)
+    got = loads(msg.payload, msg.specs, msg.buffers)
+    assert got.stride() == (5, 1) and torch.equal(got, torch.arange(25.).reshape(5, 5)[:, 2:4])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+       strides=st.lists(st.integers(0, 6), min_size=4, max_size=4), nbytes=st.integers(0, 200))
+def test_random_strides_never_over_read(shape, strides, nbytes):
+    """Any (shape, strides, buffer) either rebuilds a tensor that reads only the
+    buffer's bytes, or is a ProtocolError."""
+    spec = ("torch.float32", tuple(shape), False, 0, (), tuple(strides[:len(shape)]))
+    buf = bytes(range(256))[:nbytes]
+    try:
+        t, = rebuild_tensors([spec], [buf] if nbytes else [])
+    except ProtocolError:
+        return
+    assert t.numel() > 0
+    flat = torch.frombuffer(bytearray(buf), dtype=torch.float32)
+    idx = sum(torch.arange(n).reshape([-1] + [1] * (len(shape) - 1 - d)) * s
+              for d, (n, s) in enumerate(zip(shape, strides)))
+    assert int(idx.max()) == flat.numel() - 1 and torch.equal(t, flat[idx])

@@ -19,12 +19,24 @@ call. Forks held by a lost worker are dropped. A message from a third worker
 about an RRef (a fork, a call on it) can reach the owner before the remote()
 that creates it there (that one comes from the creator): the owner then holds a
 pending value, which the creating request fills in, as torch's owner does.
+
+A fork passed on by a worker that is not its owner is unconfirmed on arrival:
+the owner confirms it (``fork_confirm``) when the sender's ``fork_add``
+reaches it. As torch's callee does, a request (call or remote) whose arguments
+carry such a fork runs its function only once the owner confirmed it, so
+``confirmed_by_owner()`` is True inside the function. The wait costs the
+difference between the paths sender -> owner -> callee and sender -> callee
+(the owner confirms on its I/O thread); it ends early if the owner is lost,
+and after the RPC timeout at most (the fork is safe either way: the sender's
+``fork_del`` never overtakes its ``fork_add``). Replies and RRefs unpickled
+outside a request do not wait.
 """
 from __future__ import annotations
 
 import collections
 import itertools
 import threading
+import time
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -57,6 +69,10 @@ class RRefContext(AgentExtension):
         self.owned: dict[tuple, _Entry] = {}
         self.user_forks: dict[tuple, int] = {}       # (rref_id, fork_id) -> owner, live here
         self.unconfirmed: set[tuple] = set()          # (rref_id, fork_id) awaiting the owner
+        # confirmations that overtook the message carrying their fork (a fork_confirm
+        # travels sender -> owner -> here and can win): applied when the fork arrives
+        self.early_confirmed: collections.OrderedDict = collections.OrderedDict()
+        self.confirmed_cv = threading.Condition(threading.Lock())
         # rref_id -> [future, count of live owner-side RRef objects]: lets proxies and
         # calls reach a value owned here that no other worker holds (RRef(value)).
         self.local_owned: dict[tuple, list] = {}
@@ -158,9 +174,41 @@ class RRefContext(AgentExtension):
 
     # -- user side ------------------------------------------------------------
     def _on_fork_confirm(self, sender: int, rref_id, fork_id) -> None:
-        self.unconfirmed.discard((rref_id, fork_id))
+        key = (tuple(rref_id), tuple(fork_id))
+        with self.confirmed_cv:
+            if key in self.unconfirmed:
+                self.unconfirmed.discard(key)
+                self.confirmed_cv.notify_all()
+            else:  # its fork has not arrived (or not been recorded) yet, or was dropped already
+                self.early_confirmed[key] = None
+                while len(self.early_confirmed) > _EARLY_CONFIRMED_MAX:  # forks that never came
+                    self.early_confirmed.popitem(last=False)
+
+    def add_unconfirmed(self, key: tuple) -> None:
+        """A fork that arrived from a worker other than its owner (unless the
+        owner's confirmation came first)."""
+        with self.confirmed_cv:
+            if key in self.early_confirmed:
+                del self.early_confirmed[key]
+            else:
+                self.unconfirmed.add(key)
+
+    def wait_confirmed(self, key: tuple, owner: int) -> None:
+        """Block until the owner confirmed fork ``key``, the owner is lost, this
+        agent shuts down or the RPC timeout passed (0: no limit)."""
+        agent = self.agent
+        timeout = agent.rpc_timeout
+        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+        with self.confirmed_cv:
+            while key in self.unconfirmed and owner not in agent.lost and not agent.shutting_down:
+                left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+                if left <= 0:
+                    return
+                self.confirmed_cv.wait(left)
 
     def on_peer_lost(self, peer: int, reason: str) -> None:
+        with self.confirmed_cv:
+            self.confirmed_cv.notify_all()  # requests waiting for that owner's confirmation
         with self.lock:
             for rref_id, entry in list(self.owned.items()):
                 for key in [k for k in entry.forks if k[1] == peer]:
@@ -184,6 +232,8 @@ class RRefContext(AgentExtension):
                 "num_pending_users": len(self.unconfirmed),
             }
 
+
+_EARLY_CONFIRMED_MAX = 4096
 
 register_extension(RRefContext)
 
@@ -237,7 +287,7 @@ class RRef(Generic[T]):
             future.set_result(None)
         self._init(agent, owner, rref_id, fork_id, future, type_hint)
         if not confirmed:
-            agent.rrefs.unconfirmed.add((rref_id, fork_id))
+            agent.rrefs.add_unconfirmed((rref_id, fork_id))
         return self
 
     @classmethod
@@ -485,7 +535,11 @@ def _unpickle_rref(owner: int, rref_id: tuple, fork_id: tuple, sender: int, type
             ctx.del_fork(rref_id, fork_id, agent.rank)  # the fork that carried it here
         return rref
     confirmed = sender == owner
-    return RRef._user(agent, owner, rref_id, fork_id, None, type_hint, confirmed=confirmed)
+    rref = RRef._user(agent, owner, rref_id, fork_id, None, type_hint, confirmed=confirmed)
+    if not confirmed and agent.current_request() is not None:
+        # as torch's callee, run the request once the owner knows of this fork
+        agent.rrefs.wait_confirmed((rref_id, fork_id), owner)
+    return rref
 
 
 def _rref_fetch():

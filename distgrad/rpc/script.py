@@ -21,6 +21,15 @@ Example::
     ...     return t * 2
     >>> rpc.rpc_sync("worker1", double, args=(torch.ones(2),))
     tensor([2., 2.])
+
+Builtin operators (``torch.add``, ``math.sqrt``: what
+``torch.jit._builtins._find_builtin`` names, e.g. ``aten::add``) travel as a
+:class:`BuiltinOp`: the callee runs the Python function, and when its argument
+parser refuses the arguments (TypeError) it asks the operator's overload packet
+(``torch.ops.aten.add``), whose refusal is torch's RPC error for a builtin
+called with bad arguments: ``RuntimeError("Overloaded torch operator invoked
+from Python failed to match any schema: ...")`` (torch runs builtins through
+that lookup).
 """
 from __future__ import annotations
 
@@ -120,3 +129,67 @@ def _from_module(name: str) -> Any:
 def _holds_rref(values: tuple) -> bool:
     from .rref import RRef
     return any(isinstance(v, RRef) for v in values)
+
+
+_NO_SCHEMA = "Overloaded torch operator invoked from Python failed to match any schema"
+
+
+def builtin_name(func: Any) -> str | None:
+    """``aten::add`` for ``torch.add``; None for a function that is not a builtin operator."""
+    try:
+        return torch.jit._builtins._find_builtin(func)
+    except TypeError:  # an unhashable callable
+        return None
+
+
+class BuiltinOp:
+    """Stands for a builtin torch operator in a call's payload (see the module doc).
+
+    Example::
+
+        >>> BuiltinOp("aten::add", torch.add)(torch.ones(2), 1)
+        tensor([2., 2.])
+        >>> BuiltinOp("aten::add", torch.add)()
+        Traceback (most recent call last):
+        RuntimeError: Overloaded torch operator invoked from Python failed to match any schema: ...
+    """
+
+    __slots__ = ("name", "func")
+
+    def __init__(self, name: str, func: Any) -> None:
+        self.name, self.func = name, func
+
+    def __reduce__(self):
+        return (BuiltinOp, (self.name, self.func))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.func(*args, **kwargs)
+        except TypeError as e:
+            # Only the argument parser's refusal of plain arguments, which ran
+            # nothing: a tensor subclass's __torch_function__ may have run code
+            if torch.overrides.has_torch_function(args + tuple(kwargs.values())):
+                raise
+            packet = self._packet()
+            if packet is None:
+                raise
+            try:
+                # torch's semantics: the operator's schemas decide. Where one matches,
+                # this is the only run (the parser ran nothing), and its result is torch's
+                return packet(*args, **kwargs)
+            except RuntimeError as schema_error:
+                if not str(schema_error).startswith(_NO_SCHEMA):
+                    raise e from None
+                raise schema_error from e
+            except Exception:  # noqa: BLE001 - any other refusal: the parser's error stands
+                raise e from None
+
+    def _packet(self) -> Any:
+        ns, _, name = self.name.partition("::")
+        try:
+            return getattr(getattr(torch.ops, ns), name)
+        except (AttributeError, RuntimeError):
+            return None
+
+    def __repr__(self) -> str:
+        return f"BuiltinOp({self.name})"

@@ -5,9 +5,14 @@ too) becomes a persistent id (its index in a *tensor table*); its bytes travel
 as separate out-of-band buffers (one for a dense tensor; indices and values
 for a sparse one) and are never copied into the pickle stream. Only the bytes
 a tensor covers are sent: a contiguous view of a large tensor sends its own
-slice; a non-contiguous, expanded (stride 0), conjugate or negative view is
-compacted first. The receiver rebuilds each tensor on the received buffers
-without another copy. Sparse compressed layouts (CSR, CSC, BSR, BSC) are
+slice. A non-contiguous view keeps its strides, as in torch.distributed.rpc:
+the span of storage from its first element to its last travels with the
+view's strides and the receiver rebuilds it with ``as_strided`` (an expanded,
+stride-0 tensor sends only the elements it repeats), unless that span is both
+8 KiB or more and at least twice the view's own bytes (a column of a large
+matrix): such a view is compacted and arrives contiguous, as torch clones it.
+Conjugate and negative views are resolved first. The receiver rebuilds each
+tensor on the received buffers without another copy. Sparse compressed layouts (CSR, CSC, BSR, BSC) are
 refused at the sender, as torch.distributed.rpc refuses them.
 
 The tensor table is exposed so that distributed autograd can see which sent
@@ -51,6 +56,9 @@ class TensorSpec(NamedTuple):
     ``parts`` is empty for a dense tensor; for a sparse COO tensor it is
     ``(sparse_dim, nnz, coalesced)``, from which the shapes of its indices
     (int64, ``(sparse_dim, nnz)``) and values (``(nnz, *dense dims)``) follow.
+    ``strides`` is empty for a contiguous tensor (and always for a sparse or an
+    empty one); for a strided view it holds the view's strides, and its buffer
+    is the span of storage from the view's first element to its last.
     """
 
     dtype: str
@@ -58,25 +66,45 @@ class TensorSpec(NamedTuple):
     requires_grad: bool
     kind: int = _DENSE
     parts: tuple = ()
+    strides: tuple = ()
 
-    def components(self) -> list[tuple[torch.dtype, tuple]]:
-        """(dtype, shape) of each piece that travels as a buffer, in order."""
+    def components(self) -> list[tuple[torch.dtype, tuple, tuple]]:
+        """(dtype, shape, strides) of each piece that travels as a buffer, in
+        order; strides ``()`` means contiguous."""
         if self.kind & ~_PARAMETER == _SPARSE_COO:
             sparse_dim, nnz, _ = self.parts
-            return [(torch.int64, (sparse_dim, nnz)),
-                    (_DTYPES[self.dtype], (nnz,) + tuple(self.shape[sparse_dim:]))]
-        return [(_DTYPES[self.dtype], self.shape)]
+            return [(torch.int64, (sparse_dim, nnz), ()),
+                    (_DTYPES[self.dtype], (nnz,) + tuple(self.shape[sparse_dim:]), ())]
+        return [(_DTYPES[self.dtype], self.shape, self.strides)]
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(dtype, shape) for dtype, shape in self.components())
+        """Bytes that travel (a strided view's span, not its logical size)."""
+        return sum(_nbytes(*c) for c in self.components())
 
 
-def _nbytes(dtype: torch.dtype, shape: tuple) -> int:
-    n = dtype.itemsize
+def _nbytes(dtype: torch.dtype, shape: tuple, strides: tuple = ()) -> int:
+    """Bytes of the buffer a piece travels in: 0 when it has no element; the
+    span from the first element to the last for a strided view (strides >= 0)."""
+    n = 1
     for s in shape:
         n *= s
-    return n
+    if n and strides:
+        n = _span(shape, strides)
+    return n * dtype.itemsize
+
+
+def _span(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """Elements from a non-empty view's first element to its last, inclusive."""
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+# A non-contiguous view travels as its span (with its strides) unless the span is
+# at least this many bytes *and* at least _SPAN_FACTOR times the view's own bytes;
+# then it is compacted (torch clones such views too: same two thresholds, on the
+# whole storage where distgrad looks at the span only).
+_SPAN_KEEP_BYTES = 8 * 1024
+_SPAN_FACTOR = 2
 
 
 def current_destination() -> Any:
@@ -118,7 +146,18 @@ def _pieces(t: torch.Tensor) -> tuple[TensorSpec, list[torch.Tensor]]:
         spec = TensorSpec(str(t.dtype), tuple(t.shape), bool(t.requires_grad), kind | _SPARSE_COO,
                           (d.sparse_dim(), d._nnz(), d.is_coalesced()))
         return spec, [d._indices(), d._values()]
-    return TensorSpec(str(t.dtype), tuple(t.shape), bool(t.requires_grad), kind), [t]
+    d = t.detach()
+    if d.is_conj():
+        d = d.resolve_conj()
+    if d.is_neg():
+        d = d.resolve_neg()
+    strides: tuple = ()
+    if d.numel() and not d.is_contiguous():
+        span = _span(d.shape, d.stride())
+        if span * d.element_size() < _SPAN_KEEP_BYTES or span < _SPAN_FACTOR * d.numel():
+            strides = tuple(d.stride())
+            d = d.as_strided((span,), (1,), d.storage_offset())  # the span, 1-D contiguous
+    return TensorSpec(str(t.dtype), tuple(t.shape), bool(t.requires_grad), kind, (), strides), [d]
 
 
 class _Pickler(pickle.Pickler):
@@ -220,7 +259,7 @@ def check_specs(specs: Any, nbuffers: int | None = None) -> tuple[TensorSpec, ..
         raise ProtocolError("malformed tensor specs")
     out, nonempty = [], 0
     for spec in specs:
-        if not isinstance(spec, tuple) or len(spec) not in (4, 5) or not isinstance(spec[0], str) \
+        if not isinstance(spec, tuple) or len(spec) not in (4, 5, 6) or not isinstance(spec[0], str) \
                 or spec[0] not in _DTYPES or not isinstance(spec[1], tuple):
             raise ProtocolError(f"malformed tensor spec {_describe(spec)}")
         spec = TensorSpec(*spec)
@@ -229,10 +268,12 @@ def check_specs(specs: Any, nbuffers: int | None = None) -> tuple[TensorSpec, ..
         if type(spec.requires_grad) is not bool or type(spec.kind) is not int \
                 or spec.kind not in _KINDS or not _parts_ok(spec):
             raise ProtocolError(f"malformed tensor spec {_describe(tuple(spec))}")
+        if spec.strides != () and not _strides_ok(spec):
+            raise ProtocolError(f"malformed tensor strides {_describe(tuple(spec))}")
         dtype = _DTYPES[spec.dtype]
         if spec.requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             raise ProtocolError(f"a {spec.dtype} tensor cannot require grad")
-        nonempty += sum(1 for d, shape in spec.components() if _nbytes(d, shape))
+        nonempty += sum(1 for c in spec.components() if _nbytes(*c))
         out.append(spec)
     if nbuffers is not None and nonempty != nbuffers:
         raise ProtocolError(f"{nbuffers} tensor buffers for {nonempty} non-empty tensors")
@@ -246,6 +287,25 @@ def _parts_ok(spec: TensorSpec) -> bool:
     return (isinstance(parts, tuple) and len(parts) == 3 and type(parts[0]) is int
             and 0 <= parts[0] <= len(spec.shape) and type(parts[1]) is int and parts[1] >= 0
             and type(parts[2]) is bool)
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def _strides_ok(spec: TensorSpec) -> bool:
+    """Strides of a dense, non-empty view: one int in [0, 2**63) per dimension,
+    with the view's logical size (elements times item size) and its span within
+    int64 (torch's own limits; the span must then match the buffer)."""
+    strides, shape = spec.strides, spec.shape
+    if not isinstance(strides, tuple) or spec.kind & ~_PARAMETER != _DENSE \
+            or len(strides) != len(shape) \
+            or any(type(s) is not int or not 0 <= s <= _INT64_MAX for s in strides):
+        return False
+    numel = 1
+    for n in shape:
+        numel *= n
+    return 0 < numel * _DTYPES[spec.dtype].itemsize <= _INT64_MAX \
+        and _span(shape, strides) * _DTYPES[spec.dtype].itemsize <= _INT64_MAX
 
 
 def rebuild_tensors(specs: Sequence[TensorSpec], buffers: Sequence) -> list[torch.Tensor]:
@@ -262,8 +322,8 @@ def rebuild_tensors(specs: Sequence[TensorSpec], buffers: Sequence) -> list[torc
     for spec in specs:
         try:
             pieces = []
-            for dtype, shape in spec.components():
-                nbytes = _nbytes(dtype, shape)
+            for dtype, shape, strides in spec.components():
+                nbytes = _nbytes(dtype, shape, strides)
                 if nbytes == 0:
                     pieces.append(torch.empty(shape, dtype=dtype))  # some dimension is 0: no storage
                     continue
@@ -272,7 +332,9 @@ def rebuild_tensors(specs: Sequence[TensorSpec], buffers: Sequence) -> list[torc
                 have = memoryview(buf).nbytes
                 if have != nbytes:
                     raise ProtocolError(f"tensor buffer holds {have} bytes, spec needs {nbytes}")
-                pieces.append(torch.frombuffer(buf, dtype=dtype).view(shape))
+                flat = torch.frombuffer(buf, dtype=dtype)
+                # the span's last element is the buffer's last (checked above): in bounds
+                pieces.append(flat.as_strided(shape, strides, 0) if strides else flat.view(shape))
             if spec.kind & ~_PARAMETER == _SPARSE_COO:
                 t = torch.sparse_coo_tensor(pieces[0], pieces[1], spec.shape,
                                             is_coalesced=spec.parts[2], check_invariants=True)
