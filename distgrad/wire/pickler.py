@@ -1,7 +1,8 @@
 """Pickling with tensors lifted out of the pickle stream.
 
 Every CPU tensor met while pickling (dense or sparse COO, an ``nn.Parameter``
-too) becomes a persistent id (its index in a *tensor table*); its bytes travel
+too) becomes a reference to its index in a *tensor table* (a reducer in the
+pickler's dispatch table, so other objects cost no Python call); its bytes travel
 as separate out-of-band buffers (one for a dense tensor; indices and values
 for a sparse one) and are never copied into the pickle stream. Only the bytes
 a tensor covers are sent: a contiguous view of a large tensor sends its own
@@ -160,32 +161,48 @@ def _pieces(t: torch.Tensor) -> tuple[TensorSpec, list[torch.Tensor]]:
     return TensorSpec(str(t.dtype), tuple(t.shape), bool(t.requires_grad), kind, (), strides), [d]
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, file, tensors: list):
-        super().__init__(file, protocol=5)
-        self.tensors = tensors
-        self._index: dict[int, int] = {}  # id(tensor) -> index: a tensor shared twice travels once
-
-    def persistent_id(self, obj):
-        if isinstance(obj, torch.Tensor) and obj.layout in (torch.strided, torch.sparse_coo):
-            if obj.device.type != "cpu":
-                raise SerializationError(
-                    f"cannot send a tensor on device {obj.device}: distgrad moves CPU "
-                    "tensors only (move it with .cpu() first)")
-            if type(obj) not in (torch.Tensor, torch.nn.Parameter):
-                return None  # subclasses pickle themselves
-            idx = self._index.get(id(obj))
-            if idx is None:  # ``tensors`` keeps obj alive, so its id stays unique
-                idx = self._index[id(obj)] = len(self.tensors)
-                self.tensors.append(obj)
-            return idx
-        if isinstance(obj, torch.Tensor) and obj.layout in _COMPRESSED:
+def _reduce_tensor(obj: torch.Tensor):
+    """Reducer of the exact types torch.Tensor and nn.Parameter (the pickler's
+    dispatch table: no Python call for any other object): the tensor joins the
+    table of the ``dumps`` running on this thread, and the stream keeps its index."""
+    layout = obj.layout
+    if layout is not torch.strided and layout is not torch.sparse_coo:
+        if layout in _COMPRESSED:
             # torch.distributed.rpc cannot send these either (it fails reading their
             # storage); torch's own pickling would lose requires_grad, so refuse here
             raise SerializationError(
-                f"cannot send a tensor with layout {obj.layout}: torch.distributed.rpc does not "
+                f"cannot send a tensor with layout {layout}: torch.distributed.rpc does not "
                 "support sparse compressed tensors (send .to_sparse() or .to_dense() instead)")
-        return None
+        return obj.__reduce_ex__(5)
+    if obj.device.type != "cpu":
+        raise SerializationError(
+            f"cannot send a tensor on device {obj.device}: distgrad moves CPU "
+            "tensors only (move it with .cpu() first)")
+    tensors, index = _local.table
+    idx = index.get(id(obj))
+    if idx is None:  # ``tensors`` keeps obj alive, so its id stays unique
+        idx = index[id(obj)] = len(tensors)
+        tensors.append(obj)
+    return _table_tensor, (idx,)
+
+
+def _table_tensor(idx: int) -> torch.Tensor:
+    """The rebuilt tensor ``idx`` of the ``loads`` running on this thread."""
+    tensors = getattr(_local, "rebuilt", None)
+    if tensors is None or type(idx) is not int or not 0 <= idx < len(tensors):
+        raise ProtocolError(f"bad tensor reference {idx!r}")
+    return tensors[idx]
+
+
+_DISPATCH = {torch.Tensor: _reduce_tensor, torch.nn.Parameter: _reduce_tensor}
+
+
+class _Pickler(pickle.Pickler):
+    dispatch_table = _DISPATCH
+
+
+class _Unpickler(pickle.Unpickler):
+    """The payload's unpickler (its own class, so that a test can restrict what it loads)."""
 
 
 def dumps(obj: Any, dest: Any = None, pins: list | None = None) -> tuple[bytes, list[torch.Tensor]]:
@@ -205,16 +222,17 @@ def dumps(obj: Any, dest: Any = None, pins: list | None = None) -> tuple[bytes, 
     """
     buf = io.BytesIO()
     tensors: list[torch.Tensor] = []
-    prev, prev_pins = getattr(_local, "dest", None), getattr(_local, "pins", None)
-    _local.dest, _local.pins = dest, pins
+    saved = (getattr(_local, "dest", None), getattr(_local, "pins", None),
+             getattr(_local, "table", None))  # dumps nests when a reducer pickles
+    _local.dest, _local.pins, _local.table = dest, pins, (tensors, {})
     try:
-        _Pickler(buf, tensors).dump(obj)
+        _Pickler(buf, protocol=5).dump(obj)
     except SerializationError:
         raise
     except Exception as e:  # pickle raises many types: normalise at this boundary
         raise SerializationError(f"cannot pickle {_describe(obj)}: {type(e).__name__}: {e}") from e
     finally:
-        _local.dest, _local.pins = prev, prev_pins
+        _local.dest, _local.pins, _local.table = saved
     return buf.getvalue(), tensors
 
 
@@ -237,6 +255,18 @@ def tensor_frames(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], li
     zero-copy numpy uint8 views of large ones."""
     specs, buffers = [], []
     for t in tensors:
+        name = _NUMPY_DTYPES.get(t.dtype)
+        if name is not None and t.layout is torch.strided and t.is_contiguous() \
+                and not t.is_neg():
+            # the common case, without the general path's views: a dense, contiguous
+            # tensor whose dtype numpy knows (its bytes are the array's)
+            specs.append(TensorSpec(name, tuple(t.shape), t.requires_grad,
+                                    _PARAMETER if type(t) is torch.nn.Parameter else _DENSE))
+            if t.numel():
+                arr = t.detach().numpy()
+                buffers.append(arr.tobytes() if arr.nbytes <= SNAPSHOT_BYTES
+                               else arr.reshape(-1).view("u1"))
+            continue
         spec, pieces = _pieces(t)
         specs.append(spec)
         for piece in pieces:
@@ -246,7 +276,14 @@ def tensor_frames(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], li
     return specs, buffers
 
 
+# dtypes numpy shares (complex ones may carry a conjugate bit: the general path)
+_NUMPY_DTYPES = {d: str(d) for d in (
+    torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.bool)}
 MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
+# Specs already checked (a training loop sends the same shapes again and again)
+_CHECKED: dict = {}
+_CHECKED_MAX = 4096
 
 
 def check_specs(specs: Any, nbuffers: int | None = None) -> tuple[TensorSpec, ...]:
@@ -258,7 +295,16 @@ def check_specs(specs: Any, nbuffers: int | None = None) -> tuple[TensorSpec, ..
     if not isinstance(specs, tuple):
         raise ProtocolError("malformed tensor specs")
     out, nonempty = [], 0
+    cache = _CHECKED
     for spec in specs:
+        # a spec seen before was checked then; repr tells 5 from 5.0 and True from 1
+        # (and the checked spec is the one used: its values, not the new object)
+        key = repr(spec)
+        known = cache.get(key)
+        if known is not None:
+            out.append(known[0])
+            nonempty += known[1]
+            continue
         if not isinstance(spec, tuple) or len(spec) not in (4, 5, 6) or not isinstance(spec[0], str) \
                 or spec[0] not in _DTYPES or not isinstance(spec[1], tuple):
             raise ProtocolError(f"malformed tensor spec {_describe(spec)}")
@@ -273,8 +319,12 @@ def check_specs(specs: Any, nbuffers: int | None = None) -> tuple[TensorSpec, ..
         dtype = _DTYPES[spec.dtype]
         if spec.requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             raise ProtocolError(f"a {spec.dtype} tensor cannot require grad")
-        nonempty += sum(1 for c in spec.components() if _nbytes(*c))
+        count = sum(1 for c in spec.components() if _nbytes(*c))
+        nonempty += count
         out.append(spec)
+        if len(cache) >= _CHECKED_MAX:
+            cache.clear()
+        cache[key] = (spec, count)
     if nbuffers is not None and nonempty != nbuffers:
         raise ProtocolError(f"{nbuffers} tensor buffers for {nonempty} non-empty tensors")
     return tuple(out)
@@ -384,15 +434,6 @@ def check_pickle(data: Any) -> None:
         pass
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, tensors):
-        super().__init__(file)
-        self.tensors = tensors
-
-    def persistent_load(self, pid):
-        if not isinstance(pid, int) or not 0 <= pid < len(self.tensors):
-            raise ProtocolError(f"bad tensor reference {pid!r}")
-        return self.tensors[pid]
 
 
 def loads(data: bytes, specs: Sequence[TensorSpec] = (), buffers: Sequence = (),
@@ -414,12 +455,16 @@ def loads(data: bytes, specs: Sequence[TensorSpec] = (), buffers: Sequence = (),
         tensors = rebuild_tensors(specs, buffers)
     if tensor_hook is not None:
         tensors = tensor_hook(tensors)
+    saved = getattr(_local, "rebuilt", None)  # loads nests when a reducer unpickles
+    _local.rebuilt = tensors
     try:
         check_pickle(data)
-        return _Unpickler(io.BytesIO(data), tensors).load()
+        return _Unpickler(io.BytesIO(data)).load()
     except (DistgradError, ImportError, AttributeError):
         # ProtocolError (bad tensor reference), an error a reducer raised on purpose, or a
         # module/attribute the sender has and this process lacks (torch raises these as is)
         raise
     except Exception as e:  # a garbled pickle raises any of pickle's many error types
         raise SerializationError(f"cannot unpickle the payload: {type(e).__name__}: {e}") from e
+    finally:
+        _local.rebuilt = saved
