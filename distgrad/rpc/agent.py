@@ -31,6 +31,9 @@ from .worker_info import WorkerInfo
 log = logging.getLogger(__name__)
 
 _holder: dict[str, RpcAgent] = {}
+# Calls with a timeout of at least this many seconds are failed by the periodic
+# sweep (at most a heartbeat tick late); shorter ones get a timer of their own.
+_SWEPT_TIMEOUT = 5.0
 # Requests remembered per sender to serve each (sender, request id) at most once
 # (a repeated CALL/REMOTE, e.g. from fault injection, is dropped).
 _DEDUP_WINDOW = 1 << 16
@@ -65,11 +68,12 @@ class RpcFuture(torch.futures.Future):
 
 class _Pending:
     __slots__ = ("future", "peer", "what", "timeout", "timer", "lock", "result", "ctx", "reader",
-                 "claimed")
+                 "claimed", "deadline")
 
     def __init__(self, peer: int, what: str, timeout: float, sync: bool, ctx: Any) -> None:
         self.peer, self.what, self.timeout, self.ctx = peer, what, timeout, ctx
         self.timer = None
+        self.deadline = 0.0  # monotonic time past which the periodic sweep fails it
         self.result: Any = None
         self.reader = None  # the thread that reads this reply while it waits for it
         self.claimed = False  # this caller took its connection's reading role
@@ -94,6 +98,7 @@ class RpcAgent:
         self.options = options
         self.rpc_timeout = options.rpc_timeout
         self.pending: dict[int, _Pending] = {}
+        self._swept = False  # a call waits on the sweep
         self.lost: dict[int, str] = {}
         self.left: set[int] = set()  # lost peers that said goodbye (shut down on purpose)
         self._rids = itertools.count(1)
@@ -162,7 +167,11 @@ class RpcAgent:
             return p
         self.pending[rid] = p
         if timeout > 0:
-            p.timer = self.transport.call_later(timeout, lambda: self._expire(rid), wake=False)
+            if timeout >= _SWEPT_TIMEOUT:  # checked by the periodic sweep: no timer per call
+                p.deadline = time.monotonic() + timeout
+                self._swept = True
+            else:
+                p.timer = self.transport.call_later(timeout, lambda: self._expire(rid), wake=False)
         # a small sync call takes the connection's reading role before it sends: its
         # reply then wakes this thread, and no other (see SocketTransport.claim)
         claim = getattr(self.transport, "claim", None)
@@ -355,6 +364,16 @@ class RpcAgent:
     def _lost_error(self, peer: int) -> WorkerLostError:
         w = self.workers[peer]
         return WorkerLostError(f"worker {w.name} (rank {w.id}) is lost: {self.lost[peer]}", w.name)
+
+    def on_tick(self, now: float) -> None:
+        """Called by the transport a few times a second (its heartbeat tick): fail
+        the calls past their deadline (long timeouts are checked here, not by a
+        timer each: at most one tick late, and nothing to cancel per reply)."""
+        if not self._swept:
+            return
+        late = [rid for rid, p in list(self.pending.items()) if p.deadline and p.deadline <= now]
+        for rid in late:
+            self._expire(rid)
 
     def _expire(self, rid: int) -> None:
         p = self.pending.pop(rid, None)

@@ -677,6 +677,9 @@ class SocketTransport(Transport):
             # silence over that time is not theirs to answer for
             for p in self._last_recv:
                 self._last_recv[p] += stalled
+        tick = getattr(self._handler, "on_tick", None)
+        if tick is not None:
+            self._guard(lambda: tick(now))
         if self._shm_peers:
             for peer, names in self._shm_writer.expire().items():
                 conn = self._conns.get(peer)
