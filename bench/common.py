@@ -79,6 +79,28 @@ def proc_cpu_seconds(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+def pids_with_env(entry: str) -> list:
+    """Pids of this user's processes whose environment holds ``entry``
+    ("NAME=value"); Linux /proc only, else []."""
+    needle = entry.encode() + b"\0"
+    pids = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return pids
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = b"\0" + f.read()
+        except OSError:
+            continue
+        if b"\0" + needle in env + b"\0":
+            pids.append(int(name))
+    return pids
+
+
 def can_read_proc_cpu() -> bool:
     try:
         proc_cpu_seconds(os.getpid())
@@ -112,8 +134,9 @@ def _die_with_parent():
         import signal
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # parent already gone before prctl
-            os._exit(1)
+        parent = mp.parent_process()
+        if parent is not None and os.getppid() != parent.pid:
+            os._exit(1)  # parent already gone before prctl
     except Exception:
         pass
 
