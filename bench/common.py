@@ -149,6 +149,7 @@ def _worker_entry(impl, rank, world_size, port, worker_fn, result_q,
     initialized = False
     import warnings
     warnings.filterwarnings("ignore", message="You are using a Backend")
+    warnings.filterwarnings("ignore", message="`TorchScript` support for functional")
     try:
         rpc = importlib.import_module(impl_module_name(impl))
         opts = rpc.TensorPipeRpcBackendOptions(
