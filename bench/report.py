@@ -74,8 +74,26 @@ def build_rows(workloads, records, impls):
     return rows
 
 
+def json_safe(obj):
+    """NaN/inf -> None, recursively, so results.json is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def _fmt(v, fmt):
     return "-" if v is None else format(v, fmt)
+
+
+def _cell(row, impl, repeats):
+    """The median, with '(k/n)' when only k of the n repeats gave a value."""
+    v, got = row["values"].get(impl), len(row["repeats"].get(impl) or ())
+    text = _fmt(v, row["fmt"])
+    return text if v is None or got >= repeats else f"{text} ({got}/{repeats})"
 
 
 def markdown(rows, impls, meta, errors):
@@ -91,15 +109,16 @@ def markdown(rows, impls, meta, errors):
            "| workload | metric | " + " | ".join(cols) + " | ratio | target | met? |",
            "|---|---|" + "---:|" * len(cols) + "---:|---|---|"]
     for r in rows:
-        vals = [_fmt(r["values"].get(i), r["fmt"]) for i in cols]
+        vals = [_cell(r, i, meta["repeats"]) for i in cols]
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         out.append(f"| {r['workload']} | {r['metric']} [{r['unit']}] ({r['better']} better) | "
                    + " | ".join(vals) + f" | {ratio} | {target_text(r['target'])} | {r['met']} |")
-    out += ["", "ratio = distgrad / torch (medians of the repeats, same run)."]
+    out += ["", "ratio = distgrad / torch (medians of the repeats, same run); "
+            "'(k/n)': only k of n repeats succeeded."]
     if errors:
         out += ["", "## Failures", ""]
         for e in errors:
             last = [ln for ln in e["error"].splitlines() if ln.strip()]
-            out.append(f"- {e['workload']} / {e['impl']} (repeat {e['repeat']}): "
+            out.append(f"- {e['workload']} / {e['impl']} (repeat {e['repeat'] + 1}): "
                        f"{last[-1] if last else e['error']}")
     return "\n".join(out) + "\n"

@@ -64,7 +64,8 @@ def _write(out, meta, records, impls, workloads):
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(md)
     common.dump_json(os.path.join(out, "results.json"),
-                     {"meta": meta, "rows": rows, "runs": records, "errors": errors})
+                     report.json_safe({"meta": meta, "rows": rows, "runs": records,
+                                       "errors": errors}))
     return md
 
 
@@ -147,6 +148,9 @@ def main(argv=None):
                     status = "ok" if rec["ok"] else "FAILED: " + \
                         rec["error"].strip().splitlines()[-1][:300]
                     print(f"[{w.name}] {impl} {status} ({rec['wall_s']:.1f}s)", flush=True)
+                    if rec["ok"] and rec["result"].get("shutdown_warning"):
+                        print(f"[{w.name}] {impl} WARNING: "
+                              f"{rec['result']['shutdown_warning'][:500]}", flush=True)
                     meta["wall_s"] = time.perf_counter() - start
                     _write(args.out, meta, records, impls, workloads)
     except KeyboardInterrupt as e:
