@@ -1,6 +1,6 @@
 """Turn the per-run records of ``bench/run_all.py`` into one table.
 
-A record is ``{"workload", "impl", "repeat", "ok", "result" | "error",
+A record is ``{"workload", "impl", "repeat" (1-based), "ok", "result" | "error",
 "wall_s"}``. Each row's value for an implementation is the median over that
 implementation's successful repeats; the ratio is distgrad / torch of those
 medians; a target (see workloads.Row) is checked against the ratio or
@@ -119,6 +119,6 @@ def markdown(rows, impls, meta, errors):
         out += ["", "## Failures", ""]
         for e in errors:
             last = [ln for ln in e["error"].splitlines() if ln.strip()]
-            out.append(f"- {e['workload']} / {e['impl']} (repeat {e['repeat'] + 1}): "
+            out.append(f"- {e['workload']} / {e['impl']} (repeat {e['repeat']}): "
                        f"{last[-1] if last else e['error']}")
     return "\n".join(out) + "\n"

@@ -142,7 +142,7 @@ def main(argv=None):
                 for impl in (impls if rep % 2 == 0 else impls[::-1]):
                     print(f"[{w.name}] {impl} repeat {rep + 1}/{args.repeats}: "
                           f"{w.world_size}-worker cluster ...", flush=True)
-                    rec = {"workload": w.name, "impl": impl, "repeat": rep}
+                    rec = {"workload": w.name, "impl": impl, "repeat": rep + 1}
                     rec.update(_run_one(w, impl, args.quick, args.timeout_factor))
                     records.append(rec)
                     status = "ok" if rec["ok"] else "FAILED: " + \
