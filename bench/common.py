@@ -79,6 +79,28 @@ def proc_cpu_seconds(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+def pids_with_env(entry: str) -> list:
+    """Pids of this user's processes whose environment holds ``entry``
+    ("NAME=value"); Linux /proc only, else []."""
+    needle = entry.encode() + b"\0"
+    pids = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return pids
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = b"\0" + f.read()
+        except OSError:
+            continue
+        if b"\0" + needle in env + b"\0":
+            pids.append(int(name))
+    return pids
+
+
 def can_read_proc_cpu() -> bool:
     try:
         proc_cpu_seconds(os.getpid())
@@ -94,13 +116,40 @@ def worker_name(rank: int) -> str:
     return f"worker{rank}"
 
 
+# (time.time() at init_rpc start, at init_rpc end) of this worker; read by
+# workloads through ``rpc_sync(w, common.init_times)``.
+INIT_TIMES: list = []
+
+
+def init_times():
+    """RPC target: this worker's wall-clock init_rpc (start, end)."""
+    return tuple(INIT_TIMES)
+
+
+def _die_with_parent():
+    """Linux: SIGKILL this worker when the process that spawned it dies, so a
+    killed benchmark driver (timeout, Ctrl-C, OOM) leaves no workers behind."""
+    try:
+        import ctypes
+        import signal
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        parent = mp.parent_process()
+        if parent is not None and os.getppid() != parent.pid:
+            os._exit(1)  # parent already gone before prctl
+    except Exception:
+        pass
+
+
 def _worker_entry(impl, rank, world_size, port, worker_fn, result_q,
                   rpc_timeout, num_worker_threads):
     """Body of every spawned worker process (module-level => picklable)."""
+    _die_with_parent()
     rpc = None
     initialized = False
     import warnings
     warnings.filterwarnings("ignore", message="You are using a Backend")
+    warnings.filterwarnings("ignore", message="`TorchScript` support for functional")
     try:
         rpc = importlib.import_module(impl_module_name(impl))
         opts = rpc.TensorPipeRpcBackendOptions(
@@ -108,10 +157,11 @@ def _worker_entry(impl, rank, world_size, port, worker_fn, result_q,
             rpc_timeout=rpc_timeout,
             num_worker_threads=num_worker_threads,
         )
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time()
         rpc.init_rpc(worker_name(rank), rank=rank, world_size=world_size,
                      rpc_backend_options=opts)
         init_s = time.perf_counter() - t0
+        INIT_TIMES[:] = [w0, time.time()]
         initialized = True
         if rank == 0:
             result = worker_fn(rpc)
@@ -140,9 +190,47 @@ def _worker_entry(impl, rank, world_size, port, worker_fn, result_q,
             pass
 
 
+def _spawn(ctx, procs, env, **kw):
+    """Start one process with ``env`` (name -> value, None = unset) applied to
+    os.environ only while it starts: spawn children copy the parent's env."""
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    try:
+        for k, v in (env or {}).items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = str(v)
+        p = ctx.Process(daemon=True, **kw)
+        p.start()
+        procs.append(p)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _reap(procs, grace=5.0):
+    """Terminate, then kill, every process still alive; one shared deadline
+    (a 32-worker cluster must not take 32 x grace)."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+
+
 def run_cluster(impl, world_size, worker_fn, timeout=300.0, *,
                 rpc_timeout=120.0, num_worker_threads=16,
-                shutdown_grace=20.0):
+                shutdown_grace=20.0, env=None):
     """Spawn a fresh ``world_size`` cluster of ``impl`` on 127.0.0.1.
 
     Rank 0 runs ``worker_fn(rpc_module)`` after ``init_rpc`` and its returned
@@ -151,6 +239,7 @@ def run_cluster(impl, world_size, worker_fn, timeout=300.0, *,
     ``shutdown_s``).  Raises RuntimeError with the worker traceback(s) on
     failure, TimeoutError if rank 0 produces nothing within ``timeout`` s.
     Workers are always terminated (then killed) before returning.
+    ``env``: extra environment variables for the workers only.
     """
     ctx = mp.get_context("spawn")
     result_q = ctx.Queue()
@@ -162,15 +251,10 @@ def run_cluster(impl, world_size, worker_fn, timeout=300.0, *,
     shutdown_times = {}
     try:
         for rank in range(world_size):
-            p = ctx.Process(
-                target=_worker_entry,
-                args=(impl, rank, world_size, port, worker_fn, result_q,
-                      rpc_timeout, num_worker_threads),
-                name=f"{impl}-{worker_name(rank)}",
-                daemon=True,
-            )
-            p.start()
-            procs.append(p)
+            _spawn(ctx, procs, env, target=_worker_entry,
+                   args=(impl, rank, world_size, port, worker_fn, result_q,
+                         rpc_timeout, num_worker_threads),
+                   name=f"{impl}-{worker_name(rank)}")
 
         # Wait for rank 0's result (or any error), bounded by `timeout`.
         while result is None and not errors:
@@ -236,14 +320,7 @@ def run_cluster(impl, world_size, worker_fn, timeout=300.0, *,
                 f"{world_size}; errors: {errors or None}")
         return result
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _reap(procs)
         try:
             result_q.close()
             result_q.cancel_join_thread()

@@ -48,17 +48,10 @@ def _percentile(sorted_vals, q):
     return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo)
 
 
-def rpc_workload(rpc, quick=False):
-    """Runs on rank 0 (worker0) with the implementation's rpc module."""
-    # Refer to `identity` through the importable module name `rpc_bench`
-    # (not __main__/__mp_main__) so the callee can unpickle it.
-    import rpc_bench
-    import torch
-
+def measure_idle_cpu(rpc, quick=False):
+    """Idle CPU (% of a core) of worker0 and worker1 while the cluster sleeps."""
     dst = common.worker_name(1)
-    res = {"quick": quick}
-
-    # ---- 3. idle CPU (first, while the cluster is fresh and idle) ----------
+    res = {}
     peer_pid = rpc.rpc_sync(dst, os.getpid)
     idle_s = 2.0 if quick else 5.0
     # let start-up work settle (the workers' first seconds still import and warm up
@@ -84,8 +77,13 @@ def rpc_workload(rpc, quick=False):
     res["idle_cpu_worker1_pct"] = 100.0 * (c1_1 - c1_0) / wall
     res["idle_cpu_worker0_pct"] = 100.0 * (c0_1 - c0_0) / wall
     res["idle_window_s"] = wall
+    return res
 
-    # ---- 1. latency ---------------------------------------------------------
+
+def measure_latency(rpc, quick=False):
+    """rpc_sync(worker1, torch.add, (ones(4), 1)) round trips: median/p99/min."""
+    import torch
+    dst = common.worker_name(1)
     n = 300 if quick else 2000
     warm = 50 if quick else 200
     t = torch.ones(4)
@@ -99,13 +97,25 @@ def rpc_workload(rpc, quick=False):
         rpc.rpc_sync(dst, torch.add, args=(t, 1))
         samples.append(pc() - s)
     samples.sort()
-    res["lat_n"] = n
-    res["lat_median_us"] = statistics.median(samples) / 1e3
-    res["lat_p99_us"] = _percentile(samples, 0.99) / 1e3
-    res["lat_min_us"] = samples[0] / 1e3
+    return {"lat_n": n,
+            "lat_median_us": statistics.median(samples) / 1e3,
+            "lat_p99_us": _percentile(samples, 0.99) / 1e3,
+            "lat_min_us": samples[0] / 1e3}
 
-    # ---- 2. bandwidth -------------------------------------------------------
+
+def measure_bandwidth(rpc, quick=False, sizes=None):
+    """Round-trip bandwidth of rpc_sync(worker1, identity, (x,)) per size label
+    (``sizes``: labels of BW_SIZES to run, default all)."""
+    # Refer to `identity` through the importable module name `rpc_bench`
+    # (not __main__/__mp_main__) so the callee can unpickle it.
+    import rpc_bench
+    import torch
+    dst = common.worker_name(1)
+    pc = time.perf_counter_ns
+    res = {}
     for label, nbytes, reps, qreps in BW_SIZES:
+        if sizes is not None and label not in sizes:
+            continue
         reps = qreps if quick else reps
         x = torch.ones(nbytes // 4, dtype=torch.float32)
         y = rpc.rpc_sync(dst, rpc_bench.identity, args=(x,))  # warmup
@@ -122,6 +132,20 @@ def rpc_workload(rpc, quick=False):
         res[f"bw_{label}_median_ms"] = med_s * 1e3
         res[f"bw_{label}_reps"] = reps
         del x
+    return res
+
+
+def rpc_workload(rpc, quick=False, parts=("idle", "latency", "bandwidth"),
+                 sizes=None):
+    """Runs on rank 0 (worker0) with the implementation's rpc module: the
+    selected parts, idle CPU first (while the cluster is fresh and idle)."""
+    res = {"quick": quick}
+    if "idle" in parts:
+        res.update(measure_idle_cpu(rpc, quick))
+    if "latency" in parts:
+        res.update(measure_latency(rpc, quick))
+    if "bandwidth" in parts:
+        res.update(measure_bandwidth(rpc, quick, sizes))
     return res
 
 
