@@ -30,11 +30,13 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from . import node_hooks
 from .context import CONTAINER, DistAutogradContext
 from .nodes import UNREACHED, accumulate, run_node, validate
 from .recording import _ANCHOR, _node_types
 
 _ACCUMULATE = None
+node_hooks.install()
 
 
 def _grad(outputs: tuple, grads: tuple, inputs: tuple, retain_graph: bool) -> tuple:
@@ -51,6 +53,20 @@ try:
     from torch.autograd.graph import _engine_run_backward
 except ImportError:  # older torch
     _engine_run_backward = None
+
+
+def _leaf_hooks(leaves: list, grads: Sequence) -> list:
+    """(index, pre-hooks, post-hooks) of each leaf with a gradient whose
+    AccumulateGrad node has hooks (:mod:`.node_hooks`); usually empty."""
+    if not node_hooks.registered[0]:
+        return []
+    out = []
+    for i, node in enumerate(leaves):
+        if grads[i] is not None:
+            pre, post = node_hooks.hooks_of(node)
+            if pre or post:
+                out.append((i, pre, post))
+    return out
 
 
 def _accumulate_type() -> type:
@@ -247,8 +263,15 @@ class PassState:
             with fed_slots(fed):
                 res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
                             self.retain_graph)
+            hooked = _leaf_hooks(region.leaves, res)
+            if hooked:
+                res = list(res)  # (the tuple goes: the gradients' reference counts stay the same)
+                for i, pre, _ in hooked:
+                    res[i] = node_hooks.run_pre(pre, res[i])
             # gradients that came over the network belong to this pass: no defensive copy
             self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs], owned=key != "root")
+            for i, _, post in hooked:
+                node_hooks.run_post(post, res[i])
         if len(pairs) < len(outputs) and region.recvs:
             # torch's engine runs a node even when all its gradients are absent, so a
             # recv function behind an absent gradient still sends (absent gradients):
@@ -361,7 +384,11 @@ class PassState:
                     out = hook(g)
                     if out is not None:
                         g = out
+                pre, post = node_hooks.hooks_of(node)
+                if pre:
+                    g = node_hooks.run_pre(pre, g)
                 self.ctx.accumulate(node, g)
+                node_hooks.run_post(post, g)
             return
         if t is recv_t:
             from .engine import ship_gradients  # (engine imports this module)

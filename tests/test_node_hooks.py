@@ -1,0 +1,84 @@
+"""Hooks on a leaf's AccumulateGrad node run in a distributed backward
+(DistAutogradTest.test_post_hooks), in native and node-by-node regions."""
+import pytest
+import torch
+from mp_utils import run_workers
+
+import distgrad.autograd as dist_autograd
+import distgrad.rpc as rpc
+from distgrad.autograd import node_hooks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_probe_finds_hooks_and_changes_nothing():
+    node_hooks.install()
+    t = torch.rand(3, requires_grad=True)
+    a = t * 2
+    node = a.grad_fn.next_functions[0][0]
+    calls = []
+    before = node_hooks.registered[0]
+    node.register_hook(lambda gi, go: calls.append(("post", gi, go[0].clone())))
+    node.register_prehook(lambda go: calls.append(("pre", go[0].clone())))
+    assert node_hooks.registered[0] == before + 2
+    pre, post = node_hooks.hooks_of(node)
+    assert len(pre) == 1 and len(post) == 1
+    # probing a node without hooks registers nothing on it
+    bare = (torch.rand(2, requires_grad=True) * 1).grad_fn.next_functions[0][0]
+    assert node_hooks.hooks_of(bare) == ([], [])
+    assert node_hooks.hooks_of(bare) == ([], [])
+    # and the registered hooks still run, once each, in local autograd
+    a.sum().backward()
+    assert [c[0] for c in calls] == ["pre", "post"] and calls[1][1] == ()
+    assert torch.equal(calls[1][2], torch.full((3,), 2.))
+
+
+def _hooks(rank, ws):
+    if rank != 0:
+        return None
+    log = []
+    # torch's test: three post-hooks on one node (t + t reaches it twice): 1 + 2 + 2
+    t = torch.rand(10, 10, requires_grad=True)
+    a = t + t
+    a.grad_fn.next_functions[0][0].register_hook(lambda gi, go: log.append(1) or gi)
+    a.grad_fn.next_functions[0][0].register_hook(lambda gi, go: log.append(2) or gi)
+    a.grad_fn.next_functions[1][0].register_hook(lambda gi, go: log.append(2) or gi)
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [a.sum()])
+        assert sum(log) == 5
+        grads = dist_autograd.get_gradients(cid)
+        assert list(grads) == [t] and torch.equal(grads[t], torch.full((10, 10), 2.))
+    assert t.grad is None
+
+    # a leaf whose gradient comes back over RPC; a pre-hook replaces the gradient
+    w = torch.ones(3, requires_grad=True)
+    seen = []
+    y = w * 1
+    node = y.grad_fn.next_functions[0][0]
+    node.register_prehook(lambda go: (go[0] * 10,))
+    node.register_hook(lambda gi, go: seen.append(go[0].clone()))
+    with dist_autograd.context() as cid:
+        z = rpc.rpc_sync("worker1", torch.mul, args=(y, 3.0))
+        dist_autograd.backward(cid, [z.sum()])
+        g = dist_autograd.get_gradients(cid)[w]
+    assert torch.equal(g, torch.full((3,), 30.)) and len(seen) == 1 and torch.equal(seen[0], g)
+    assert w.grad is None
+
+    # a shared region (y both sent and used locally): the node-by-node executor
+    from distgrad.autograd.share import ENGINE
+    shared = ENGINE.stats.get("passes_shared", 0)
+    x = torch.ones(2, requires_grad=True)
+    calls = []
+    y = x * 2
+    y.grad_fn.next_functions[0][0].register_hook(lambda gi, go: calls.append(go[0].clone()))
+    with dist_autograd.context() as cid:
+        z = rpc.rpc_sync("worker1", torch.mul, args=(y, 3.0))
+        dist_autograd.backward(cid, [(z + y).sum()])
+        g = dist_autograd.get_gradients(cid)[x]
+    assert torch.equal(g, torch.full((2,), 8.)) and len(calls) == 1 and torch.equal(calls[0], g)
+    assert ENGINE.stats["passes_shared"] == shared + 1
+    return True
+
+
+def test_accumulate_grad_hooks_in_distributed_backward():
+    assert run_workers(_hooks, world_size=2, timeout=90) == [True, None]
