@@ -22,7 +22,7 @@ from ..errors import DistgradError, ProtocolError, RPCTimeoutError, Serializatio
 from ..transport import Transport
 from ..wire import Kind, decode, dumps, encode, loads
 from ..wire.messages import peek_header, request_id
-from . import profiling
+from . import profiling, script
 from .extensions import EXTENSION_TYPES, NULL_SCOPE, AgentExtension
 from .pool import WorkerPool
 from .remote_exc import pack_exception, unpack_exception
@@ -439,7 +439,7 @@ class RpcAgent:
                 if profiling.active:  # a server-side profile is open
                     result = profiling.run(func, args, kwargs)
                 else:
-                    result = func(*args, **kwargs)
+                    result = script.call(func, args, kwargs)  # torch's errors for builtins
         except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
             if msg.kind != Kind.NOTIFY:  # as torch does, the callee reports it too
                 print(f"On {self.info}:\n{e!r}\n{traceback.format_exc()}", file=sys.stderr)

@@ -300,9 +300,6 @@ def _payload(func: Callable, args: Any, kwargs: Any) -> tuple[tuple, str]:
     if _default_pickler is not _internal_rpc_pickler:
         data, tensors = _default_pickler.serialize(PythonUDF(func, args, kwargs))
         return (_run_serialized, (data, tensors), {}), _qualname(func)
-    builtin = script.builtin_name(func)
-    if builtin is not None:  # torch's error for bad arguments (see script.BuiltinOp)
-        return (script.BuiltinOp(builtin, func), args, kwargs), _qualname(func)
     return (func, args, kwargs), _qualname(func)
 
 

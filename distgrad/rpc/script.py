@@ -23,9 +23,10 @@ Example::
     tensor([2., 2.])
 
 Builtin operators (``torch.add``, ``math.sqrt``: what
-``torch.jit._builtins._find_builtin`` names, e.g. ``aten::add``) travel as a
-:class:`BuiltinOp`: the callee runs the Python function, and when its argument
-parser refuses the arguments (TypeError) it asks the operator's overload packet
+``torch.jit._builtins._find_builtin`` names, e.g. ``aten::add``) travel as the
+functions they are; the callee runs them through :func:`call`, and when the
+argument parser refuses the arguments (TypeError) it asks the operator's
+overload packet
 (``torch.ops.aten.add``), whose refusal is torch's RPC error for a builtin
 called with bad arguments: ``RuntimeError("Overloaded torch operator invoked
 from Python failed to match any schema: ...")`` (torch runs builtins through
@@ -166,23 +167,27 @@ class BuiltinOp:
         try:
             return self.func(*args, **kwargs)
         except TypeError as e:
-            # Only the argument parser's refusal of plain arguments, which ran
-            # nothing: a tensor subclass's __torch_function__ may have run code
-            if torch.overrides.has_torch_function(args + tuple(kwargs.values())):
-                raise
-            packet = self._packet()
-            if packet is None:
-                raise
-            try:
-                # torch's semantics: the operator's schemas decide. Where one matches,
-                # this is the only run (the parser ran nothing), and its result is torch's
-                return packet(*args, **kwargs)
-            except RuntimeError as schema_error:
-                if not str(schema_error).startswith(_NO_SCHEMA):
-                    raise e from None
-                raise schema_error from e
-            except Exception:  # noqa: BLE001 - any other refusal: the parser's error stands
+            return self.retry(args, kwargs, e)
+
+    def retry(self, args: tuple, kwargs: dict, e: TypeError) -> Any:
+        """After ``func(*args, **kwargs)`` raised ``e``: torch's result or error."""
+        # Only the argument parser's refusal of plain arguments, which ran
+        # nothing: a tensor subclass's __torch_function__ may have run code
+        if torch.overrides.has_torch_function(args + tuple(kwargs.values())):
+            raise e
+        packet = self._packet()
+        if packet is None:
+            raise e
+        try:
+            # torch's semantics: the operator's schemas decide. Where one matches,
+            # this is the only run (the parser ran nothing), and its result is torch's
+            return packet(*args, **kwargs)
+        except RuntimeError as schema_error:
+            if not str(schema_error).startswith(_NO_SCHEMA):
                 raise e from None
+            raise schema_error from e
+        except Exception:  # noqa: BLE001 - any other refusal: the parser's error stands
+            raise e from None
 
     def _packet(self) -> Any:
         ns, _, name = self.name.partition("::")
@@ -193,3 +198,22 @@ class BuiltinOp:
 
     def __repr__(self) -> str:
         return f"BuiltinOp({self.name})"
+
+
+def call(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` as the callee of an RPC runs it: a builtin operator
+    refusing its arguments raises torch's schema error (see :class:`BuiltinOp`),
+    looked up only when that happens.
+
+    Example::
+
+        >>> call(torch.add, (torch.ones(2), 1), {})
+        tensor([2., 2.])
+    """
+    try:
+        return func(*args, **kwargs)
+    except TypeError as e:
+        name = builtin_name(func)
+        if name is None:
+            raise
+        return BuiltinOp(name, func).retry(args, kwargs, e)

@@ -38,8 +38,15 @@ class LeaderFollowers:
     by whichever thread leads and returns the work it read (or None to stop)."""
 
     def __init__(self, lead: Callable[[], list | None], max_workers: int,
-                 name: str = "distgrad") -> None:
+                 name: str = "distgrad", shared: Callable[[], None] | None = None) -> None:
         self._lead = lead
+        # ``shared`` (a function that wakes the threads waiting in ``lead``): every
+        # idle thread waits in ``lead`` at once (a poller the kernel hands each
+        # ready socket to exactly one waiter, such as epoll with one-shot
+        # registrations); see _run_shared
+        self._shared_wake = shared
+        self._waiting = 0   # threads inside ``lead`` (shared mode)
+        self._starting = 0  # threads started, not yet running
         # one thread more than the workers asked for: the leader never runs user
         # code while no other thread can take its role
         self.max_threads = max(1, int(max_workers)) + 1
@@ -58,7 +65,9 @@ class LeaderFollowers:
             self._spawn()
 
     def _spawn(self) -> None:  # under the lock
-        t = threading.Thread(target=self._run, daemon=True, name=f"{self._name}_{len(self._threads)}")
+        run = self._run if self._shared_wake is None else self._run_shared
+        self._starting += 1
+        t = threading.Thread(target=run, daemon=True, name=f"{self._name}_{len(self._threads)}")
         self._threads.append(t)
         t.start()
 
@@ -68,7 +77,12 @@ class LeaderFollowers:
             if self._stopping:
                 raise RuntimeError("cannot schedule new work after shutdown")
             self._tasks.append((fn, args))
-            self._wake(1)
+            if self._shared_wake is None:
+                self._wake(1)
+                return
+            if self._spare():
+                return
+        self._shared_wake()
 
     def _wake(self, n: int) -> None:  # under the lock
         # ``_idle`` counts waiting threads nobody has woken yet: the waker takes them off
@@ -111,6 +125,84 @@ class LeaderFollowers:
                 del fn, args
             del work
 
+    def _run_shared(self) -> None:
+        """A thread of the shared mode: wait in ``lead`` with the other idle threads;
+        run what it returns. No thread wakes another on the common path: the
+        kernel wakes one waiter per ready socket. The last thread waiting never
+        leaves to run user code unless another can take its place (started here),
+        and with every thread busy it keeps reading and queues the work."""
+        keep_reading = False
+        with self._lock:
+            self._starting -= 1
+        while True:
+            more = False
+            with self._lock:
+                if self._tasks and not keep_reading:
+                    work = [self._tasks.popleft()]
+                    # more queued: make sure a thread comes for them too
+                    more = bool(self._tasks) and not self._spare()
+                elif self._stopping:
+                    return
+                else:
+                    work = None
+                    self._waiting += 1
+            if more:
+                self._shared_wake()
+            if work is None:
+                try:
+                    work = self._lead()
+                except BaseException:  # noqa: BLE001
+                    log.exception("error while reading in %s", self._name)
+                    work = []
+                extra = 0
+                with self._lock:
+                    self._waiting -= 1
+                    if work is None or self._stopping:
+                        self._tasks.extend(work or ())
+                        return
+                    keep_reading = False
+                    if not work:
+                        continue
+                    if not self._waiting and not self._starting:
+                        if len(self._threads) < self.max_threads:
+                            self._spawn()  # it waits in our place
+                        else:  # every thread is busy: keep reading, the work waits
+                            self._tasks.extend(work)
+                            keep_reading = True
+                            continue
+                    if len(work) > 1:
+                        self._tasks.extend(work[1:])
+                        extra = not self._spare()
+                        work = work[:1]
+                if extra:
+                    self._shared_wake()
+            for fn, args in work:
+                self.busy += 1
+                try:
+                    fn(*args)
+                except BaseException:  # noqa: BLE001 - a task must not kill its thread
+                    log.exception("uncaught error in %s", self._name)
+                finally:
+                    self.busy -= 1
+                del fn, args
+            del work
+
+    def _spare(self) -> bool:
+        """(Under the lock) start a thread for queued work when none waits and the
+        pool may grow; True when that suffices (no wake-up needed)."""
+        if not self._waiting and not self._starting and len(self._threads) < self.max_threads:
+            self._spawn()
+            return True
+        return False
+
+    def readers(self) -> int:
+        """Threads inside ``lead`` now."""
+        return self._waiting + (1 if self._has_leader else 0)
+
+    def has_tasks(self) -> bool:
+        """Whether work waits for a thread (the shared mode's ``lead`` returns then)."""
+        return bool(self._tasks)
+
     def _leading(self) -> list | None:
         """Lead until there is work this thread may run; returns it (None: stop)."""
         while True:
@@ -148,6 +240,8 @@ class LeaderFollowers:
                 self._tasks.clear()
             self._cond.notify_all()
             threads = list(self._threads)
+        if self._shared_wake is not None:
+            self._shared_wake()
         if wait:
             me = threading.current_thread()
             for t in threads:

@@ -146,7 +146,6 @@ class SocketTransport(Transport):
         self._inbox: collections.deque = collections.deque()
         self._timers: list[Timer] = []
         self._tlock = threading.Lock()
-        self._next_wake = 0.0
         self._waker = Waker()
         self._wake_pending = False
         self._tls = threading.local()
@@ -158,7 +157,12 @@ class SocketTransport(Transport):
         self._handshakes = 0
         self._last_beat = time.monotonic()
         self._next_beat = 0.0
-        self.pool = LeaderFollowers(self._lead, num_threads, name=f"distgrad-{rank}")
+        self._inbox_lock = threading.Lock()
+        self._tick_lock = threading.Lock()
+        # with epoll every idle pool thread waits in it (the kernel gives each ready
+        # socket to one of them); elsewhere one leader waits and hands the role on
+        self.pool = LeaderFollowers(self._lead, num_threads, name=f"distgrad-{rank}",
+                                    shared=self._wake if _EPOLL else None)
         self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
 
     # -- set-up ------------------------------------------------------------
@@ -429,8 +433,8 @@ class SocketTransport(Transport):
         timer = Timer(time.monotonic() + delay, fn)
         with self._tlock:
             heapq.heappush(self._timers, timer)
-        if timer.when < self._next_wake and not getattr(self._tls, "reading", False):
-            self._wake()
+        if timer.when < self._next_beat and not getattr(self._tls, "reading", False):
+            self._wake()  # due before the pollers' next periodic wake-up
         return timer
 
     def on_io_thread(self) -> bool:
@@ -451,6 +455,7 @@ class SocketTransport(Transport):
         """The leader's loop (see :mod:`.leader`): wait, read in order, return work."""
         tls = self._tls
         tls.reading = True
+        pool = self.pool
         try:
             while self._running:
                 work: list = []
@@ -460,27 +465,36 @@ class SocketTransport(Transport):
                     wait = max(0.0, self._timers[0].when - now)
                 if self._inbox:
                     wait = 0.0
-                self._next_wake = now + wait
                 events = self._poll(wait)
-                self._next_wake = 0.0
                 for fd, ev in events:
                     conn = self._by_fd.get(fd)
                     if conn is not None:
                         self._service(conn, ev, work)
                     elif fd == self._waker.fileno():
+                        # read, then lower the flag, then (below) look at the queues: a
+                        # wake-up racing in between finds the flag up and its item is
+                        # seen below; the reverse order could swallow its byte
                         self._waker.clear()
                         self._wake_pending = False
                     else:
                         self._accept_late(fd)
-                if self._inbox:
-                    self._drain_inbox(work)
+                if self._inbox and self._inbox_lock.acquire(False):
+                    try:  # one thread at a time: loopback messages stay in order
+                        self._drain_inbox(work)
+                    finally:
+                        self._inbox_lock.release()
                 now = time.monotonic()
-                if now >= self._next_beat:
-                    self._heartbeat(now)
-                    self._next_beat = now + self.heartbeat_interval / 2
-                if self._timers and self._timers[0].when <= now:
-                    self._run_timers(now)
-                if work:
+                if (now >= self._next_beat or self._timers and self._timers[0].when <= now) \
+                        and self._tick_lock.acquire(False):
+                    try:  # whichever thread wakes first does the periodic work
+                        if now >= self._next_beat:
+                            self._heartbeat(now)
+                            self._next_beat = now + self.heartbeat_interval / 2
+                        if self._timers and self._timers[0].when <= now:
+                            self._run_timers(now)
+                    finally:
+                        self._tick_lock.release()
+                if work or pool.has_tasks():
                     return work
             return None
         finally:
@@ -488,8 +502,8 @@ class SocketTransport(Transport):
 
     def _poll(self, wait: float) -> list:
         if _EPOLL:
-            try:
-                return self._poller.poll(wait)
+            try:  # one ready socket per waiting thread: the others stay for the next
+                return self._poller.poll(wait, 1)
             except (OSError, ValueError):
                 if not self._running:
                     return []
@@ -762,10 +776,18 @@ class SocketTransport(Transport):
         self._wake()
         self.pool.shutdown(wait=False)
         end = time.monotonic() + 2
-        while self.pool._has_leader and time.monotonic() < end:
+        while self.pool.readers() and time.monotonic() < end:
             time.sleep(0.002)
         for conn in self._conns.values():
             conn.lost = True
+            try:
+                # FIN after the goodbye, and nothing left unread: closing a socket with
+                # unread bytes resets the connection, and the peer could lose the goodbye
+                conn.sock.shutdown(socket.SHUT_WR)
+                while conn.sock.recv(1 << 16):
+                    pass
+            except OSError:
+                pass
             try:
                 conn.sock.close()
             except OSError:
