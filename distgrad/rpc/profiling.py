@@ -11,6 +11,10 @@ Example (on the server, or through an RRef to one created there)::
     >>> with rpc._server_process_global_profile() as prof:
     ...     time.sleep(1)       # meanwhile other workers call this one
     >>> print(prof.key_averages().table())
+
+Also the caller's side of an RPC under torch's legacy profiler: the scope it is
+recorded under (:func:`rpc_scope`, :func:`rpc_profile`); the callee's events
+that join the caller's profile are :mod:`.remote_profiling`'s.
 """
 from __future__ import annotations
 

@@ -112,8 +112,9 @@ def parse_records(thread_records: list) -> list[FunctionEvent]:
 
 
 def _start_trace_hook(self) -> None:
-    options = (bool(self.use_cuda), bool(self.record_shapes), bool(self.profile_memory),
-               bool(self.with_stack), bool(self.with_flops), bool(self.with_modules))
+    options = tuple(bool(getattr(self, name, False)) for name in
+                    ("use_cuda", "record_shapes", "profile_memory", "with_stack", "with_flops",
+                     "with_modules"))
     session = _Session(options)
     previous = getattr(_tls, "session", None)
     _tls.session = session
