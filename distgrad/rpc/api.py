@@ -318,8 +318,10 @@ def rpc_sync(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | 
     payload, what = _payload(func, args, kwargs)
     dest = agent.resolve(to)
     if profiling.legacy_profiler_on():
-        with profiling.rpc_scope(RPCExecMode.SYNC, func, agent.name, dest.name):
-            return agent.wait(agent.send_request(dest, Kind.CALL, payload, what, timeout, sync=True))
+        prof = profiling.rpc_profile(RPCExecMode.SYNC, func, agent.name, dest.name)
+        with prof.scope:
+            p = agent.send_request(dest, Kind.CALL, prof.payload(payload), what, timeout, sync=True)
+            return prof.result(agent.wait(p))
     return agent.wait(agent.send_request(dest, Kind.CALL, payload, what, timeout, sync=True))
 
 
@@ -337,9 +339,10 @@ def rpc_async(to: Any, func: Callable, args: tuple | None = None, kwargs: dict |
     payload, what = _payload(func, args, kwargs)
     dest = agent.resolve(to)
     if profiling.legacy_profiler_on():
-        with profiling.rpc_scope(RPCExecMode.ASYNC, func, agent.name, dest.name) as rf:
-            fut = rf._call_end_callbacks_on_future(
-                agent.send_request(dest, Kind.CALL, payload, what, timeout).future)
+        prof = profiling.rpc_profile(RPCExecMode.ASYNC, func, agent.name, dest.name)
+        with prof.scope as rf:
+            p = agent.send_request(dest, Kind.CALL, prof.payload(payload), what, timeout)
+            fut = rf._call_end_callbacks_on_future(prof.future(p.future))
     else:
         fut = agent.send_request(dest, Kind.CALL, payload, what, timeout).future
     if hasattr(_thread_local_var, "future_list"):
@@ -362,14 +365,18 @@ def remote(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | No
     dest = agent.resolve(to)
     payload, what = _payload(func, args, kwargs)
     if profiling.legacy_profiler_on():
-        with profiling.rpc_scope(RPCExecMode.REMOTE, func, agent.name, dest.name) as rf:
-            rref = _remote_with(dest, payload, what, timeout, {})
+        prof = profiling.rpc_profile(RPCExecMode.REMOTE, func, agent.name, dest.name)
+        with prof.scope as rf:
+            rref = _remote_with(dest, prof.payload(payload), what, timeout, {}, prof.future)
             rref._profiling_future = rf._call_end_callbacks_on_future(rref._get_future())
             return rref
     return _remote_with(dest, payload, what, timeout, {})
 
 
-def _remote_with(dest: WorkerInfo, payload: tuple, what: str, timeout: float, extra: dict) -> RRef:
+def _remote_with(dest: WorkerInfo, payload: tuple, what: str, timeout: float, extra: dict,
+                 confirmation: Callable = lambda fut: fut) -> RRef:
+    """remote(): ``confirmation`` maps the future of the owner's confirmation
+    (what the RRef waits on)."""
     agent = current_agent()
     rref_id = agent.rrefs.new_id()
     if dest.id == agent.rank:
@@ -382,13 +389,14 @@ def _remote_with(dest: WorkerInfo, payload: tuple, what: str, timeout: float, ex
         except BaseException:
             agent.rrefs.local_targets.pop(rref_id, None)
             raise
-        p.future.add_done_callback(lambda f: _fail_unset(fut, f))
-        rref._creation = p.future
+        created = confirmation(p.future)
+        created.add_done_callback(lambda f: _fail_unset(fut, f))
+        rref._creation = created
         return rref
     fork_id = agent.rrefs.new_id()
     extra = dict(extra, new=(rref_id, fork_id))
     p = agent.send_request(dest, Kind.REMOTE, payload, what, timeout, extra=extra)
-    return RRef._user(agent, dest.id, rref_id, fork_id, p.future, confirmed=True)
+    return RRef._user(agent, dest.id, rref_id, fork_id, confirmation(p.future), confirmed=True)
 
 
 def _fail_unset(value: torch.futures.Future, creation: torch.futures.Future) -> None:

@@ -20,7 +20,7 @@ from ..launch import rendezvous
 from ..transport import SocketTransport
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
-from . import collective
+from . import collective, remote_profiling
 from .agent import RpcAgent, _holder
 from .options import RpcBackendOptions
 from .worker_info import WorkerInfo
@@ -66,9 +66,11 @@ def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBack
         # at once must find this worker ready (current_agent() works in it).
         _holder["agent"] = agent
         collective.set_members({w.name for w in workers})
+        remote_profiling.attach(rank)
         agent.start({r: a for r, (_, a) in enumerate(peers) if r != rank})
     except BaseException:
         _holder.pop("agent", None)
+        remote_profiling.detach()
         transport.close(0)
         raise
 
@@ -135,6 +137,7 @@ def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
         agent.callbacks.shutdown(wait=graceful)
     finally:
         _holder.pop("agent", None)
+        remote_profiling.detach()
 
 
 def await_arrivals(agent: RpcAgent, deadline: float) -> bool:

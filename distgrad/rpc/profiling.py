@@ -11,6 +11,10 @@ Example (on the server, or through an RRef to one created there)::
     >>> with rpc._server_process_global_profile() as prof:
     ...     time.sleep(1)       # meanwhile other workers call this one
     >>> print(prof.key_averages().table())
+
+Also the caller's side of an RPC under torch's legacy profiler: the scope it is
+recorded under (:func:`rpc_scope`, :func:`rpc_profile`); the callee's events
+that join the caller's profile are :mod:`.remote_profiling`'s.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from typing import Any
 
 import torch
 from torch.autograd.profiler_legacy import profile as _legacy_profile
+
+from . import remote_profiling
 
 _lock = threading.Lock()
 active: list[_server_process_global_profile] = []
@@ -49,7 +55,7 @@ class _server_process_global_profile(_legacy_profile):
             records, self._records = self._records, []
         per_request = []
         for thread_records in records:
-            events = torch.autograd.profiler_legacy._parse_legacy_records(thread_records)
+            events = remote_profiling.parse_records(thread_records)
             events.sort(key=lambda e: [e.time_range.start, -e.time_range.end])
             per_request.append(events)
         self.function_events = torch.autograd.profiler_util.EventList(
@@ -86,10 +92,20 @@ def legacy_profiler_on() -> bool:
 
 def rpc_scope(mode: Any, func: Any, src: str, dst: str) -> Any:
     """The record_function scope an RPC is profiled under, named as torch names it
-    (``rpc_async#my_fn(worker0 -> worker1)``). Only the caller's side is
-    recorded: the callee's events are not merged in (see docs/compatibility.md)."""
+    (``rpc_async#my_fn(worker0 -> worker1)``); the caller's side only."""
+    return torch.autograd.profiler.record_function(_key(mode, func, src, dst))
+
+
+def rpc_profile(mode: Any, func: Any, src: str, dst: str) -> remote_profiling.RpcProfile:
+    """An RPC profiled on both sides: ``.scope`` as :func:`rpc_scope`, and the
+    callee's events merged into this thread's profile (see :mod:`.remote_profiling`)."""
+    key = _key(mode, func, src, dst)
+    return remote_profiling.RpcProfile(key, torch.autograd.profiler.record_function(key))
+
+
+def _key(mode: Any, func: Any, src: str, dst: str) -> str:
     from .internal import _build_rpc_profiling_key
-    return torch.autograd.profiler.record_function(_build_rpc_profiling_key(mode, _name(func), src, dst))
+    return _build_rpc_profiling_key(mode, _name(func), src, dst)
 
 
 def _name(func: Any) -> str:

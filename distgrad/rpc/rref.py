@@ -44,7 +44,7 @@ import torch
 from ..errors import RPCTimeoutError
 from ..wire import Kind
 from ..wire.pickler import current_destination, current_pins
-from . import profiling
+from . import profiling, remote_profiling
 from .agent import AsyncResult, RpcAgent, agent_or_none, current_agent
 from .extensions import AgentExtension, register_extension
 from .internal import RPCExecMode
@@ -167,9 +167,10 @@ class RRefContext(AgentExtension):
     def _remote_done(self, peer: int, msg, value: Any, exc: BaseException | None):
         fut = msg.local["target"]
         if exc is None:
+            value, confirmation = remote_profiling.split_remote(value)  # a profiled remote()
             fut.set_result(value)
-        else:
-            fut.set_exception(exc)
+            return confirmation, None
+        fut.set_exception(exc)
         return None, exc
 
     # -- user side ------------------------------------------------------------
