@@ -767,11 +767,13 @@ class SocketTransport(Transport):
     def close(self, linger: float = 1.0) -> None:
         """Say goodbye to every peer (flushing for at most ``linger`` s), stop reading,
         close the sockets. The pool's threads finish what they run."""
+        # From here on a peer that closes is no news: it may have heard our goodbye
+        # and left before we finished saying it to everyone
+        self._closing = True
         if self._running:
             for conn in list(self._conns.values()):
                 if not conn.lost:
                     self._goodbye(conn, linger)
-        self._closing = True
         self._running = False
         self._wake()
         self.pool.shutdown(wait=False)
