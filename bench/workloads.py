@@ -78,8 +78,9 @@ WORKLOADS = [
              _bw_rows(), 300, 150, about="rpc_bench.measure_bandwidth"),
     Workload("bandwidth_tcp", 2, lambda q: _rpc(q, parts=("bandwidth",), sizes=BIG),
              _bw_rows(", distgrad shm off", "ratio>=1"), 300, 150,
-             cluster={"env": {"DISTGRAD_SHM_THRESHOLD": "0"}},
-             about="as bandwidth, workers get DISTGRAD_SHM_THRESHOLD=0 (torch ignores it)"),
+             cluster={"env": {"DISTGRAD_SAME_HOST": "0"}},
+             about="as bandwidth, workers get DISTGRAD_SAME_HOST=0: distgrad's cross-host "
+                   "path (TCP, no shared memory; torch ignores it)"),
     Workload("local", 1, lambda q: functools.partial(autograd_bench.local_workload, quick=q), [
         Row("local_ratio", "local graph: dist_autograd.backward / loss.backward()", "x",
             "lower", "distgrad<=1.05", ".3f"),

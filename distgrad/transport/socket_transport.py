@@ -75,7 +75,11 @@ def host_key() -> str:
     """What two processes share only if they can reach each other's Unix sockets
     and shared memory: boot id, hostname and network namespace. Two machines
     never share a boot id; two namespaces of one machine never share the
-    namespace's inode (so a test can treat them as two hosts)."""
+    namespace's inode (so a test can treat them as two hosts).
+    ``DISTGRAD_SAME_HOST=0`` makes every peer a remote one (TCP only, no shared
+    memory: the cross-host path, for measuring it on one machine)."""
+    if os.environ.get("DISTGRAD_SAME_HOST", "1") == "0":
+        return ""
     base = shm.host_id() or ""
     try:
         ns = os.stat("/proc/self/ns/net").st_ino
