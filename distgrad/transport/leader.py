@@ -45,6 +45,7 @@ class LeaderFollowers:
         # ready socket to exactly one waiter, such as epoll with one-shot
         # registrations); see _run_shared
         self._shared_wake = shared
+        self._local = threading.local()
         self._waiting = 0   # threads inside ``lead`` (shared mode)
         self._starting = 0  # threads started, not yet running
         # one thread more than the workers asked for: the leader never runs user
@@ -132,12 +133,16 @@ class LeaderFollowers:
         leaves to run user code unless another can take its place (started here),
         and with every thread busy it keeps reading and queues the work."""
         keep_reading = False
+        local = self._local
         with self._lock:
             self._starting -= 1
         while True:
             more = False
             with self._lock:
-                if self._tasks and not keep_reading:
+                # a queued task only while another thread reads (or one is started to):
+                # with every thread blocked in a task nobody would read the sockets
+                if self._tasks and not keep_reading and (
+                        self._waiting or self._starting or self._grow()):
                     work = [self._tasks.popleft()]
                     # more queued: make sure a thread comes for them too
                     more = bool(self._tasks) and not self._spare()
@@ -146,6 +151,8 @@ class LeaderFollowers:
                 else:
                     work = None
                     self._waiting += 1
+                    # the last reader stays one: queued work waits for a busy thread
+                    local.keep = keep_reading or bool(self._tasks)
             if more:
                 self._shared_wake()
             if work is None:
@@ -187,6 +194,13 @@ class LeaderFollowers:
                 del fn, args
             del work
 
+    def _grow(self) -> bool:
+        """(Under the lock) start one more thread if the pool may grow."""
+        if len(self._threads) < self.max_threads:
+            self._spawn()
+            return True
+        return False
+
     def _spare(self) -> bool:
         """(Under the lock) start a thread for queued work when none waits and the
         pool may grow; True when that suffices (no wake-up needed)."""
@@ -200,8 +214,9 @@ class LeaderFollowers:
         return self._waiting + (1 if self._has_leader else 0)
 
     def has_tasks(self) -> bool:
-        """Whether work waits for a thread (the shared mode's ``lead`` returns then)."""
-        return bool(self._tasks)
+        """Whether work waits for this thread (the shared mode's ``lead`` returns
+        then); never for the last reader, who must stay one."""
+        return bool(self._tasks) and not getattr(self._local, "keep", False)
 
     def _leading(self) -> list | None:
         """Lead until there is work this thread may run; returns it (None: stop)."""
