@@ -25,9 +25,16 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from . import framing
 from .auth import AuthError
 
+_INTO = hasattr(AESGCM, "decrypt_into")  # cryptography >= 45
 _SEQ = struct.Struct("!Q")
+
+
+def _flat(f):
+    v = memoryview(f)
+    return v if v.format == "B" and v.ndim == 1 else v.cast("B")
 _NONCE = struct.Struct("!QI")
 TAG = 16
 
@@ -59,8 +66,8 @@ class FrameCipher:
         head = _SEQ.pack(self._send_seq)
         aad = self._aad(head, [memoryview(f).nbytes for f in frames])
         enc = self._send.encrypt
-        return [head, *[enc(_NONCE.pack(self._send_seq, i), bytes(memoryview(f)) if not
-                            isinstance(f, bytes) else f, aad) for i, f in enumerate(frames)]]
+        return [head, *[enc(_NONCE.pack(self._send_seq, i), _flat(f), aad)
+                        for i, f in enumerate(frames)]]
 
     def open(self, frames: list) -> list:
         """The plaintext frames; raises AuthError when anything was forged or replayed."""
@@ -74,10 +81,16 @@ class FrameCipher:
         if min(sizes) < 0:
             raise AuthError("a frame shorter than its tag")
         aad = self._aad(head, sizes)
-        dec = self._recv.decrypt
+        out = []
         try:
-            out = [bytearray(dec(_NONCE.pack(seq, i), bytes(f) if not isinstance(f, bytes) else f, aad))
-                   for i, f in enumerate(frames[1:])]
+            for i, f in enumerate(frames[1:]):
+                nonce = _NONCE.pack(seq, i)
+                if _INTO:  # straight into the (writable) buffer tensors are built on
+                    buf = framing.alloc(sizes[i])
+                    self._recv.decrypt_into(nonce, _flat(f), aad, buf)
+                else:
+                    buf = bytearray(self._recv.decrypt(nonce, _flat(f), aad))
+                out.append(buf)
         except InvalidTag:
             raise AuthError("bad authentication tag") from None
         self._recv_seq = seq

@@ -105,6 +105,11 @@ def wait_writable(sock: socket.socket, timeout: float | None) -> bool:
     return bool(p.poll(None if timeout is None else timeout * 1000))
 
 
+def alloc(n: int):
+    """A writable buffer of ``n`` bytes, uninitialized when large."""
+    return _alloc(n)
+
+
 def _alloc(n: int):
     # uninitialized (no memset of a buffer that recv_into fills anyway), writable
     return torch.empty(n, dtype=torch.uint8).numpy() if n >= _DIRECT else bytearray(n)
