@@ -336,11 +336,13 @@ class SocketTransport(Transport):
 
     def _arm(self, conn: _Conn, out: bool = True) -> None:
         """Re-register ``conn`` for what it waits for now (read unless a caller owns
-        it; write while its queue is not empty, unless ``out`` is False)."""
+        it; write while its queue is not empty, unless ``out`` is False and a
+        sender holds the write lock: that sender flushes, or arms it on release)."""
         with conn.alock:
             if conn.lost:
                 return
-            mask = (0 if conn.owned else _IN) | (_OUT if out and conn.outq else 0)
+            out = bool(conn.outq) and (out or not conn.wlock.locked())
+            mask = (0 if conn.owned else _IN) | (_OUT if out else 0)
             try:
                 if _EPOLL:
                     self._poller.modify(conn.fd, mask | _ONESHOT if mask else 0)
