@@ -283,6 +283,42 @@ def test_unix_sockets_on_one_host_tcp_across_hosts():
         b.close(0)
 
 
+def test_intruders_during_start_up_do_not_stop_it():
+    # Before the real peer connects, outsiders reach the listening socket: garbage, a
+    # hello with other settings (no secret), a hello with a forged proof. Each is
+    # refused; start() still completes with the real peer, and a message goes through.
+    import raw_peer as rp
+    a, b = SocketTransport(0, secret=b"k"), SocketTransport(1, secret=b"k")
+    addr_a, addr_b = a.listen("127.0.0.1"), b.listen("127.0.0.1")
+    tcp = addr_b.split("#")[0][len("tcp://"):].rsplit(":", 1)
+    ha, hb = _Collect(), _Collect()
+    done, errors = threading.Event(), []
+
+    def start_b():
+        try:
+            b.start(hb, {0: addr_a})
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        done.set()
+    th = threading.Thread(target=start_b, daemon=True)
+    th.start()
+    try:
+        for data in (os.urandom(4096), rp.hello(0, 1, 0), rp.hello(0, 1, rp.F_SECRET) + os.urandom(32)):
+            s = socket.create_connection((tcp[0], int(tcp[1])), timeout=10)
+            rp.send_quietly(s, data)
+            assert rp.closed_by_peer(s, 10)  # refused
+            s.close()
+        assert not done.is_set() and not errors, errors  # b still waits for worker 0
+        a.start(ha, {1: addr_b})
+        th.join(60)
+        assert done.is_set() and not errors, errors
+        a.send(1, [b"after the intruders"])
+        assert bytes(hb.wait_for(1)[0][1][0]) == b"after the intruders"
+    finally:
+        a.close(0)
+        b.close(0)
+
+
 def test_shm_disabled_by_threshold():
     a, b, ha, hb = _pair(threshold=0)
     try:
