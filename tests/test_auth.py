@@ -1,16 +1,31 @@
-"""Authentication: nothing from a peer without the secret is unpickled."""
+"""Authentication: nothing from a peer without the secret is unpickled.
+
+Unit tests of the per-message MAC (transport/auth.py) and of the connection
+handshake (transport/handshake.py) over socket pairs; then real workers
+attacked with raw sockets that speak the handshake wrongly (garbage, a forged
+proof, no secret, a rank already connected, silence after the handshake):
+the worker never unpickles anything from them, refuses them, keeps serving.
+"""
+import logging
 import os
 import pickle
+import socket
+import threading
 import time
 
 import pytest
 import torch
-import zmq
 from mp_utils import run_workers
 
 from distgrad.transport.auth import Authenticator, AuthError
+from distgrad.transport.handshake import (
+    F_SECRET,
+    HandshakeError,
+    client_handshake,
+    server_handshake,
+)
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 
 
 def test_seal_open_roundtrip_and_rejections():
@@ -58,6 +73,145 @@ def test_seal_open_roundtrip_and_rejections():
         old.open(0, a.seal(1, [b"x"]))
 
 
+# -- the handshake ----------------------------------------------------------------
+def _handshake(client_kw, server_kw, client_rank=0, server_rank=1, expect=None, target=None):
+    """Run both sides over a socket pair; returns (client result, server result),
+    each a value or the exception raised."""
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    b.settimeout(10)
+    out = {}
+
+    def client():
+        try:
+            out["c"] = client_handshake(a, client_rank, server_rank if target is None else target,
+                                        **client_kw)
+        except Exception as e:  # noqa: BLE001
+            out["c"] = e
+        finally:
+            a.close()  # as the transport does when its side fails
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        out["s"] = server_handshake(b, server_rank, expect={client_rank} if expect is None else expect,
+                                    **server_kw)
+    except Exception as e:  # noqa: BLE001
+        out["s"] = e
+    finally:
+        b.close()  # as the transport does: the client sees the end at once
+        t.join(20)
+    return out["c"], out["s"]
+
+
+def test_handshake_with_the_right_secret():
+    for kw in ({"secret": b"k", "encrypt": False}, {"secret": b"k", "encrypt": True},
+               {"secret": None, "encrypt": False}):
+        c, s = _handshake(kw, kw)
+        assert not isinstance(c, Exception) and not isinstance(s, Exception), (kw, c, s)
+        cc, sc = c
+        assert s == (0, cc, sc) and len(cc) == len(sc) == 16 and cc != sc
+    # fresh challenges every time (they salt the encryption keys)
+    assert _handshake(kw, kw)[0] != _handshake(kw, kw)[0]
+
+
+def test_handshake_with_a_wrong_secret_fails_on_both_sides():
+    c, s = _handshake({"secret": b"mine", "encrypt": False}, {"secret": b"theirs", "encrypt": False})
+    assert isinstance(c, HandshakeError) and "worker 1 does not know the cluster secret" in str(c)
+    # the client hung up without a proof: the server never accepts it
+    assert isinstance(s, HandshakeError), s
+
+
+def test_handshake_with_a_forged_client_proof_fails():
+    # the server's proof is checked by the client; a client with another secret that
+    # answers anyway (ignores the server's proof) fails the server's check
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    b.settimeout(10)
+    from raw_peer import hello, read_welcome
+    try:
+        a.sendall(hello(0, 1, F_SECRET))
+        box = {}
+        t = threading.Thread(target=lambda: box.update(
+            r=pytest.raises(HandshakeError, server_handshake, b, 1, b"k", False, {0})))
+        t.start()
+        assert read_welcome(a)[2] == F_SECRET
+        a.sendall(os.urandom(32))
+        t.join(20)
+        assert "does not know the cluster secret" in str(box["r"].value)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("client, server, words", [
+    ({"secret": b"k", "encrypt": False}, {"secret": None, "encrypt": False}, "cluster secret set"),
+    ({"secret": None, "encrypt": False}, {"secret": b"k", "encrypt": False}, "cluster secret unset"),
+    ({"secret": b"k", "encrypt": True}, {"secret": b"k", "encrypt": False}, "encryption on"),
+    ({"secret": b"k", "encrypt": False}, {"secret": b"k", "encrypt": True}, "encryption off"),
+])
+def test_handshake_flags_mismatch_names_the_setting(client, server, words):
+    c, s = _handshake(client, server)
+    assert isinstance(c, HandshakeError) and isinstance(s, HandshakeError), (c, s)
+    for e in (c, s):
+        assert "DISTGRAD_SECRET" in str(e) and "DISTGRAD_ENCRYPT" in str(e)
+    assert "worker 1 runs with" in str(c)
+    theirs = str(s).split("; this worker")[0]  # what the server says of the client
+    assert theirs.startswith("a peer claiming rank 0 runs with") and words in theirs, str(s)
+
+
+def test_handshake_refuses_unexpected_ranks_and_bad_magic():
+    kw = {"secret": b"k", "encrypt": False}
+    # the right secret, but a rank already connected (or not lower): refused by the server
+    c, s = _handshake(kw, kw, expect=set())
+    assert isinstance(s, HandshakeError) and "not expected" in str(s)
+    # a client looking for another worker at this address
+    c, s = _handshake(kw, kw, target=2)
+    assert isinstance(s, HandshakeError) and "expected worker 2" in str(s)
+    assert isinstance(c, HandshakeError), c
+    a, b = socket.socketpair()
+    b.settimeout(5)
+    try:
+        a.sendall(os.urandom(64))
+        with pytest.raises(HandshakeError, match="bad magic"):
+            server_handshake(b, 1, b"k", False, {0})
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_recorded_client_proof_never_fits_a_new_challenge():
+    from raw_peer import hello, read_welcome
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    b.settimeout(10)
+    cc = os.urandom(16)
+    try:  # record a whole genuine exchange
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=server_handshake(b, 1, b"k", False, {0})))
+        t.start()
+        a.sendall(hello(0, 1, F_SECRET, cc))
+        sc = read_welcome(a)[3]
+        from distgrad.transport.handshake import _proof
+        proof = _proof(b"k", b"C", 0, 1, cc, sc)
+        a.sendall(proof)
+        t.join(10)
+        assert box["r"][0] == 0
+    finally:
+        a.close()
+        b.close()
+    a, b = socket.socketpair()  # replay it: same hello, same proof
+    a.settimeout(10)
+    b.settimeout(10)
+    try:
+        a.sendall(hello(0, 1, F_SECRET, cc) + proof)
+        with pytest.raises(HandshakeError, match="does not know the cluster secret"):
+            server_handshake(b, 1, b"k", False, {0})
+    finally:
+        a.close()
+        b.close()
+
+
+# -- attacks on a running worker ----------------------------------------------------
 class _MakeFile:
     def __init__(self, path):
         self.path = path
@@ -66,36 +220,103 @@ class _MakeFile:
         return (open, (self.path, "w"))
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+_LOG = {}
+
+
+def _capture_log():
+    h = _Records()
+    logging.getLogger("distgrad").addHandler(h)
+    _LOG["h"] = h
+    return True
+
+
+def _refusals():
+    return [line for line in _LOG["h"].lines if "refused a connection" in line]
+
+
 def _attack(rank, world_size, marker):
+    import raw_peer as rp
+
     import distgrad.rpc as rpc
+    from distgrad.transport.auth import Authenticator
     from distgrad.wire.messages import Kind, encode
-    if rank == 0:
-        agent = rpc.api.current_agent()
-        addr = agent.store.get("distgrad/worker/1")
-        endpoint = pickle.loads(addr)[1].split("#")[0]
-        ctx = zmq.Context()
-        payload = pickle.dumps((_MakeFile(marker), (), {}))
-        frames = encode(Kind.CALL, 1, ("x", None, None), payload)
-        for identity in (b"\x00\x00\x00\x00", b"intruder"):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.IDENTITY, identity)
-            s.connect(endpoint)
-            s.send_multipart([b"\x00\x00\x00\x00" + bytes(28)] + frames)  # made-up MAC
-            s.send_multipart([b"\x00\x00\x00\x00"] + frames)  # none at all
-            s.send_multipart(frames)  # no transport frame
-            s.send_multipart([b"\x80\x04garbage"])
-        time.sleep(1.0)
-        ctx.destroy(linger=0)
-        # the worker keeps serving authenticated peers
-        return rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist()
-    return None
+    if rank != 0:
+        return None
+    agent = rpc.api.current_agent()
+    assert rpc.rpc_sync("worker1", _capture_log)
+    secret = os.environ["DISTGRAD_SECRET"].encode()
+    nonce = bytes.fromhex(rp.worker_address(agent, 1)[2]["auth"])
+    payload = pickle.dumps((_MakeFile(marker), (), {}))
+    call = encode(Kind.CALL, 1, ("x", None, None), payload)
+    forged = Authenticator(secret, 0)  # even correctly MAC'd for 0 -> 1
+    forged.set_peer_nonce(1, nonce)
+    frames = rp.framed(call) + rp.framed(forged.seal(1, list(call))) + rp.framed([b"\xffBYE"])
+    seen = {}
+    for target in rp.targets(agent, 1):
+        kind = "unix" if isinstance(target, str) else "tcp"
+        # garbage
+        s = rp.connect(target)
+        rp.send_quietly(s, os.urandom(64 << 10))
+        seen[kind, "garbage"] = rp.closed_by_peer(s)
+        s.close()
+        # a hello with a made-up proof, then messages anyway
+        s = rp.connect(target)
+        s.sendall(rp.hello(0, 1, rp.F_SECRET))
+        welcome = rp.read_welcome(s)
+        rp.send_quietly(s, os.urandom(32) + frames)
+        seen[kind, "forged proof"] = (welcome is not None and welcome[1] == 1 and
+                                      welcome[2] == rp.F_SECRET and rp.closed_by_peer(s))
+        s.close()
+        # a well-formed hello from a client without the secret: no proof for it
+        s = rp.connect(target)
+        s.sendall(rp.hello(0, 1, 0))
+        welcome = rp.read_welcome(s)
+        rp.send_quietly(s, bytes(32) + frames)
+        seen[kind, "no secret"] = (welcome is not None and welcome[2] == rp.F_SECRET
+                                   and welcome[4] == bytes(32) and rp.closed_by_peer(s))
+        s.close()
+        # the secret, claiming rank 0 (already connected): the handshake passes the
+        # proofs, then the worker refuses the connection; messages sent after it are
+        # never read
+        s = rp.connect(target)
+        client_handshake(s, 0, 1, secret, False)
+        rp.send_quietly(s, frames)
+        seen[kind, "rank already connected"] = rp.closed_by_peer(s)
+        s.close()
+        # the handshake, then nothing
+        s = rp.connect(target)
+        client_handshake(s, 0, 1, secret, False)
+        seen[kind, "silent"] = rp.closed_by_peer(s)
+        s.close()
+        # nothing at all (the worker gives up on it after a few seconds)
+        s = rp.connect(target)
+        seen[kind, "connect only"] = rp.closed_by_peer(s, 20)
+        s.close()
+    time.sleep(0.5)
+    # the worker keeps serving authenticated peers, and said why it refused
+    served = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist()
+    return served, seen, rpc.rpc_sync("worker1", _refusals)
 
 
 def test_forged_messages_are_never_unpickled(tmp_path):
     marker = str(tmp_path / "pwned")
-    res = run_workers(_attack, world_size=2, timeout=90, args=(marker,))
-    assert res[0] == [2.0, 2.0]
+    served, seen, refusals = run_workers(_attack, world_size=2, timeout=150, args=(marker,))[0]
+    assert served == [2.0, 2.0]
     assert not os.path.exists(marker)
+    assert all(seen.values()) and len(seen) in (6, 12), seen  # each attack: hung up on
+    assert len(refusals) >= len(seen), refusals  # one per connection, garbage included
+    text = "\n".join(refusals)
+    for why in ("bad magic", "does not know the cluster secret", "runs with", "not expected"):
+        assert why in text, refusals
 
 
 def _mismatch(rank, world_size):
@@ -103,10 +324,16 @@ def _mismatch(rank, world_size):
 
 
 def test_wrong_secret_is_rejected_at_init():
-    # one worker with a secret, one without: init fails clearly instead of talking
-    with pytest.raises(AssertionError, match="cluster secret"):
+    # one worker with a secret, one without: init fails clearly (from the address
+    # tags, before connecting) instead of talking
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="cluster secret") as info:
         run_workers(_mismatch, world_size=2, timeout=60,
                     env_per_rank={0: {"DISTGRAD_SECRET": None}})
+    text = str(info.value)
+    assert "requires the cluster secret (DISTGRAD_SECRET) and this worker has none" in text
+    assert "runs without the cluster secret" in text
+    assert time.monotonic() - t0 < 50
 
 
 _HOT = {}
@@ -140,24 +367,18 @@ def test_tensor_changed_in_place_while_replying_still_verifies():
     assert run_workers(_mutating, world_size=2, timeout=90)[0]
 
 
-def _different_secrets(rank, world_size):
-    import distgrad.rpc as rpc
-    from distgrad.errors import RPCTimeoutError, WorkerLostError
-    other = f"worker{1 - rank}"
-    t0 = time.monotonic()
-    try:
-        rpc.rpc_sync(other, torch.add, args=(torch.ones(1), 1), timeout=20)
-    except (WorkerLostError, RPCTimeoutError) as e:
-        return type(e).__name__, other in str(e), time.monotonic() - t0
-    return "answered", False, 0.0
-
-
 def test_a_wrong_secret_is_rejected():
-    # Every message from a worker with another secret fails the MAC and is dropped,
-    # heartbeats included: neither side ever runs the other's call, and each
-    # declares the other lost once the heartbeat deadline passes.
-    res = run_workers(_different_secrets, world_size=2, timeout=90,
-                      env_per_rank={1: {"DISTGRAD_SECRET": "another-secret"}})
-    for kind, names_peer, seconds in res:
-        assert kind == "WorkerLostError" and names_peer, res
-        assert seconds < 10, res
+    # Both workers have a secret, but not the same: the handshake fails. The
+    # connecting worker (rank 0) sees that worker 1's proof is wrong and says so at
+    # once; worker 1 never gets a valid connection and gives up after start()'s
+    # connect timeout (60 s). Neither ever talks to the other.
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_workers(_mismatch, world_size=2, timeout=150,
+                    env_per_rank={1: {"DISTGRAD_SECRET": "another-secret"}})
+    took = time.monotonic() - t0
+    text = str(info.value)
+    assert "worker 0: handshake with worker 1 failed: worker 1 does not know the cluster secret" \
+        in text, text
+    assert "worker 1: workers [0] never connected" in text, text
+    assert took < 120, took

@@ -40,7 +40,7 @@ def is_valid(cid):
 
 
 def _error_log():
-    """Collect ERROR records (e.g. 'error on the I/O thread') of this process."""
+    """Collect ERROR records (e.g. "error on the transport's reading thread") of this process."""
     records = []
 
     class H(logging.Handler):

@@ -3,9 +3,14 @@ their memory does not blow up.
 
 torch's RPC dies from 64 KiB of garbage on its port and stops accepting after
 a bare connect-and-close; distgrad must not. Rank 0 drives every attack
-against every worker's listening port (itself included), then checks that
-rpc_sync works between all pairs and that no worker's resident memory grew
-by more than ``RSS_GROWTH_MIB``.
+against every worker's listening sockets (TCP and Unix; itself included):
+garbage, broken or forged handshakes (tests/raw_peer.py), huge declared
+sizes, hundreds of bare and idle connections, and clients that know the
+secret but claim a rank already connected and then send messages. A worker
+refuses every connection after start-up, so none of it is ever read as a
+message: nothing is unpickled (a marker file is never created). Then it checks
+that rpc_sync works between all pairs and that no worker's resident memory
+grew by more than ``RSS_GROWTH_MIB``.
 
 Second part: an *authenticated* peer (the agent's own transport, so frames are
 MAC'd) sends malformed distgrad messages (truncated header, wrong buffer
@@ -15,13 +20,12 @@ header decoded gets a ProtocolError (or SerializationError) reply.
 """
 import os
 import pickle
-import socket
 import struct
 import time
 
 import pytest
+import raw_peer as rp
 import torch
-import zmq
 from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,12 +35,16 @@ RSS_GROWTH_MIB = 300
 
 # -- helpers (run inside rank 0) ----------------------------------------------
 def _endpoints(agent, world_size):
-    out = []
-    for r in range(world_size):
-        addr = pickle.loads(agent.store.get(f"distgrad/worker/{r}"))[1].split("#")[0]
-        host, port = addr[len("tcp://"):].rsplit(":", 1)
-        out.append((addr, host, int(port)))
-    return out
+    """(worker rank, TCP address or Unix socket name) of every listening socket."""
+    return [(r, t) for r in range(world_size) for t in rp.targets(agent, r)]
+
+
+class _MakeFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
 
 
 def _rss_mib(pid):
@@ -73,29 +81,14 @@ def _check_all_pairs(world_size, nbytes):
         assert rpc.rpc_sync(f"worker{r}", _ping_all, args=(world_size, nbytes), timeout=60) is True
 
 
-def _greeting(mechanism=b"NULL", as_server=0):
-    # ZMTP 3.0: signature (10), version (2), mechanism (20), as-server (1), filler (31)
-    return (b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\x00")
-            + bytes([as_server]) + bytes(31))
-
-
-def _ready(socket_type=b"DEALER"):
-    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack("!I", len(socket_type)) + socket_type
-    return bytes([0x04, len(body)]) + body  # short command frame
-
-
-def _long_frame_header(size, more=False):
-    return bytes([0x02 | (0x01 if more else 0)]) + struct.pack("!Q", size)
-
-
-def _raw(host, port, data=b"", hold=0.0):
-    s = socket.create_connection((host, port), timeout=5)
+def _raw(target, data=b"", hold=0.0):
+    try:
+        s = rp.connect(target)
+    except OSError:
+        return  # the backlog is full for a moment: an attack that did nothing
     try:
         if data:
-            try:
-                s.sendall(data)
-            except OSError:
-                pass  # the worker may hang up first: that is what we want
+            rp.send_quietly(s, data)
         if hold:
             time.sleep(hold)
     finally:
@@ -104,53 +97,64 @@ def _raw(host, port, data=b"", hold=0.0):
 
 def _raw_attacks(eps):
     rng = os.urandom
-    for _, host, port in eps:
-        _raw(host, port, rng(64 * 1024))                             # pure garbage
-        _raw(host, port, _greeting() + rng(64 * 1024))               # greeting, then garbage
-        _raw(host, port, _greeting(b"CURVE") + rng(1024))            # mechanism mismatch
-        _raw(host, port, _greeting() + _long_frame_header(2**62))    # huge size before READY
-        for size in (2**62, 2**63 - 1, 2**32):                       # huge sizes after READY
-            _raw(host, port, _greeting() + _ready() + _long_frame_header(size) + rng(64 * 1024))
-        _raw(host, port, _greeting() + _ready() + _long_frame_header(2**62, more=True))
-        for _ in range(200):                                         # bare connect-and-close
-            _raw(host, port)
+    for rank, target in eps:
+        _raw(target, rng(64 * 1024))                                   # pure garbage
+        _raw(target, rp.MAGIC + rng(64 * 1024))                        # the magic, then garbage
+        _raw(target, rp.hello(0, rank + 1, rp.F_SECRET) + rng(1024))   # asks for another worker
+        _raw(target, rp.hello(2**32 - 1, rank, 0xFF) + rng(1024))      # absurd rank and flags
+        _raw(target, rp.hello(0, rank, rp.F_SECRET) + rng(64 * 1024))  # garbage for a proof
+        _raw(target, rp.hello(0, rank, 0) + rng(64 * 1024))            # no secret
+        for size in (2**62, 2**63 - 1, 2**32):                         # huge sizes for a proof
+            _raw(target, rp.hello(0, rank, rp.F_SECRET) + struct.pack("!IQ", 1, size) + rng(1024))
+        _raw(target, rp.hello(0, rank, rp.F_SECRET)[:20])              # a torn hello
+        for _ in range(200 if isinstance(target, tuple) else 50):      # bare connect-and-close
+            _raw(target)
 
 
 def _idle_connections(eps, n=200):
     held = []
-    for _, host, port in eps:
-        for _ in range(n):
-            held.append(socket.create_connection((host, port), timeout=5))
+    for _, target in eps:
+        for _ in range(n if isinstance(target, tuple) else n // 4):
+            try:
+                held.append(rp.connect(target))
+            except OSError:
+                pass  # the backlog is full for a moment
     return held
 
 
-def _zmq_attacks(eps, big=0):
+def _handshake_attacks(eps, marker, big=0):
+    """Clients that know the secret and pass the proofs, claiming a rank already
+    connected (or none of the cluster), then send messages: refused, never read."""
+    from distgrad.transport.handshake import HandshakeError, client_handshake
     from distgrad.wire.messages import Kind, encode
-    ctx = zmq.Context()
-    try:
-        frames = encode(Kind.CALL, 1, ("x", None, None), pickle.dumps((print, ("pwned",), {})))
-        for addr, _, _ in eps:
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(addr)
-            for rank in (0, 1, 7, 2**32 - 1):
-                head = struct.pack("!I", rank)
-                s.send_multipart([head + os.urandom(28)] + frames)      # made-up MAC
-                s.send_multipart([head + bytes(28), b"\xffHB"])         # forged heartbeat
-                s.send_multipart([head + bytes(28), b"\xffBYE"])        # forged goodbye
-                s.send_multipart([head] + frames)                       # no MAC at all
-            s.send_multipart([b""])
-            s.send_multipart([b"x"] * 1000)
-            s.send_multipart([os.urandom(100) for _ in range(5)])
-            if big:
-                s.send_multipart([struct.pack("!I", 1) + bytes(28), os.urandom(big)])
-            s.close()
-        time.sleep(0.5)
-    finally:
-        ctx.destroy(linger=0)
+    secret = os.environ["DISTGRAD_SECRET"].encode()
+    call = encode(Kind.CALL, 1, ("x", None, None), pickle.dumps((_MakeFile(marker), (), {})))
+    messages = b"".join(rp.framed(m) for m in (
+        call, [b"\x00" * 28, *call], [b"\xffHB"], [b"\xffBYE"], [b""], [b"x"] * 1000,
+        [os.urandom(100) for _ in range(5)]))
+    if big:
+        messages += rp.framed([bytes(28), os.urandom(big)])
+    closed = passed = 0
+    for rank, target in eps:
+        for claim in (0, 1, 7, 2**32 - 1):
+            try:
+                s = rp.connect(target)
+            except OSError:
+                continue
+            try:
+                client_handshake(s, claim, rank, secret, False)
+                passed += 1
+                rp.send_quietly(s, messages)
+                closed += rp.closed_by_peer(s)
+            except (HandshakeError, OSError):
+                closed += 1  # refused before the end of the handshake (too many at once)
+            finally:
+                s.close()
+    time.sleep(0.5)
+    return closed, passed
 
 
-def _hostile(rank, world_size, nbytes, big):
+def _hostile(rank, world_size, nbytes, big, marker):
     import distgrad.rpc as rpc
     if rank != 0:
         return None
@@ -160,10 +164,12 @@ def _hostile(rank, world_size, nbytes, big):
     _check_all_pairs(world_size, nbytes)  # warm up (buffers, pools) before measuring
     before = [_rss_mib(p) for p in pids]
     _raw_attacks(eps)
+    time.sleep(0.5)
+    # every one hung up on, after passing the proofs (refused as a rank not expected)
+    assert _handshake_attacks(eps, marker, big) == (4 * len(eps), 4 * len(eps))
     held = _idle_connections(eps)
     try:
-        _check_all_pairs(world_size, nbytes)  # serving while 200 idle connections are held
-        _zmq_attacks(eps, big)
+        _check_all_pairs(world_size, nbytes)  # serving while hundreds of idle connections are held
         _raw_attacks(eps)
     finally:
         for s in held:
@@ -173,13 +179,16 @@ def _hostile(rank, world_size, nbytes, big):
     after = [_rss_mib(p) for p in pids]
     for r, (b, a) in enumerate(zip(before, after)):
         assert a - b < RSS_GROWTH_MIB, f"worker{r} RSS grew {b:.0f} -> {a:.0f} MiB"
+    assert not os.path.exists(marker)
     return before, after
 
 
-def test_hostile_network_input_default_limits():
-    res = run_workers(_hostile, world_size=3, timeout=200, args=(2 << 20, 0))
+def test_hostile_network_input_default_limits(tmp_path):
+    marker = str(tmp_path / "pwned")
+    res = run_workers(_hostile, world_size=3, timeout=200, args=(2 << 20, 0, marker))
     before, after = res[0]
     print("RSS MiB before/after:", [f"{b:.0f}/{a:.0f}" for b, a in zip(before, after)])
+    assert not os.path.exists(marker)
 
 
 
@@ -288,17 +297,19 @@ def _authenticated_malformed(rank, world_size):
     return results
 
 
-def _hostile_then_malformed(rank, world_size):
-    _hostile(rank, world_size, 256 << 10, 2 << 20)
+def _hostile_then_malformed(rank, world_size, marker):
+    _hostile(rank, world_size, 256 << 10, 2 << 20, marker)
     return _authenticated_malformed(rank, world_size)
 
 
-def test_hostile_small_max_message_size_and_authenticated_malformed():
-    # 1 MiB per frame: a valid zmq peer sending 2 MiB is cut off, workers keep
-    # serving; then the authenticated-peer cases (one cluster for both: start-up
-    # and shutdown dominate the cost)
+def test_hostile_small_max_message_size_and_authenticated_malformed(tmp_path):
+    # 1 MiB per frame, and refused clients that send 2 MiB after their handshake:
+    # workers keep serving; then the authenticated-peer cases (one cluster for
+    # both: start-up and shutdown dominate the cost)
+    marker = str(tmp_path / "pwned")
     results = run_workers(_hostile_then_malformed, world_size=2, timeout=200,
-                          options={"max_message_size": 1 << 20})[0]
+                          options={"max_message_size": 1 << 20}, args=(marker,))[0]
+    assert not os.path.exists(marker)
     serialization = {"garbage payload", "payload declares 2**62 bytes"}
     for name, got in results.items():
         want = "SerializationError" if name in serialization else "ProtocolError"

@@ -1,55 +1,99 @@
-"""The zmq transport on its own: two transports in one process over 127.0.0.1.
+"""The socket transport on its own: two transports in one process.
 
 Covers small and large messages, per-peer ordering, the same-host
 shared-memory path for large frames (segments returned, reused, bounded, and
-no files left behind),
-and the TCP fallback when the peers are not on the same host.
+no files left behind), Unix sockets between same-host peers and TCP otherwise,
+big messages both ways while both pools are saturated (no deadlock), the
+framing of :mod:`distgrad.transport.framing` at every byte boundary and its
+bounds, and a caller reading its own reply while requests keep being served.
 """
 import glob
+import mmap
 import os
+import socket
+import struct
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from distgrad.transport import shm
-from distgrad.transport.zmq_transport import ZmqTransport
+from distgrad.transport import framing, shm
+from distgrad.transport.socket_transport import SocketTransport
+
+pytestmark = pytest.mark.timeout(240)
 
 
 class _Collect:
+    """Keeps every message; ``on_message`` returns no work."""
+
     def __init__(self):
         self.messages = []
+        self.lost = []
         self.cond = threading.Condition()
 
     def on_message(self, peer, frames):
         with self.cond:
             self.messages.append((peer, frames))
             self.cond.notify_all()
+        return None
 
     def on_peer_lost(self, peer, reason, graceful):
-        pass
+        with self.cond:
+            self.lost.append((peer, reason, graceful))
+            self.cond.notify_all()
 
-    def wait_for(self, n, timeout=20):
+    def wait_for(self, n, timeout=30):
         with self.cond:
             assert self.cond.wait_for(lambda: len(self.messages) >= n, timeout), \
                 f"got {len(self.messages)} of {n} messages"
             return list(self.messages)
 
 
-def _pair(threshold, same_host=True):
-    a, b = ZmqTransport(0, shm_threshold=threshold), ZmqTransport(1, shm_threshold=threshold)
-    if not same_host:
+def _start_both(a, b, ha, hb, addr_a, addr_b, timeout=90):
+    """start() blocks until both sides are connected: run both at once."""
+    errors = []
+
+    def go(t, h, peers):
+        try:
+            t.start(h, peers)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+    threads = [threading.Thread(target=go, args=(a, ha, {1: addr_b}), daemon=True),
+               threading.Thread(target=go, args=(b, hb, {0: addr_a}), daemon=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "start() did not return"
+    if errors:
+        raise errors[0]
+
+
+def _pair(threshold, same_host=True, handlers=None, **kwargs):
+    a = SocketTransport(0, shm_threshold=threshold, **kwargs)
+    b = SocketTransport(1, shm_threshold=threshold, **kwargs)
+    if not same_host:  # before listen(): the address carries the host tag
         b.host_id = b.host_id + "-elsewhere" if b.host_id else ""
     addr_a, addr_b = a.listen("127.0.0.1"), b.listen("127.0.0.1")
-    ha, hb = _Collect(), _Collect()
-    a.start(ha, {1: addr_b})
-    b.start(hb, {0: addr_a})
+    ha, hb = handlers or (_Collect(), _Collect())
+    try:
+        _start_both(a, b, ha, hb, addr_a, addr_b)
+    except BaseException:
+        a.close(0)
+        b.close(0)
+        raise
     return a, b, ha, hb
 
 
 def _my_shm_files():
     return glob.glob(os.path.join(shm.SHM_DIR, f"distgrad-{os.getpid()}-*"))
+
+
+def _in_shm(frame):
+    """Whether a received frame is a view of a shared-memory mapping."""
+    return (isinstance(frame, memoryview) and isinstance(frame.obj, np.ndarray)
+            and isinstance(frame.obj.base, memoryview) and isinstance(frame.obj.base.obj, mmap.mmap))
 
 
 needs_shm = pytest.mark.skipif(not shm.host_id(), reason="no writable /dev/shm")
@@ -67,6 +111,7 @@ def test_small_and_large_messages_in_order(threshold):
             sent.append(frames)
             a.send(1, frames)
         got = hb.wait_for(len(sent))
+        assert len(got) == len(sent)
         assert [p for p, _ in got] == [0] * len(sent)
         for (_, frames), want in zip(got, sent):  # same order, same bytes
             assert [bytes(f) for f in frames] == [bytes(memoryview(w)) for w in want]
@@ -74,6 +119,7 @@ def test_small_and_large_messages_in_order(threshold):
         b.send(0, [b"back", np.arange(300_000, dtype=np.uint8)])
         (_, frames), = ha.wait_for(1)
         assert bytes(frames[1]) == np.arange(300_000, dtype=np.uint8).tobytes()
+        assert ha.lost == [] and hb.lost == []
     finally:
         a.close(0)
         b.close(0)
@@ -98,8 +144,7 @@ def test_shm_path_is_used_on_same_host_and_cleans_up():
         assert bytes(frames[1]) == b"small"
         # the large frame is a writable view of a mapping, not a copy through the socket
         big = frames[2]
-        assert isinstance(big, memoryview) and not big.readonly and big.nbytes == payload.nbytes
-        assert isinstance(big.obj.base.obj, __import__("mmap").mmap)
+        assert _in_shm(big) and not big.readonly and big.nbytes == payload.nbytes
         assert bytes(big) == payload.tobytes()
         # the sender may reuse its buffer at once: the segment holds a copy
         payload[:] = 0
@@ -177,6 +222,10 @@ def test_segments_held_by_a_lost_peer_are_unlinked():
         a.call_soon(lambda: a._lose(1, "test", graceful=False))
         _wait(lambda: len(_my_shm_files()) == 0)
         assert bytes(frames[1][:2]) == b"\x01\x01"  # the receiver's mapping stays valid
+        # and b sees its connection to a closed: a lost peer, reported once
+        with hb.cond:
+            assert hb.cond.wait_for(lambda: hb.lost, 10)
+        assert [(p, g) for p, _, g in hb.lost] == [(0, False)]
     finally:
         a.close(0)
         b.close(0)
@@ -200,7 +249,71 @@ def test_tcp_fallback_across_hosts():
         a.send(1, [b"h", payload])
         (_, frames), = hb.wait_for(1)
         assert bytes(frames[1]) == payload.tobytes()
-        assert not isinstance(frames[1].obj, __import__("mmap").mmap)
+        assert not _in_shm(frames[1])  # read from the socket into its own buffer
+        b.send(0, [b"h", payload[::-1].copy()])
+        (_, frames), = ha.wait_for(1)
+        assert bytes(frames[1]) == payload[::-1].tobytes() and not _in_shm(frames[1])
+        assert _my_shm_files() == []
+    finally:
+        a.close(0)
+        b.close(0)
+
+
+@pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="no Unix domain sockets")
+def test_unix_sockets_on_one_host_tcp_across_hosts():
+    from distgrad.transport.socket_transport import host_key
+    if not host_key():
+        pytest.skip("no host key (no /proc): every peer uses TCP")
+    a, b, _, _ = _pair(threshold=0)
+    try:
+        assert a._conns[1].sock.family == socket.AF_UNIX
+        assert b._conns[0].sock.family == socket.AF_UNIX
+    finally:
+        a.close(0)
+        b.close(0)
+    a, b, ha, hb = _pair(threshold=0, same_host=False)
+    try:
+        assert a._conns[1].sock.family == socket.AF_INET
+        assert b._conns[0].sock.family == socket.AF_INET
+        assert a._conns[1].sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        a.send(1, [b"over tcp"])
+        assert bytes(hb.wait_for(1)[0][1][0]) == b"over tcp"
+    finally:
+        a.close(0)
+        b.close(0)
+
+
+def test_intruders_during_start_up_do_not_stop_it():
+    # Before the real peer connects, outsiders reach the listening socket: garbage, a
+    # hello with other settings (no secret), a hello with a forged proof. Each is
+    # refused; start() still completes with the real peer, and a message goes through.
+    import raw_peer as rp
+    a, b = SocketTransport(0, secret=b"k"), SocketTransport(1, secret=b"k")
+    addr_a, addr_b = a.listen("127.0.0.1"), b.listen("127.0.0.1")
+    tcp = addr_b.split("#")[0][len("tcp://"):].rsplit(":", 1)
+    ha, hb = _Collect(), _Collect()
+    done, errors = threading.Event(), []
+
+    def start_b():
+        try:
+            b.start(hb, {0: addr_a})
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        done.set()
+    th = threading.Thread(target=start_b, daemon=True)
+    th.start()
+    try:
+        for data in (os.urandom(4096), rp.hello(0, 1, 0), rp.hello(0, 1, rp.F_SECRET) + os.urandom(32)):
+            s = socket.create_connection((tcp[0], int(tcp[1])), timeout=10)
+            rp.send_quietly(s, data)
+            assert rp.closed_by_peer(s, 10)  # refused
+            s.close()
+        assert not done.is_set() and not errors, errors  # b still waits for worker 0
+        a.start(ha, {1: addr_b})
+        th.join(60)
+        assert done.is_set() and not errors, errors
+        a.send(1, [b"after the intruders"])
+        assert bytes(hb.wait_for(1)[0][1][0]) == b"after the intruders"
     finally:
         a.close(0)
         b.close(0)
@@ -210,9 +323,12 @@ def test_shm_disabled_by_threshold():
     a, b, ha, hb = _pair(threshold=0)
     try:
         assert not a.uses_shm(1)
-        c = ZmqTransport(2, shm_threshold=0)
+        c = SocketTransport(2, shm_threshold=0)
         assert "#shm=" not in c.listen("127.0.0.1")
         c.close(0)
+        a.send(1, [b"h", np.ones(1 << 20, np.uint8)])
+        (_, frames), = hb.wait_for(1)
+        assert not _in_shm(frames[1]) and _my_shm_files() == []
     finally:
         a.close(0)
         b.close(0)
@@ -238,6 +354,252 @@ def test_calls_from_many_threads_keep_per_thread_order():
         b.close(0)
 
 
+class _Saturating:
+    """Small messages return work that blocks until ``gate`` opens (the pool fills
+    up); big ones are checked and counted, not kept."""
+
+    def __init__(self, gate):
+        self.gate = gate
+        self.blocked = 0
+        self.big = []
+        self.lost = []
+        self.cond = threading.Condition()
+
+    def on_message(self, peer, frames):
+        if len(frames) == 1:
+            return (self._block, ())
+        f = frames[1]
+        with self.cond:
+            self.big.append((bytes(frames[0]), memoryview(f).nbytes,
+                             bytes(memoryview(f)[:4]), bytes(memoryview(f)[-4:])))
+            self.cond.notify_all()
+        return None
+
+    def _block(self):
+        with self.cond:
+            self.blocked += 1
+            self.cond.notify_all()
+        self.gate.wait(120)
+
+    def on_peer_lost(self, peer, reason, graceful):
+        self.lost.append((peer, reason))
+
+
+def test_big_messages_both_ways_while_both_pools_are_saturated():
+    # Every pool thread of both transports is busy (blocked in work), and several
+    # threads of each send 64 MB messages to the other at once, larger than any
+    # socket buffer. The leader keeps reading while the pool is full, so every
+    # send completes and every message arrives before any work finishes.
+    gate = threading.Event()
+    ha, hb = _Saturating(gate), _Saturating(gate)
+    a, b, _, _ = _pair(threshold=0, handlers=(ha, hb), num_threads=2, heartbeat_interval=0.05,
+                       heartbeat_deadline=30)
+    size, nthreads, each = 64 << 20, 3, 2
+    payload = np.empty(size, np.uint8)
+    payload[:4] = (1, 2, 3, 4)
+    payload[-4:] = (5, 6, 7, 8)
+    try:
+        for _ in range(4):  # more than the pool's threads (2 workers + the leader)
+            a.send(1, [b"block"])
+            b.send(0, [b"block"])
+        for h in (ha, hb):
+            with h.cond:
+                assert h.cond.wait_for(lambda h=h: h.blocked >= 2, 30)
+        errors = []
+
+        def run(t, peer, tag):
+            try:
+                for i in range(each):
+                    t.send(peer, [b"%s%d" % (tag, i), payload])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(t, peer, b"%d-%d-" % (peer, k)), daemon=True)
+                   for k in range(nthreads) for t, peer in ((a, 1), (b, 0))]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        stuck = sum(t.is_alive() for t in threads)
+        assert not stuck, (f"{stuck} senders deadlocked after {time.monotonic() - t0:.0f} s; "
+                           f"received {len(ha.big)} and {len(hb.big)} of {nthreads * each} each")
+        assert not errors, errors
+        for h in (ha, hb):
+            with h.cond:
+                assert h.cond.wait_for(lambda h=h: len(h.big) == nthreads * each, 60)
+        for h, peer in ((ha, 0), (hb, 1)):
+            assert {(n, head, tail) for _, n, head, tail in h.big} == \
+                {(size, b"\x01\x02\x03\x04", b"\x05\x06\x07\x08")}
+            for k in range(nthreads):  # each thread's messages in its order
+                mine = [tag for tag, *_ in h.big if tag.startswith(b"%d-%d-" % (peer, k))]
+                assert mine == [b"%d-%d-%d" % (peer, k, i) for i in range(each)]
+        assert ha.blocked == hb.blocked == 2  # nothing finished meanwhile: the pools stayed full
+        assert ha.lost == [] and hb.lost == []
+    finally:
+        gate.set()
+        a.close(0)
+        b.close(0)
+
+
+# -- framing -------------------------------------------------------------------
+def _stream(messages):
+    return b"".join(framing.pack_header(m) + b"".join(bytes(f) for f in m) for m in messages)
+
+
+def _reader_pair():
+    w, r = socket.socketpair()
+    r.setblocking(False)
+    return w, r
+
+
+def _as_bytes(msgs):
+    return [[bytes(f) for f in m] for m in msgs]
+
+
+_MESSAGES = [
+    [b"envelope", b"tensor bytes"],
+    [b""],                                    # one empty frame
+    [b"", b"", b"x", b""],                    # empty frames around a byte
+    [bytes(range(256)) * 20],                 # 5 KiB
+    [b"h", os.urandom(40_000), b"t"],         # a frame read into its own buffer
+    [b"%d" % i for i in range(300)],          # many frames in one message
+]
+
+
+def test_framing_split_at_every_byte():
+    data = _stream(_MESSAGES)
+    w, r = _reader_pair()
+    try:
+        reader = framing.FrameReader(1 << 20)
+        ends = set(np.cumsum([len(_stream([m])) for m in _MESSAGES]).tolist())
+        got = []
+        for i in range(len(data)):  # one byte at a time: every boundary is a split
+            w.sendall(data[i:i + 1])
+            got += reader.read(r)
+            # a message is complete exactly at its last byte, not before
+            assert len(got) == sum(e <= i + 1 for e in ends)
+            assert reader.pending() == (i + 1 not in ends)
+        assert _as_bytes(got) == _MESSAGES
+        # the large frame lands in its own, writable buffer (tensors are built on it)
+        big = got[4][1]
+        assert len(big) == 40_000 and memoryview(big).readonly is False
+    finally:
+        w.close()
+        r.close()
+
+
+def test_framing_every_two_part_split():
+    msgs = [[b"ab", b""], [b"cde" * 30], [b"", b"f"]]
+    data = _stream(msgs)
+    for cut in range(len(data) + 1):
+        w, r = _reader_pair()
+        try:
+            reader = framing.FrameReader(1 << 20)
+            w.sendall(data[:cut])
+            got = reader.read(r)
+            w.sendall(data[cut:])
+            got += reader.read(r)
+            assert _as_bytes(got) == msgs, cut
+            assert not reader.pending()
+        finally:
+            w.close()
+            r.close()
+
+
+def test_framing_many_messages_and_frames_through_send_frames():
+    w, r = _reader_pair()
+    w.setblocking(False)
+    try:
+        reader = framing.FrameReader(1 << 20)
+        sent = [[b"%d" % i, bytes(i % 7), os.urandom(i * 37 % 70_000)] for i in range(500)]
+        sent.append([b"%d" % i for i in range(20_000)])  # many frames: several sendmsg calls
+        got = []
+        rest = [framing.coalesce(m) for m in sent]
+        while rest or len(got) < len(sent):  # send and read in turn (one thread, small buffers)
+            if rest:
+                rest[0] = framing.send_some(w, rest[0])
+                if not rest[0]:
+                    rest.pop(0)
+            got += reader.read(r)
+        assert _as_bytes(got) == [[bytes(f) for f in m] for m in sent]
+        assert not reader.pending()
+    finally:
+        w.close()
+        r.close()
+
+
+def test_framing_bounds_raise_before_allocating(monkeypatch):
+    sizes = []
+    real = framing._alloc
+
+    def spy(n):
+        sizes.append(n)
+        return real(n)
+    monkeypatch.setattr(framing, "_alloc", spy)
+
+    def fails(data, max_frame=1 << 20):
+        w, r = _reader_pair()
+        try:
+            w.sendall(data)
+            with pytest.raises(framing.FrameError):
+                framing.FrameReader(max_frame).read(r)
+        finally:
+            w.close()
+            r.close()
+    # a frame over the bound, declared alone or among small ones: refused from the header
+    fails(struct.pack("!IQ", 1, (1 << 20) + 1))
+    fails(struct.pack("!IQ", 1, 2 ** 62))
+    fails(struct.pack("!I3Q", 3, 1, 2 ** 63, 1) + b"x")
+    # frame counts: zero, one over MAX_FRAMES, absurd (no header buffer is made for them)
+    fails(struct.pack("!I", 0) + bytes(8))
+    fails(struct.pack("!I", framing.MAX_FRAMES + 1) + bytes(64))
+    fails(struct.pack("!I", 2 ** 32 - 1) + bytes(64))
+    assert sizes == []  # nothing was allocated for any of them
+    # at the bound itself: accepted
+    w, r = _reader_pair()
+    try:
+        reader = framing.FrameReader(64)
+        w.sendall(_stream([[bytes(64)]]))
+        assert _as_bytes(reader.read(r)) == [[bytes(64)]]
+    finally:
+        w.close()
+        r.close()
+
+
+def test_framing_largest_frame_count_round_trips():
+    # MAX_FRAMES is what the reader accepts; a header of that many frames must fit
+    n = framing.MAX_FRAMES
+    w, r = _reader_pair()
+    w.setblocking(False)
+    try:
+        reader = framing.FrameReader(1 << 20)
+        rest = framing.coalesce([b"a"] * n)
+        got = []
+        while rest or not got:
+            if rest:
+                rest = framing.send_some(w, rest)
+            got += reader.read(r)
+        assert len(got) == 1 and len(got[0]) == n
+    finally:
+        w.close()
+        r.close()
+
+
+def test_framing_closed_stream_mid_message():
+    w, r = _reader_pair()
+    try:
+        reader = framing.FrameReader(1 << 20)
+        w.sendall(_stream([[b"whole"]]) + _stream([[b"torn message"]])[:-3])
+        assert _as_bytes(reader.read(r)) == [[b"whole"]]
+        assert reader.pending()
+        w.close()
+        with pytest.raises(EOFError):
+            reader.read(r)
+    finally:
+        r.close()
+
+
+# -- processes -------------------------------------------------------------------
 def _rpc_big(rank, world_size):
     import torch
 
@@ -256,7 +618,47 @@ def _rpc_big(rank, world_size):
 def test_rpc_over_shm_between_processes(monkeypatch):
     from mp_utils import run_workers
     monkeypatch.setenv("DISTGRAD_SHM_THRESHOLD", "65536")
-    assert run_workers(_rpc_big, world_size=2, timeout=60)[0] == [True, True, 3.0]
+    assert run_workers(_rpc_big, world_size=2, timeout=90)[0] == [True, True, 3.0]
+
+
+_SLEEPING = threading.Event()
+
+
+def _sleeper(seconds):
+    _SLEEPING.set()
+    time.sleep(seconds)
+    return "slept"
+
+
+def _served_while_reading():
+    """Runs on worker0 while its main thread waits for worker1's reply: whether
+    that thread owns (reads) the connection to worker1."""
+    import distgrad.rpc as rpc
+    return bool(rpc.api.current_agent().transport._conns[1].owned)
+
+
+def _own_reply(rank, world_size):
+    import distgrad.rpc as rpc
+    if rank == 0:
+        t0 = time.monotonic()
+        out = rpc.rpc_sync("worker1", _sleeper, args=(3.0,), timeout=60)
+        return out, time.monotonic() - t0
+    assert _SLEEPING.wait(60), "worker0's call never arrived"
+    t0 = time.monotonic()
+    owned = rpc.rpc_sync("worker0", _served_while_reading, timeout=30)
+    served_in = time.monotonic() - t0
+    return owned, served_in
+
+
+def test_caller_reads_its_own_reply_and_requests_are_still_served():
+    # worker0's main thread waits in rpc_sync for worker1 (which sleeps 3 s), reading
+    # the connection itself; worker1 calls worker0 meanwhile: the request arrives on
+    # that very connection and is served at once; both calls finish.
+    from mp_utils import run_workers
+    (out, took), (owned, served_in) = run_workers(_own_reply, world_size=2, timeout=120)
+    assert out == "slept" and took >= 3.0
+    assert served_in < 3.0, served_in  # not after worker0's call ended
+    assert owned is True  # read by the caller's read_until, not the leader
 
 
 @needs_shm
@@ -270,7 +672,7 @@ def test_no_room_in_shm_falls_back_to_tcp(monkeypatch, caplog):
         a.send(1, [b"h", payload])
         (_, frames), = hb.wait_for(1)
         assert bytes(frames[1]) == payload.tobytes()
-        assert not isinstance(frames[1].obj, np.ndarray)  # came over TCP
+        assert not _in_shm(frames[1])  # came over the socket
         assert a._shm_writer.failures == 1 and _my_shm_files() == []
         assert "over TCP" in caplog.text
     finally:

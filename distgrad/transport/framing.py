@@ -187,6 +187,14 @@ class FrameReader:
         """Whether part of a message is buffered (a torn message on close)."""
         return self._start != self._end or self._lengths is not None
 
+    def _grow(self, size: int) -> None:
+        """A read buffer of ``size`` bytes holding the unparsed bytes at its front."""
+        tail = self._end - self._start
+        buf = bytearray(size)
+        buf[:tail] = self._view[self._start:self._end]
+        self._buf, self._view = buf, memoryview(buf)
+        self._start, self._end = 0, tail
+
     def _parse(self, out: list[list]) -> None:
         buf, view = self._buf, self._view
         while True:
@@ -198,8 +206,8 @@ class FrameReader:
                 if not 0 < n <= MAX_FRAMES:
                     raise FrameError(f"a message of {n} frames (at most {MAX_FRAMES})")
                 if avail < 4 + 8 * n:
-                    if 4 + 8 * n > len(buf):
-                        raise FrameError(f"a header of {n} frames does not fit the read buffer")
+                    if 4 + 8 * n > len(buf):  # up to MAX_FRAMES: at most 512 KiB
+                        self._grow(4 + 8 * n)
                     return
                 lengths = struct.unpack_from(f"!{n}Q", buf, self._start + 4)
                 big = max(lengths)

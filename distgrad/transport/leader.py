@@ -100,7 +100,10 @@ class LeaderFollowers:
         while True:
             with self._lock:
                 while True:
-                    if self._tasks:
+                    # a task only once someone leads: otherwise threads woken for
+                    # queued work could all take tasks, and with every thread
+                    # blocked in one, nobody would read the sockets any more
+                    if self._tasks and (self._has_leader or self._stopping):
                         work = [self._tasks.popleft()]
                         break
                     if self._stopping:

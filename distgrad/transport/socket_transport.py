@@ -90,7 +90,7 @@ def host_key() -> str:
 
 class _Conn:
     __slots__ = ("peer", "sock", "fd", "wlock", "rlock", "alock", "reader", "outq", "owned",
-                 "lost", "cipher", "poll")
+                 "lost", "cipher", "poll", "deferred")
 
     def __init__(self, peer: int, sock: socket.socket, max_frame: int, cipher) -> None:
         self.peer, self.sock, self.fd = peer, sock, sock.fileno()
@@ -99,6 +99,7 @@ class _Conn:
         self.alock = threading.Lock()   # poller registration changes
         self.reader = framing.FrameReader(max_frame)
         self.outq: list = []            # iovecs a reading thread could not send
+        self.deferred: collections.deque = collections.deque()  # messages to send (see _send)
         self.owned = False              # a caller reads its own reply here
         self.lost = False
         self.cipher = cipher
@@ -309,10 +310,10 @@ class SocketTransport(Transport):
                         peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt,
                                                         lower - set(accepted))
                     except (HandshakeError, OSError) as e:
+                        # Never fatal: anyone can connect. A peer of the cluster with
+                        # other settings was already refused from its address tags
+                        # (_check_peer), on both sides.
                         log.warning("worker %d: refused a connection: %s", self.rank, e)
-                        if isinstance(e, HandshakeError) and "runs with" in str(e):
-                            errors.append(RuntimeError(f"worker {self.rank}: {e}"))
-                            return
                         sock.close()
                         continue
                     accepted[peer] = self._conn(peer, sock, cc, sc)
@@ -345,13 +346,15 @@ class SocketTransport(Transport):
             for conn in self._conns.values():
                 self._poller.register(conn.sock, selectors.EVENT_READ)
 
-    def _arm(self, conn: _Conn) -> None:
+    def _arm(self, conn: _Conn, out: bool = True) -> None:
         """Re-register ``conn`` for what it waits for now (read unless a caller owns
-        it; write while its queue is not empty)."""
+        it; write while its queue is not empty, unless ``out`` is False and a
+        sender holds the write lock: that sender flushes, or arms it on release)."""
         with conn.alock:
             if conn.lost:
                 return
-            mask = (0 if conn.owned else _IN) | (_OUT if conn.outq else 0)
+            out = bool(conn.outq) and (out or not conn.wlock.locked())
+            mask = (0 if conn.owned else _IN) | (_OUT if out else 0)
             try:
                 if _EPOLL:
                     self._poller.modify(conn.fd, mask | _ONESHOT if mask else 0)
@@ -387,36 +390,55 @@ class SocketTransport(Transport):
         st[1] += nbytes
 
     def _send(self, conn: _Conn, frames: Sequence) -> None:
+        # Every message goes through ``conn.deferred`` and whoever holds the write
+        # lock sends it, in order. A reading thread never waits for that lock: its
+        # holder may be waiting for the peer to read, and the peer for this thread
+        # to read (both sides sending big messages at once). Each holder checks the
+        # queue again after releasing the lock, so nothing queued is left behind.
         reading = getattr(self._tls, "reading", False)
-        arm = failed = False
-        with conn.wlock:
-            if conn.lost:
+        conn.deferred.append(frames)
+        if reading:
+            if not conn.wlock.acquire(False):
                 return
-            if conn.cipher is not None:
-                frames = conn.cipher.seal(list(frames))
-            elif self._auth is not None:
-                frames = self._auth.seal(conn.peer, list(frames), shm.parsed_frames(frames))
-            views = framing.coalesce(frames)
+        else:
+            conn.wlock.acquire()
+        arm = False
+        failed = None
+        while True:
             try:
-                if conn.outq:
-                    conn.outq.extend(views)
-                    if not reading:
-                        self._flush_blocking(conn)
-                else:
-                    rest = framing.send_some(conn.sock, views)
-                    if rest:
-                        conn.outq.extend(rest)
-                        if reading:  # never block while reading: the poller flushes it
-                            arm = True
-                        else:
-                            self._flush_blocking(conn)
+                while conn.deferred and not conn.lost:
+                    arm |= self._write(conn, conn.deferred.popleft(), reading)
             except OSError as e:
                 failed = e
+            if conn.lost or failed:
+                conn.deferred.clear()
             self._last_sent[conn.peer] = time.monotonic()
+            conn.wlock.release()
+            if failed or not conn.deferred or not conn.wlock.acquire(False):
+                break
         if failed:
             self._lose(conn.peer, f"connection failed: {failed}", graceful=False)
         elif arm:
             self._arm(conn)
+
+    def _write(self, conn: _Conn, frames: Sequence, reading: bool) -> bool:
+        """Seal and send one message (write lock held); returns whether the poller
+        must flush the rest (a reading thread never blocks on a full socket)."""
+        if conn.cipher is not None:
+            frames = conn.cipher.seal(list(frames))
+        elif self._auth is not None:
+            frames = self._auth.seal(conn.peer, list(frames), shm.parsed_frames(frames))
+        views = framing.coalesce(frames)
+        if conn.outq:
+            conn.outq.extend(views)
+        else:
+            conn.outq.extend(framing.send_some(conn.sock, views))
+        if not conn.outq:
+            return False
+        if reading:
+            return True
+        self._flush_blocking(conn)
+        return False
 
     def _flush_blocking(self, conn: _Conn) -> None:
         """Send ``conn``'s queue, waiting for the peer to drain it (write lock held)."""
@@ -517,19 +539,24 @@ class SocketTransport(Transport):
         return [(k.fd, (_IN if ev & 1 else 0) | (_OUT if ev & 2 else 0)) for k, ev in ready]
 
     def _service(self, conn: _Conn, ev: int, work: list) -> None:
+        out = True
         if ev & _OUT and conn.outq:
-            with conn.wlock:
+            if conn.wlock.acquire(False):  # else its holder flushes it
                 try:
                     conn.outq[:] = framing.send_some(conn.sock, conn.outq)
                 except OSError as e:
                     self._lose(conn.peer, f"connection failed: {e}", graceful=False)
                     return
+                finally:
+                    conn.wlock.release()
+            else:
+                out = False
         if ev & ~_OUT and conn.rlock.acquire(False):
             try:
                 self._read(conn, work)
             finally:
                 conn.rlock.release()
-        self._arm(conn)
+        self._arm(conn, out)
 
     def _read(self, conn: _Conn, work: list) -> None:
         """Read what ``conn`` has and hand each message up, in order (read lock held)."""
@@ -815,11 +842,13 @@ class SocketTransport(Transport):
         frames = [_GOODBYE]
         with conn.wlock:
             try:
-                if conn.cipher is not None:
-                    frames = conn.cipher.seal(frames)
-                elif self._auth is not None:
-                    frames = self._auth.seal(conn.peer, frames)
-                conn.outq.extend(framing.coalesce(frames))
+                for msg in [*conn.deferred, frames]:  # queued messages go before it
+                    if conn.cipher is not None:
+                        msg = conn.cipher.seal(list(msg))
+                    elif self._auth is not None:
+                        msg = self._auth.seal(conn.peer, list(msg), shm.parsed_frames(msg))
+                    conn.outq.extend(framing.coalesce(msg))
+                conn.deferred.clear()
                 end = time.monotonic() + max(linger, 0.05)
                 while conn.outq and time.monotonic() < end:
                     conn.outq[:] = framing.send_some(conn.sock, conn.outq)
