@@ -204,6 +204,10 @@ class _Pickler(pickle.Pickler):
 class _Unpickler(pickle.Unpickler):
     """The payload's unpickler (its own class, so that a test can restrict what it loads)."""
 
+    def persistent_load(self, pid):
+        # tensors travel as table references (_table_tensor), never as persistent ids
+        raise ProtocolError(f"bad tensor reference {pid!r}")
+
 
 def dumps(obj: Any, dest: Any = None, pins: list | None = None) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj``; returns the pickle bytes and the tensor table.
