@@ -118,15 +118,7 @@ class LeaderFollowers:
                 work = self._leading()
                 if work is None:
                     return
-            for fn, args in work:
-                self.busy += 1
-                try:
-                    fn(*args)
-                except BaseException:  # noqa: BLE001 - a task must not kill its thread
-                    log.exception("uncaught error in %s", self._name)
-                finally:
-                    self.busy -= 1
-                del fn, args
+            self._execute(work)
             del work
 
     def _run_shared(self) -> None:
@@ -186,16 +178,19 @@ class LeaderFollowers:
                         work = work[:1]
                 if extra:
                     self._shared_wake()
-            for fn, args in work:
-                self.busy += 1
-                try:
-                    fn(*args)
-                except BaseException:  # noqa: BLE001 - a task must not kill its thread
-                    log.exception("uncaught error in %s", self._name)
-                finally:
-                    self.busy -= 1
-                del fn, args
+            self._execute(work)
             del work
+
+    def _execute(self, work: list) -> None:
+        for fn, args in work:
+            self.busy += 1
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - a task must not kill its thread
+                log.exception("uncaught error in %s", self._name)
+            finally:
+                self.busy -= 1
+            del fn, args
 
     def _grow(self) -> bool:
         """(Under the lock) start one more thread if the pool may grow."""
