@@ -527,3 +527,14 @@ def test_random_strides_never_over_read(shape, strides, nbytes):
     idx = sum(torch.arange(n).reshape([-1] + [1] * (len(shape) - 1 - d)) * s
               for d, (n, s) in enumerate(zip(shape, strides)))
     assert int(idx.max()) == flat.numel() - 1 and torch.equal(t, flat[idx])
+
+
+def test_too_many_tensor_buffers_refused_at_the_sender():
+    # the transport carries at most 65536 frames a message: the sender says so
+    # clearly instead of a receiver dropping the connection
+    from distgrad.wire.messages import MAX_BUFFERS
+    tensors = [torch.ones(1) for _ in range(MAX_BUFFERS + 1)]
+    data, table = dumps(tensors)
+    with pytest.raises(SerializationError, match="tensor buffers"):
+        encode(Kind.CALL, 1, None, data, table)
+    assert len(encode(Kind.CALL, 1, None, *dumps(tensors[:MAX_BUFFERS]))) == MAX_BUFFERS + 1

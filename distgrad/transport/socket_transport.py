@@ -305,7 +305,7 @@ class SocketTransport(Transport):
                         sock, _ = ls.accept()
                     except OSError:
                         continue
-                    sock.settimeout(10)
+                    sock.settimeout(3)  # a worker sends its hello at once
                     try:
                         peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt,
                                                         lower - set(accepted))
@@ -696,10 +696,11 @@ class SocketTransport(Transport):
             sock, _ = ls.accept()
         except OSError:
             return
-        if self._handshakes >= 8:
-            sock.close()
-            return
-        self._handshakes += 1
+        with self._lose_lock:
+            if self._handshakes >= 8:
+                sock.close()
+                return
+            self._handshakes += 1
 
         def refuse():
             try:
@@ -709,7 +710,8 @@ class SocketTransport(Transport):
                 log.warning("worker %d: refused a connection: %s", self.rank, e)
             finally:
                 sock.close()
-                self._handshakes -= 1
+                with self._lose_lock:
+                    self._handshakes -= 1
         threading.Thread(target=refuse, daemon=True).start()
 
     # -- liveness --------------------------------------------------------------

@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, SerializationError
 from .pickler import check_pickle, tensor_frames
 
 MAGIC = b"DG"
 VERSION = 2
 HEADER = struct.Struct("!2sBBIQI")
-MAX_BUFFERS = 1 << 20
+MAX_BUFFERS = (1 << 16) - 8  # the transport carries at most 65536 frames a message
 
 
 class Kind(IntEnum):
@@ -69,6 +69,9 @@ def encode(kind: Kind, rid: int, meta: Any, payload: bytes = b"",
         7
     """
     specs, buffers = tensor_frames(tensors) if tensors else ((), ())
+    if len(buffers) > MAX_BUFFERS:
+        raise SerializationError(f"a message of {len(buffers)} tensor buffers (at most "
+                                 f"{MAX_BUFFERS}): send fewer, larger tensors (torch.stack)")
     meta_bytes = pickle.dumps((meta, tuple(tuple(s) for s in specs)), protocol=5)
     head = HEADER.pack(MAGIC, VERSION, int(kind), len(buffers), rid, len(meta_bytes))
     return [b"".join((head, meta_bytes, payload)), *buffers]
