@@ -163,11 +163,19 @@ class SocketTransport(Transport):
         self._last_beat = time.monotonic()
         self._next_beat = 0.0
         self._inbox_lock = threading.Lock()
+        # The handler's in-order part (on_message, on_peer_lost, timers) runs under
+        # one lock: each connection is read in order by one thread at a time, but
+        # several threads read several connections at once, and the agent's
+        # bookkeeping (RRef forks, autograd reports) expects one event at a time
+        self._dispatch = threading.RLock()
         self._tick_lock = threading.Lock()
-        # with epoll every idle pool thread waits in it (the kernel gives each ready
-        # socket to one of them); elsewhere one leader waits and hands the role on
+        # One leader waits on the sockets and hands the role on before it runs what it
+        # read. DISTGRAD_SHARED_POLL=1 (epoll only, experimental): every idle thread
+        # waits in epoll at once, no hand-off at all; off by default: a stress test of
+        # DistributedOptimizer under heavy load still hangs with it (1 run in 3)
+        shared = _EPOLL and os.environ.get("DISTGRAD_SHARED_POLL") == "1"
         self.pool = LeaderFollowers(self._lead, num_threads, name=f"distgrad-{rank}",
-                                    shared=self._wake if _EPOLL else None)
+                                    shared=self._wake if shared else None)
         self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
 
     # -- set-up ------------------------------------------------------------
@@ -603,7 +611,8 @@ class SocketTransport(Transport):
             st = self.stats[peer]
             st[2] += 1
             st[3] += sum(memoryview(b).nbytes for b in body)
-            w = self._handler.on_message(peer, body)
+            with self._dispatch:
+                w = self._handler.on_message(peer, body)
         except Exception:
             log.exception("worker %d: error handling a message from worker %d", self.rank, peer)
             return
@@ -625,12 +634,14 @@ class SocketTransport(Transport):
         while inbox:
             peer, item = inbox.popleft()
             if peer is None:
-                self._guard(item)
+                with self._dispatch:
+                    self._guard(item)
                 continue
             st = self.stats[peer]
             st[2] += 1
             try:
-                w = self._handler.on_message(peer, item)
+                with self._dispatch:
+                    w = self._handler.on_message(peer, item)
             except Exception:
                 log.exception("worker %d: error handling a message to itself", self.rank)
                 continue
@@ -726,7 +737,8 @@ class SocketTransport(Transport):
                 self._last_recv[p] += stalled
         tick = getattr(self._handler, "on_tick", None)
         if tick is not None:
-            self._guard(lambda: tick(now))
+            with self._dispatch:
+                self._guard(lambda: tick(now))
         if self._shm_peers:
             for peer, names in self._shm_writer.expire().items():
                 conn = self._conns.get(peer)
@@ -778,7 +790,8 @@ class SocketTransport(Transport):
             self._shm_writer.peer_lost(peer)
         if self._closing:
             return
-        self._guard(lambda: self._handler.on_peer_lost(peer, reason, graceful))
+        with self._dispatch:
+            self._guard(lambda: self._handler.on_peer_lost(peer, reason, graceful))
 
     def _run_timers(self, now: float) -> None:
         timers = self._timers
@@ -788,7 +801,8 @@ class SocketTransport(Transport):
                     return
                 t = heapq.heappop(timers)
             if not t.cancelled:
-                self._guard(t.fn)
+                with self._dispatch:
+                    self._guard(t.fn)
 
     def _guard(self, fn: Callable[[], None]) -> None:
         try:
