@@ -267,3 +267,27 @@ def test_errors_propagate_and_name_the_worker():
     assert kind == "ValueError" and "worker2" in msg and "learning rate" in msg.lower()
     kind, msg = out["context"]
     assert "worker1" in msg and "context" in msg.lower()
+
+
+def test_param_lock_table_survives_a_weakref_callback_inside_it():
+    # The garbage collector can run inside _lock_of (it allocates) and fire a dead
+    # parameter's weakref callback, _forget, on the same thread while the guard is
+    # held: that must not deadlock (it did with a plain lock).
+    import threading
+
+    import torch
+
+    from distgrad.optim import optimizer as opt_mod
+    done = threading.Event()
+
+    def nested():
+        with opt_mod._locks_guard:
+            p = torch.zeros(1)
+            lock = opt_mod._lock_of(p)  # the guard taken again on this thread
+            key, entry = id(p), opt_mod._param_locks[id(p)]
+            opt_mod._forget(key, entry[0])  # a callback run while the guard is held
+            assert key not in opt_mod._param_locks and isinstance(lock, type(threading.Lock()))
+        done.set()
+    t = threading.Thread(target=nested, daemon=True)
+    t.start()
+    assert done.wait(10), "the parameter lock table deadlocked on its own thread"

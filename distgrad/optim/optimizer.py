@@ -44,7 +44,11 @@ __all__ = ["DistributedOptimizer"]
 # ---------------------------------------------------------------------------
 # owner side
 # ---------------------------------------------------------------------------
-_locks_guard = threading.Lock()
+# Reentrant: a parameter's weakref callback (_forget) can run on this very thread
+# while _lock_of holds the guard (the garbage collector may run inside it); with
+# a plain lock that thread deadlocked on itself (found by a stress test:
+# DistributedOptimizer construction hung under load, test_dist_optim timed out).
+_locks_guard = threading.RLock()
 # id(param) -> (weak reference to param, its lock); tensors compare elementwise,
 # so a WeakKeyDictionary cannot be used. The weakref callback drops the entry
 # when the parameter dies, before its id can be reused.
