@@ -1,9 +1,9 @@
 """The transport interface every backend implements.
 
-A transport owns its sockets on one I/O thread. Other threads hand work to it
-with :meth:`Transport.send`, :meth:`Transport.call_soon` and
-:meth:`Transport.call_later`; received messages and lost peers are reported to
-a :class:`TransportHandler` on the I/O thread.
+A transport sends on the calling thread and reads with its own pool of
+threads. Received messages and lost peers are reported to a
+:class:`TransportHandler` in order (one event at a time); ``on_message`` may
+return work (``(fn, args)``) that the thread which read the message then runs.
 """
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from typing import Protocol
 
 
 class TransportHandler(Protocol):
-    def on_message(self, peer: int, frames: list) -> None:
-        """Called on the I/O thread with the frames of one message from ``peer``."""
+    def on_message(self, peer: int, frames: list) -> tuple | None:
+        """Called with the frames of one message from ``peer``, in arrival order;
+        returns the work to run for it, if any."""
 
     def on_peer_lost(self, peer: int, reason: str, graceful: bool) -> None:
-        """Called on the I/O thread once when ``peer`` is gone (``graceful``: said goodbye)."""
+        """Called once when ``peer`` is gone (``graceful``: said goodbye)."""
 
 
 class Timer:
@@ -36,7 +37,7 @@ class Timer:
 
 
 class Transport(ABC):
-    """Frames in, frames out, one I/O thread, peer loss reported once."""
+    """Frames in, frames out, events handed up in order, peer loss reported once."""
 
     @abstractmethod
     def listen(self, host: str) -> str:
@@ -48,21 +49,22 @@ class Transport(ABC):
 
     @abstractmethod
     def send(self, peer: int, frames: Sequence) -> None:
-        """Queue one message for ``peer``; thread safe, never blocks."""
+        """Send one message to ``peer`` from this thread; thread safe. A reading
+        thread never blocks here (what does not fit is flushed later)."""
 
     @abstractmethod
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the I/O thread; thread safe."""
+        """Run ``fn`` in order with the handler's events; thread safe."""
 
     @abstractmethod
     def call_later(self, delay: float, fn: Callable[[], None], wake: bool = True) -> Timer:
-        """Run ``fn`` on the I/O thread after ``delay`` seconds; thread safe.
+        """Run ``fn`` in order with the handler's events after ``delay`` seconds; thread safe.
 
         ``wake=False`` saves waking the I/O thread when a :meth:`send` follows at
         once (which wakes it and so registers the timer too)."""
 
     def on_io_thread(self) -> bool:
-        """Whether the caller runs on this transport's I/O thread."""
+        """Whether this thread is reading for the transport (it must not block)."""
         return False
 
     def after_batch(self, fn: Callable[[], None]) -> None:
