@@ -45,7 +45,7 @@ class Transport(ABC):
 
     @abstractmethod
     def start(self, handler: TransportHandler, peers: Mapping[int, str]) -> None:
-        """Connect to ``peers`` (rank -> address) and start the I/O thread."""
+        """Connect to ``peers`` (rank -> address) and start reading."""
 
     @abstractmethod
     def send(self, peer: int, frames: Sequence) -> None:
@@ -60,18 +60,15 @@ class Transport(ABC):
     def call_later(self, delay: float, fn: Callable[[], None], wake: bool = True) -> Timer:
         """Run ``fn`` in order with the handler's events after ``delay`` seconds; thread safe.
 
-        ``wake=False`` saves waking the I/O thread when a :meth:`send` follows at
-        once (which wakes it and so registers the timer too)."""
+        ``wake=False``: the caller needs no early wake-up for it."""
 
     def on_io_thread(self) -> bool:
         """Whether this thread is reading for the transport (it must not block)."""
         return False
 
     def after_batch(self, fn: Callable[[], None]) -> None:
-        """On the I/O thread only: run ``fn`` once the messages received so far are
-        handled, just before the thread waits again. Handing work to other threads
-        there, rather than message by message, lets the woken thread take the GIL
-        at once instead of waking, waiting for the I/O thread, and waking again."""
+        """Run ``fn`` once the messages received so far are handled (the socket
+        transport runs it at once: the thread that read a message runs its work)."""
         fn()
 
     @abstractmethod
