@@ -98,7 +98,7 @@ def _spread_release(ctx: DistAutogradContext, exclude: int | None) -> None:
 
 
 def _release_remote(sender: int, context_id: int) -> None:
-    """Control handler (I/O thread): release a context another worker left."""
+    """Control handler (reading thread): release a context another worker left."""
     ctx = CONTAINER.release(context_id)
     if ctx is not None:
         _spread_release(ctx, exclude=sender)

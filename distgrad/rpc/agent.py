@@ -112,7 +112,7 @@ class RpcAgent:
         self.inflight = 0
         self._count_lock = threading.Lock()
         self.control_handlers: dict[str, Callable[[int, tuple], None]] = {}
-        # Runs on the I/O thread, in arrival order, for CALL/REMOTE messages whose
+        # Runs on the reading thread, in arrival order, for CALL/REMOTE messages whose
         # meta carries an ``extra`` (RRef bookkeeping that must not be overtaken
         # by later control messages); returns False when it already replied.
         self.pre_dispatch: Callable[[int, Any], bool] | None = None
@@ -257,7 +257,7 @@ class RpcAgent:
         return True
 
     def send_control(self, dest: int, op: str, *args: Any) -> None:
-        """One-way message handled in order on the receiver's I/O thread."""
+        """One-way message handled in order on the receiver's reading thread."""
         if dest in self.lost:
             return
         payload, _ = dumps((op, args))
@@ -321,7 +321,7 @@ class RpcAgent:
 
     def _repeated(self, peer: int, rid: int) -> bool:
         """Whether request ``rid`` of ``peer`` was seen among its last _DEDUP_WINDOW
-        requests (I/O thread only). Request ids come from one counter per agent
+        requests (reading thread only). Request ids come from one counter per agent
         and are never reused, so a repeat is a duplicate: at most once."""
         seen = self._seen_rids.get(peer)
         if seen is None:

@@ -41,7 +41,7 @@ def enable_gil_profiling(flag: bool) -> None:
     """Turn on (or off) measuring how long requests wait to run Python.
 
     When on, ``agent.gil_average_wait_time_us`` appears in the agent's debug
-    info: the mean time from a request's hand-off by the I/O thread to the
+    info: the mean time from a request's hand-off by the reading thread to the
     moment a pool thread runs it, which in a pure-Python agent is mostly the
     wait for the GIL.
 

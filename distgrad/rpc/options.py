@@ -47,8 +47,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     ``max_message_size`` (bytes per frame a peer may send, default 8 GiB, -1
     for no limit), ``secret`` (the cluster secret; default
     ``$DISTGRAD_SECRET``; all workers need the same one; see the README's
-    trust model) and ``encrypt`` (ZeroMQ CURVE encryption of every
-    connection, keys derived from the secret; default ``$DISTGRAD_ENCRYPT``
+    trust model) and ``encrypt`` (AES-256-GCM encryption of every frame,
+    keys derived from the secret and each connection's handshake; default ``$DISTGRAD_ENCRYPT``
     = 1/true/yes, else off; all workers must agree).
 
     Example::

@@ -5,7 +5,7 @@ holds a *fork* of it. Every RRef held on a non-owner is one fork. Sending an
 RRef anywhere creates a new fork for the receiver: the owner registers it
 directly when it is the sender, otherwise the sender tells the owner with a
 ``fork_add`` control message that goes out *before* the message carrying the
-RRef. Control messages are handled in arrival order on the owner's I/O thread,
+RRef. Control messages are handled in arrival order on the owner's reading thread,
 and a sender's own ``fork_del`` always follows its ``fork_add``, so the owner
 never sees zero forks while a fork is in flight. A fork deleted before its
 ``fork_add`` arrives leaves a count of -1 that the late ``fork_add`` cancels.
@@ -13,7 +13,7 @@ An RRef sent to its owner comes back as the owner's local RRef and drops the
 fork that carried it; inside a request (rpc_sync/rpc_async/remote, e.g. every
 ``DistributedOptimizer.step`` and every call on a model stage held by an RRef)
 no fork is made at all: the request names the RRef in its meta and the owner's
-I/O thread, handling it in arrival order (so before any later ``fork_del`` of
+reading thread, handling it in arrival order (so before any later ``fork_del`` of
 the sender), pins the value for the request, which saves a control message per
 call. Forks held by a lost worker are dropped. A message from a third worker
 about an RRef (a fork, a call on it) can reach the owner before the remote()
@@ -26,7 +26,7 @@ reaches it. As torch's callee does, a request (call or remote) whose arguments
 carry such a fork runs its function only once the owner confirmed it, so
 ``confirmed_by_owner()`` is True inside the function. The wait costs the
 difference between the paths sender -> owner -> callee and sender -> callee
-(the owner confirms on its I/O thread); it ends early if the owner is lost,
+(the owner confirms on its reading thread); it ends early if the owner is lost,
 and after the RPC timeout at most (the fork is safe either way: the sender's
 ``fork_del`` never overtakes its ``fork_add``). Replies and RRefs unpickled
 outside a request do not wait.
