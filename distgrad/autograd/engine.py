@@ -185,7 +185,7 @@ def _unpack_error(blob: bytes) -> BaseException:
 
 def on_report(sender: int, context_id: int, pass_id: tuple, exp: int, blocked: bool,
               targets: list, blob: bytes | None) -> None:
-    """Control message (I/O thread): a worker's run of one of our passes ended."""
+    """Control message (reading thread): a worker's run of one of our passes ended."""
     err = _unpack_error(blob) if blob is not None else None
     _returned(tuple(pass_id), sender, int(exp), bool(blocked), set(targets), err)
 
@@ -320,7 +320,7 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
                    deliver: Callable[[BaseException | None], None],
                    inline: queue.SimpleQueue | None = None) -> None:
     """Start a distributed backward pass; ``deliver(error or None)`` is called once,
-    on whichever thread sees the pass end (the I/O thread included). With ``inline``,
+    on whichever thread sees the pass end (a reading thread included). With ``inline``,
     this worker's later runs of the pass are queued there for the caller to run."""
     if isinstance(roots, torch.Tensor) or not isinstance(roots, (list, tuple)):
         raise TypeError("backward(): incompatible function arguments. roots must be a list of "
@@ -347,7 +347,7 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
                                 f"workers {sorted(blocked)} still wait for gradients"))
             return
         # Someone waits for a gradient that may never come: find what is reachable
-        # (not on the I/O thread: it walks graphs and waits for replies).
+        # (not on a reading thread: it walks graphs and waits for replies).
         _agent().callbacks.submit(discover, blocked)
 
     def discover(blocked: set) -> None:
@@ -386,7 +386,7 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
             result.set_exception(exc)
 
     def deliver(exc: BaseException | None) -> None:
-        # never run the caller's callbacks on the I/O thread
+        # never run the caller's callbacks on a reading thread
         if agent.transport.on_io_thread():
             agent.callbacks.submit(complete, exc)
         else:

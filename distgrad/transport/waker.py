@@ -6,7 +6,7 @@ import socket
 
 
 class Waker:
-    """Wakes the I/O thread out of its poll: an eventfd where there is one (one
+    """Wakes threads waiting in the poller: an eventfd where there is one (one
     8-byte counter, cheaper than a socket pair's network-stack syscalls; rpc_sync
     median 694-745 -> 631-662 us in A/B runs), a socket pair elsewhere.
 
@@ -15,7 +15,7 @@ class Waker:
         >>> w = Waker()
         >>> epoll.register(w.fileno(), select.EPOLLIN)  # the reading thread polls it
         >>> w.wake()                                  # any thread
-        >>> w.clear()                                 # the I/O thread, once woken
+        >>> w.clear()                                 # a waiting thread, once woken
     """
 
     def __init__(self) -> None:
