@@ -37,7 +37,7 @@ class Kind(IntEnum):
     REMOTE = 2    # run a function, keep the result in an owner RRef
     REPLY = 3     # result of a CALL/REMOTE
     ERROR = 4     # the CALL/REMOTE raised; payload describes the exception
-    CONTROL = 5   # one-way message handled on the I/O thread (RRef forks...)
+    CONTROL = 5   # one-way message handled in order by the reading thread (RRef forks...)
     GOODBYE = 6   # the sender is shutting down on purpose
     NOTIFY = 7    # run a function on the pool, no reply (distributed autograd's gradients)
 
@@ -46,14 +46,14 @@ _KINDS = {int(k): k for k in Kind}
 
 
 class Message:
-    """A decoded message; the payload is unpickled later, off the I/O thread."""
+    """A decoded message; the payload is unpickled later, by the thread that serves it."""
 
     __slots__ = ("kind", "rid", "meta", "specs", "payload", "buffers", "sender", "local", "handed_off")
 
     def __init__(self, kind, rid, meta, specs, payload, buffers, sender=None):
         self.kind, self.rid, self.meta, self.specs = kind, rid, meta, specs
         self.payload, self.buffers, self.sender = payload, buffers, sender
-        self.local = None  # attached on the I/O thread by a pre-dispatch hook
+        self.local = None  # attached in order by a pre-dispatch hook
         self.handed_off = None  # perf_counter() at the hand-off to the pool (GIL profiling)
 
 
