@@ -66,11 +66,6 @@ class Transport(ABC):
         """Whether this thread is reading for the transport (it must not block)."""
         return False
 
-    def after_batch(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once the messages received so far are handled (the socket
-        transport runs it at once: the thread that read a message runs its work)."""
-        fn()
-
     @abstractmethod
     def close(self, linger: float = 1.0) -> None:
         """Say goodbye to every peer, flush for at most ``linger`` s, stop the thread."""

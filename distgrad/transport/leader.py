@@ -202,10 +202,7 @@ class LeaderFollowers:
     def _spare(self) -> bool:
         """(Under the lock) start a thread for queued work when none waits and the
         pool may grow; True when that suffices (no wake-up needed)."""
-        if not self._waiting and not self._starting and len(self._threads) < self.max_threads:
-            self._spawn()
-            return True
-        return False
+        return not self._waiting and not self._starting and self._grow()
 
     def readers(self) -> int:
         """Threads inside ``lead`` now."""

@@ -476,9 +476,6 @@ class SocketTransport(Transport):
         it must not block nor run user code."""
         return getattr(self._tls, "reading", False)
 
-    def after_batch(self, fn: Callable[[], None]) -> None:
-        fn()
-
     def _wake(self) -> None:
         if not self._wake_pending:
             self._wake_pending = True
