@@ -1076,13 +1076,30 @@ class Hang(RuntimeError):
     """dist_autograd.backward did not return in time."""
 
 
+def _square_sum(grads: list):
+    """The second pass's root: the sum of squared first gradients (those with a graph);
+    None when no gradient has one (the program is linear in every leaf)."""
+    parts = [(g ** 2).sum() for g in grads if g is not None and g.requires_grad]
+    return sum(parts[1:], parts[0]) if parts else None
+
+
 def run_local(prog: dict) -> dict:
-    """The oracle: the whole program in this process with plain torch autograd."""
+    """The oracle: the whole program in this process with plain torch autograd.
+    ``prog["order"] == 2``: a first backward with ``create_graph=True``, then a second
+    one over the sum of squared gradients (which accumulates, as ``.grad`` does)."""
     rt = LocalRuntime()
     roots = list(run_block(prog["main"], [], rt))
-    torch.autograd.backward(roots, retain_graph=prog["retain"])
-    if prog["retain"]:
-        torch.autograd.backward(roots)
+    if prog.get("order", 1) == 2:
+        torch.autograd.backward(roots, create_graph=True)
+        pen = _square_sum([t.grad for _, st in sorted(rt.states.items())
+                           for _, t in sorted(st.leaves.items()) if t.requires_grad])
+        if pen is not None:
+            roots.append(pen)
+            pen.backward()
+    else:
+        torch.autograd.backward(roots, retain_graph=prog["retain"])
+        if prog["retain"]:
+            torch.autograd.backward(roots)
     grads = {(w, name): t.grad for w, st in rt.states.items()
              for name, t in st.leaves.items() if t.requires_grad}
     counts = collections.Counter()
@@ -1091,14 +1108,25 @@ def run_local(prog: dict) -> dict:
     return {"roots": [t.detach() for t in roots], "grads": grads, "counts": dict(counts)}
 
 
-def _backward(cid: int, roots: list, retain: bool, timeout: float) -> None:
+def _square_grads(cid: int):
+    """This worker's part of the second pass's root (see :func:`_square_sum`)."""
+    import distgrad.autograd as dist_autograd
+    grads = dist_autograd.get_gradients(cid)
+    names = {id(t): n for n, t in STATE.leaves.items()}
+    return _square_sum([g for t, g in sorted(grads.items(), key=lambda kv: names.get(id(kv[0]), ""))])
+
+
+def _backward(cid: int, roots: list, retain: bool, timeout: float, create_graph: bool = False) -> None:
     """dist_autograd.backward, in a helper thread so a hang is reported, not waited out."""
     import distgrad.autograd as dist_autograd
     box: dict = {}
 
     def run():
         try:
-            dist_autograd.backward(cid, roots, retain_graph=retain)
+            if create_graph:
+                dist_autograd.backward(cid, roots, create_graph=True)
+            else:
+                dist_autograd.backward(cid, roots, retain_graph=retain)
         except BaseException as e:  # handed to the caller's thread
             box["err"] = e
     t = threading.Thread(target=run, daemon=True, name="random-programs-backward")
@@ -1134,9 +1162,18 @@ def run_distributed(prog: dict, backward_timeout: float) -> dict:
     with dist_autograd.context() as cid:
         roots = list(run_block(prog["main"], [], DistRuntime()))
         _drain(world)
-        _backward(cid, roots, prog["retain"], backward_timeout)
-        if prog["retain"]:
-            _backward(cid, roots, False, backward_timeout)
+        if prog.get("order", 1) == 2:
+            _backward(cid, roots, True, backward_timeout, create_graph=True)
+            parts = [_square_grads(cid)] + [rpc.rpc_sync(f"worker{w}", _square_grads, args=(cid,))
+                                            for w in range(1, world)]
+            pen = _square_sum_parts(parts)
+            if pen is not None:
+                roots.append(pen)
+                _backward(cid, [pen], False, backward_timeout)
+        else:
+            _backward(cid, roots, prog["retain"], backward_timeout)
+            if prog["retain"]:
+                _backward(cid, roots, False, backward_timeout)
         grads, unknown = {}, []
         for w in range(world):
             found, unk = rpc.rpc_sync(f"worker{w}", _collect_grads, args=(cid,))
@@ -1148,9 +1185,17 @@ def run_distributed(prog: dict, backward_timeout: float) -> dict:
     return {"roots": [t.detach() for t in roots], "grads": grads, "counts": dict(counts), "unknown": unknown}
 
 
+def _square_sum_parts(parts: list):
+    parts = [p for p in parts if p is not None]
+    return sum(parts[1:], parts[0]) if parts else None
+
+
 def compare(want: dict, got: dict) -> list:
     """(kind, detail) for every disagreement between oracle and distributed run."""
     issues = []
+    if len(want["roots"]) != len(got["roots"]):
+        issues.append(("forward value", f"{len(got['roots'])} roots, local autograd has "
+                                        f"{len(want['roots'])}"))
     for i, (a, b) in enumerate(zip(want["roots"], got["roots"])):
         if a.shape != b.shape or not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
             issues.append(("forward value", f"root {i}: {b.tolist()} != {a.tolist()}"))
@@ -1441,6 +1486,8 @@ def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
     shrunk_per_group: collections.Counter = collections.Counter()
     for seed in seeds:
         prog = generate(seed, world)
+        if cfg.get("order", 1) == 2:
+            prog["order"] = 2
         rec = check_program(prog, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
         rec["features"] = sorted(features(prog))
         if not rec["ok"]:
@@ -1544,6 +1591,9 @@ def main(argv=None) -> int:
     ap.add_argument("--show", type=int, default=2, help="failures printed in full per group")
     ap.add_argument("--dump", action="store_true", help="print the programs and exit (no cluster)")
     ap.add_argument("--json", default=None, help="also write every record here (JSON lines)")
+    ap.add_argument("--order", type=int, choices=(1, 2), default=1,
+                    help="2: second derivatives (backward with create_graph=True, then a backward "
+                         "over the sum of squared gradients)")
     args = ap.parse_args(argv)
     worlds = [int(w) for w in args.workers.split(",")]
     base = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
@@ -1558,7 +1608,7 @@ def main(argv=None) -> int:
                 print(dump(generate(s, w)), "\n")
         return 0
     cfg = {"shrink": args.shrink, "shrink_budget_s": args.shrink_budget,
-           "backward_timeout": args.backward_timeout, "verbose": True}
+           "backward_timeout": args.backward_timeout, "verbose": True, "order": args.order}
     records: list = []
     for w, seeds in sorted(plan.items()):
         t0 = time.monotonic()

@@ -126,12 +126,18 @@ def context() -> Iterator[int]:
 
 
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
-             grad_tensors: Sequence[torch.Tensor] | None = None) -> None:
+             grad_tensors: Sequence[torch.Tensor] | None = None, create_graph: bool = False) -> None:
     """Run the distributed backward pass from ``roots``; gradients of leaves go to
     the context of the worker that owns each leaf (see :func:`get_gradients`).
 
     ``grad_tensors`` (distgrad's extra, as in ``torch.autograd.backward``) gives
     the gradients of non-scalar roots. Blocks until every worker is done.
+
+    ``create_graph=True`` (distgrad's extra) records the backward on every worker,
+    gradients shipped between workers included, so the gradients in the context
+    require grad and a later ``backward`` over a function of them (in the same
+    context) adds exact second derivatives, as ``loss.backward(create_graph=True)``
+    then ``f(w.grad).backward()`` does locally. It implies ``retain_graph``.
 
     Example::
 
@@ -140,12 +146,18 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         ...     dist_autograd.backward(cid, [y.sum()])
         ...     dist_autograd.get_gradients(cid)[x]
         tensor([3., 3.])
+        >>> with dist_autograd.context() as cid:      # a gradient penalty
+        ...     y = rpc.rpc_sync("worker1", torch.pow, args=(x, 3))
+        ...     dist_autograd.backward(cid, [y.sum()], create_graph=True)
+        ...     g = dist_autograd.get_gradients(cid)[x]            # 3 x**2, requires grad
+        ...     dist_autograd.backward(cid, [(g ** 2).sum()])    # adds 36 x**3
     """
-    _backward_sync(context_id, roots, retain_graph, grad_tensors)
+    _backward_sync(context_id, roots, retain_graph, grad_tensors, create_graph)
 
 
 def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
-                   grad_tensors: Sequence[torch.Tensor] | None = None) -> torch.futures.Future:
+                   grad_tensors: Sequence[torch.Tensor] | None = None,
+                   create_graph: bool = False) -> torch.futures.Future:
     """Like :func:`backward`, returning a ``torch.futures.Future`` at once.
 
     Example::
@@ -153,7 +165,7 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
         >>> fut = dist_autograd.backward_async(cid, [loss])
         >>> fut.wait()
     """
-    return _backward_async(context_id, roots, retain_graph, grad_tensors)
+    return _backward_async(context_id, roots, retain_graph, grad_tensors, create_graph)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -135,6 +135,18 @@ class DistAutogradContext:
                     mine.add(leaf)
                 seen.add(key)
 
+    def accumulate_graph(self, leaves: Sequence, grads: Sequence) -> None:
+        """Accumulate gradients of a ``create_graph=True`` pass: recorded, as torch's
+        AccumulateGrad does in grad mode (a first gradient is copied, later ones
+        summed out of place), so the stored gradients carry their graph."""
+        with self.lock, torch.enable_grad():
+            for leaf, g in zip(leaves, grads):
+                if g is None:
+                    continue
+                old = self.gradients.get(leaf)
+                self.gradients[leaf] = _copy(g, leaf, keep_graph=True) if old is None else old + g
+                self.grads_mine.discard(leaf)  # never written to in place
+
     def __repr__(self) -> str:
         return f"DistAutogradContext(id={self.id})"
 
@@ -201,10 +213,12 @@ def _keepable(g: torch.Tensor, leaf: Any) -> bool:
     return True
 
 
-def _copy(g: torch.Tensor, leaf: Any) -> torch.Tensor:
+def _copy(g: torch.Tensor, leaf: Any, keep_graph: bool = False) -> torch.Tensor:
     """A copy of ``g`` in the layout torch gives a copied gradient: sparse stays
-    sparse; dense takes the leaf's strides (contiguous when the leaf has gaps)."""
-    g = g.detach()
+    sparse; dense takes the leaf's strides (contiguous when the leaf has gaps).
+    ``keep_graph``: the copy is recorded (its gradient flows back to ``g``)."""
+    if not keep_graph:
+        g = g.detach()
     if g.layout != torch.strided:
         return g.clone()
     var = leaf.variable
@@ -220,6 +234,7 @@ def _combine(mine: set, leaf: Any, old: torch.Tensor, g: torch.Tensor) -> torch.
     if leaf in mine and old.layout == torch.strided:
         return old.add_(g.detach())
     mine.add(leaf)
+    old = old.detach()  # a create_graph pass's gradient: a new tensor, its graph left alone
     if old.layout != torch.strided and g.layout == torch.strided:
         return g.detach() + old  # sparse + dense is not defined, dense + sparse is
     return old + g.detach()

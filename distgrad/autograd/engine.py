@@ -43,7 +43,7 @@ from .context import CONTAINER
 from .futures import all_of as _all
 from .futures import done as _done
 from .nodes import UNREACHED
-from .share import ENGINE, PassState
+from .share import CREATE_GRAPH, ENGINE, RETAIN, PassState
 
 _tls = threading.local()
 _MAX_RESUMES = 8
@@ -84,9 +84,18 @@ def ship_gradients(dg_info: tuple, grads: Sequence, reached: Sequence[bool] | No
     _tls.exp += 1
     _tls.targets.add(sender)
     _tls.shipped.add(msg_id)
-    _agent().notify(sender, _propagate, (context_id, state.pass_id, state.initiator,
-                                         state.retain_graph, msg_id, list(grads), _tls.exp,
-                                         unreached))
+    args = (context_id, state.pass_id, state.initiator, state.flags, msg_id, list(grads), _tls.exp,
+            unreached)
+    if state.create_graph:
+        # Gradients that carry a graph travel as an RPC of the context: the send and
+        # recv functions recorded here and there let a later pass through them.
+        prev = CONTAINER.set_current(state.ctx)
+        try:
+            _agent().notify(sender, _propagate, args)
+        finally:
+            CONTAINER.set_current(prev)
+    else:
+        _agent().notify(sender, _propagate, args)
 
 
 @contextlib.contextmanager
@@ -129,7 +138,9 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
     state.running += 1
     err = None
     try:
-        fn(*args)
+        # torch's engine runs a pass (nodes, hooks) with grad mode = create_graph
+        with torch.set_grad_enabled(state.create_graph):
+            fn(*args)
     except BaseException as e:  # noqa: BLE001 - reported to the initiator
         err = backward_error(e)
     finally:
@@ -235,14 +246,14 @@ def fail_passes(peer: int, err_for: Any) -> None:
             _fail(state, err_for(peer))
 
 
-def _propagate(context_id: int, pass_id: tuple, initiator: int, retain_graph: bool,
+def _propagate(context_id: int, pass_id: tuple, initiator: int, flags: int,
                msg_id: int, grads: list, exp: int, unreached: Sequence[int] = ()) -> None:
     """One-way request: gradients for send function ``msg_id`` of this worker
     (``unreached``: slots no path from the roots reached)."""
     for i in unreached:
         grads[i] = UNREACHED
     try:
-        state = ENGINE.get_or_create(context_id, pass_id, initiator, retain_graph)
+        state = ENGINE.get_or_create(context_id, pass_id, initiator, flags)
         node = _send_function(state, msg_id)
     except BaseException as e:  # noqa: BLE001
         _report(context_id, pass_id, initiator, exp, False, set(), e)
@@ -269,15 +280,15 @@ def _discover_remote(state: PassState, recvs: list) -> torch.futures.Future:
         by_worker[sender].append(msg_id)
     futs = [rpc_api.rpc_async(w, _discover, timeout=0,
                               args=(state.ctx.id, state.pass_id, state.initiator,
-                                    state.retain_graph, ids))
+                                    state.flags, ids))
             for w, ids in by_worker.items()]
     return _all(futs)
 
 
 @async_execution
-def _discover(context_id: int, pass_id: tuple, initiator: int, retain_graph: bool,
+def _discover(context_id: int, pass_id: tuple, initiator: int, flags: int,
               msg_ids: list[int]) -> torch.futures.Future:
-    state = ENGINE.get_or_create(context_id, pass_id, initiator, retain_graph)
+    state = ENGINE.get_or_create(context_id, pass_id, initiator, flags)
     with state.lock:
         starts = []
         for m in msg_ids:
@@ -291,7 +302,7 @@ def _discover(context_id: int, pass_id: tuple, initiator: int, retain_graph: boo
 def _resume(context_id: int, pass_id: tuple, exp: int) -> None:
     """One-way request: recount over what discovery reached and run what is complete."""
     try:
-        state = ENGINE.get_or_create(context_id, pass_id, pass_id[0], True)
+        state = ENGINE.get_or_create(context_id, pass_id, pass_id[0], RETAIN)
     except BaseException as e:  # noqa: BLE001
         _report(context_id, pass_id, pass_id[0], exp, False, set(), e)
         return
@@ -318,16 +329,19 @@ def _resume_all(state: PassState, blocked: set) -> None:
 def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool,
                    grad_tensors: Sequence[torch.Tensor] | None,
                    deliver: Callable[[BaseException | None], None],
-                   inline: queue.SimpleQueue | None = None) -> None:
+                   inline: queue.SimpleQueue | None = None, create_graph: bool = False) -> None:
     """Start a distributed backward pass; ``deliver(error or None)`` is called once,
     on whichever thread sees the pass end (a reading thread included). With ``inline``,
-    this worker's later runs of the pass are queued there for the caller to run."""
+    this worker's later runs of the pass are queued there for the caller to run.
+    ``create_graph``: every worker records the backward it runs (gradients shipped
+    between workers as RPCs of the context), and the graph is retained."""
     if isinstance(roots, torch.Tensor) or not isinstance(roots, (list, tuple)):
         raise TypeError("backward(): incompatible function arguments. roots must be a list of "
                         f"tensors, got {type(roots).__name__}")
     ctx = CONTAINER.retrieve(context_id)
     roots, grads = _check_roots(roots, grad_tensors)
-    state = ENGINE.new_pass(ctx, retain_graph, roots)
+    flags = (RETAIN if retain_graph or create_graph else 0) | (CREATE_GRAPH if create_graph else 0)
+    state = ENGINE.new_pass(ctx, flags, roots)
     state.inline = inline
     rounds = [0]
 
@@ -374,7 +388,8 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
 
 
 def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
-                   grad_tensors: Sequence[torch.Tensor] | None = None) -> torch.futures.Future:
+                   grad_tensors: Sequence[torch.Tensor] | None = None,
+                   create_graph: bool = False) -> torch.futures.Future:
     """Start a distributed backward pass; returns a Future done when every worker is done."""
     result = torch.futures.Future()
     agent = _agent()
@@ -392,12 +407,13 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
         else:
             complete(exc)
 
-    start_backward(context_id, roots, retain_graph, grad_tensors, deliver)
+    start_backward(context_id, roots, retain_graph, grad_tensors, deliver, create_graph=create_graph)
     return result
 
 
 def backward_sync(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
-                  grad_tensors: Sequence[torch.Tensor] | None = None) -> None:
+                  grad_tensors: Sequence[torch.Tensor] | None = None,
+                  create_graph: bool = False) -> None:
     """:func:`backward_async` + wait, woken straight from the thread that sees the end.
 
     Under torch's profiler the calling thread runs every piece of the pass that
@@ -405,7 +421,7 @@ def backward_sync(context_id: int, roots: Sequence[torch.Tensor], retain_graph: 
     ``torch::distributed::autograd::backward`` range, as torch's engine shows it."""
     if torch.autograd._profiler_enabled():
         with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"):
-            return _backward_inline(context_id, roots, retain_graph, grad_tensors)
+            return _backward_inline(context_id, roots, retain_graph, grad_tensors, create_graph)
     lock, box = threading.Lock(), []
     lock.acquire()
 
@@ -413,17 +429,17 @@ def backward_sync(context_id: int, roots: Sequence[torch.Tensor], retain_graph: 
         box.append(exc)
         lock.release()
 
-    start_backward(context_id, roots, retain_graph, grad_tensors, deliver)
+    start_backward(context_id, roots, retain_graph, grad_tensors, deliver, create_graph=create_graph)
     lock.acquire()
     if box[0] is not None:
         raise box[0]
 
 
 def _backward_inline(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool,
-                     grad_tensors: Sequence[torch.Tensor] | None) -> None:
+                     grad_tensors: Sequence[torch.Tensor] | None, create_graph: bool) -> None:
     tasks: queue.SimpleQueue = queue.SimpleQueue()
     start_backward(context_id, roots, retain_graph, grad_tensors,
-                   lambda exc: tasks.put((None, exc)), inline=tasks)
+                   lambda exc: tasks.put((None, exc)), inline=tasks, create_graph=create_graph)
     while True:
         state, *task = tasks.get()
         if state is None:

@@ -136,10 +136,11 @@ def _python_node(node: Any, grads: list) -> list:
     return [next(wanted, None) if nxt is not None else None for nxt, _ in node.next_functions]
 
 
-def run_node(node: Any, grads: list) -> list:
+def run_node(node: Any, grads: list, create_graph: bool = False) -> list:
     """Run ``node``'s backward on ``grads`` (one per input slot, ``None`` = absent);
-    returns validated gradients, one per next edge. No hooks run here."""
-    with torch.no_grad():
+    returns validated gradients, one per next edge. No hooks run here.
+    ``create_graph``: the backward is recorded (its results carry a graph)."""
+    with torch.set_grad_enabled(create_graph):
         if hasattr(node, "_forward_cls"):  # a Python autograd.Function
             outs = _python_node(node, grads)
         else:

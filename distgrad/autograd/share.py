@@ -38,14 +38,18 @@ from .recording import _ANCHOR, _node_types
 _ACCUMULATE = None
 node_hooks.install()
 
+# A pass's flags (they travel with its gradients): keep the graph; record the backward.
+RETAIN, CREATE_GRAPH = 1, 2
 
-def _grad(outputs: tuple, grads: tuple, inputs: tuple, retain_graph: bool) -> tuple:
+
+def _grad(outputs: tuple, grads: tuple, inputs: tuple, retain_graph: bool,
+          create_graph: bool = False) -> tuple:
     """``torch.autograd.grad(..., allow_unused=True)`` minus its per-input Python checks
     (we built every argument ourselves); falls back to the public call."""
     if _engine_run_backward is None:
         return torch.autograd.grad(outputs, inputs, grad_outputs=grads, retain_graph=retain_graph,
-                                   allow_unused=True)
-    return _engine_run_backward(outputs, grads, retain_graph, False, inputs, True,
+                                   create_graph=create_graph, allow_unused=True)
+    return _engine_run_backward(outputs, grads, retain_graph, create_graph, inputs, True,
                                 accumulate_grad=False)
 
 
@@ -106,9 +110,11 @@ class PassState:
     """One worker's share of one backward pass."""
 
     def __init__(self, ctx: DistAutogradContext, pass_id: tuple, initiator: int,
-                 retain_graph: bool, roots: Sequence[torch.Tensor] = ()) -> None:
+                 flags: int, roots: Sequence[torch.Tensor] = ()) -> None:
         self.ctx, self.pass_id, self.initiator = ctx, pass_id, initiator
-        self.retain_graph = retain_graph
+        self.flags = flags
+        self.retain_graph = bool(flags & (RETAIN | CREATE_GRAPH))
+        self.create_graph = bool(flags & CREATE_GRAPH)
         self.roots = list(roots)
         self.lock = threading.RLock()
         self.nodes: set = set()         # every node some entry reaches
@@ -262,14 +268,18 @@ class PassState:
             from .engine import fed_slots  # (engine imports this module)
             with fed_slots(fed):
                 res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
-                            self.retain_graph)
+                            self.retain_graph, self.create_graph)
             hooked = _leaf_hooks(region.leaves, res)
             if hooked:
                 res = list(res)  # (the tuple goes: the gradients' reference counts stay the same)
                 for i, pre, _ in hooked:
                     res[i] = node_hooks.run_pre(pre, res[i])
-            # gradients that came over the network belong to this pass: no defensive copy
-            self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs], owned=key != "root")
+            if self.create_graph:
+                self.ctx.accumulate_graph(region.leaves, res)
+            else:
+                # gradients that came over the network belong to this pass: no defensive copy
+                self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs],
+                                          owned=key != "root")
             for i, _, post in hooked:
                 node_hooks.run_post(post, res[i])
         if len(pairs) < len(outputs) and region.recvs:
@@ -387,7 +397,10 @@ class PassState:
                 pre, post = node_hooks.hooks_of(node)
                 if pre:
                     g = node_hooks.run_pre(pre, g)
-                self.ctx.accumulate(node, g)
+                if self.create_graph:
+                    self.ctx.accumulate_graph([node], [g])
+                else:
+                    self.ctx.accumulate(node, g)
                 node_hooks.run_post(post, g)
             return
         if t is recv_t:
@@ -398,7 +411,7 @@ class PassState:
             if t is send_t:  # an identity per slot: unreached slots stay unreached
                 outs = [g if r else UNREACHED for g, r in zip(validate(node, grads), reached)]
             else:
-                outs = run_node(node, grads)
+                outs = run_node(node, grads, self.create_graph)
         except Exception as e:  # noqa: BLE001 - name the node, as torch's engine does
             from .engine import backward_error
             raise backward_error(e, node) from e
@@ -424,19 +437,19 @@ class Engine:
             state.ctx.passes[state.pass_id] = state
         return state
 
-    def new_pass(self, ctx: DistAutogradContext, retain_graph: bool, roots: list) -> PassState:
+    def new_pass(self, ctx: DistAutogradContext, flags: int, roots: list) -> PassState:
         pass_id = (CONTAINER.worker_id, next(self._ids))
-        state = self._register(PassState(ctx, pass_id, CONTAINER.worker_id, retain_graph, roots))
+        state = self._register(PassState(ctx, pass_id, CONTAINER.worker_id, flags, roots))
         self.initiated[pass_id] = state
         return state
 
     def get_or_create(self, context_id: int, pass_id: tuple, initiator: int,
-                      retain_graph: bool) -> PassState:
+                      flags: int) -> PassState:
         ctx = CONTAINER.retrieve(context_id)
         with ctx.lock:
             state = ctx.passes.get(pass_id)
             if state is None:
-                state = PassState(ctx, pass_id, initiator, retain_graph)
+                state = PassState(ctx, pass_id, initiator, flags)
                 self._register(state)
             return state
 
