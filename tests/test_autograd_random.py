@@ -100,3 +100,37 @@ def test_random_programs(world):
     stats = res["engine_stats"]
     if stats:  # both ways of running a worker's share were exercised
         assert stats["passes_native"] > 0 and stats["passes_shared"] > 0, stats
+
+
+SECOND_ORDER_SEEDS = {2: list(range(300, 316)), 3: list(range(400, 416)), 4: list(range(500, 516))}
+
+
+@pytest.mark.parametrize("world", sorted(SECOND_ORDER_SEEDS))
+def test_random_programs_second_order(world):
+    """Second derivatives: backward(create_graph=True), then a backward over the sum of
+    the squared gradients (on every worker) must leave what local autograd's
+    ``backward(create_graph=True)`` + ``(sum of grad**2).backward()`` leaves in .grad."""
+    seeds = SECOND_ORDER_SEEDS[world]
+    res = rp.run_seeds(world, seeds, {"shrink": 0, "order": 2}, timeout=200, log=lambda *a: None)
+    records = res["records"]
+    assert sorted(r["seed"] for r in records) == sorted(seeds)
+    failed = [r for r in records if not r["ok"]]
+    if failed:
+        out = io.StringIO()
+        rp.report(records, per_group=2, out=out)
+        pytest.fail(f"{len(failed)} of {len(records)} second-order programs on {world} workers differ "
+                    f"(rerun: python tests/random_programs.py --order 2 --programs 1 --workers {world} "
+                    f"--seed SEED){out.getvalue()}", pytrace=False)
+
+
+def test_second_order_oracle_is_not_first_order():
+    """The second pass changes the gradients of most fixed programs (else the check
+    above would only repeat the first-order one)."""
+    changed = 0
+    for world, seeds in SECOND_ORDER_SEEDS.items():
+        for s in seeds:
+            prog = rp.generate(s, world)
+            one = rp.run_local(dict(prog, retain=False))["grads"]
+            two = rp.run_local(dict(prog, order=2))["grads"]
+            changed += any(g is not None and not torch.allclose(g, two[k]) for k, g in one.items())
+    assert changed >= len(SECOND_ORDER_SEEDS) * 8, changed
