@@ -102,7 +102,11 @@ def test_random_programs(world):
         assert stats["passes_native"] > 0 and stats["passes_shared"] > 0, stats
 
 
-SECOND_ORDER_SEEDS = {2: list(range(300, 316)), 3: list(range(400, 416)), 4: list(range(500, 516))}
+# chosen so that the second pass changes the gradients (12 per world size), plus one
+# program each where it does not (linear in its leaves, or no gradient with a graph)
+SECOND_ORDER_SEEDS = {2: [300, 303, 306, 307, 310, 311, 314, 321, 322, 323, 328, 330, 331],
+                      3: [400, 402, 407, 408, 409, 414, 415, 418, 423, 424, 425, 426, 428],
+                      4: [500, 504, 508, 509, 518, 520, 523, 524, 525, 526, 531, 533, 540]}
 
 
 @pytest.mark.parametrize("world", sorted(SECOND_ORDER_SEEDS))
@@ -133,4 +137,4 @@ def test_second_order_oracle_is_not_first_order():
             one = rp.run_local(dict(prog, retain=False))["grads"]
             two = rp.run_local(dict(prog, order=2))["grads"]
             changed += any(g is not None and not torch.allclose(g, two[k]) for k, g in one.items())
-    assert changed >= len(SECOND_ORDER_SEEDS) * 8, changed
+    assert changed >= 36, changed
