@@ -11,7 +11,8 @@ name in ``.worker_name`` and in the message.
     ├── RemoteError                          the remote function raised and its
     │                                        exception type could not be rebuilt
     ├── BackwardError                        a node raised during a distributed
-    │                                        backward ("Error on Node N: ...")
+    │   │                                    backward ("Error on Node N: ...")
+    │   └── AnomalyError                     detect_anomaly(): a node returned NaN/Inf
     ├── ProtocolError                        malformed or unexpected frames
     └── SerializationError (also TypeError)  an argument or result cannot be
                                              pickled; nothing was sent
@@ -75,6 +76,46 @@ class BackwardError(DistgradError):
         return (type(self), (self.args[0], self.worker_name, self.node_name, self.cause_type))
 
 
+class AnomalyError(BackwardError):
+    """Under ``dist_autograd.detect_anomaly()``: a backward function returned NaN or Inf.
+
+    ``worker_name`` and ``node_name`` say where; ``forward_stack`` is where that node
+    was created (in the forward, on that worker); ``chains`` lists the ways (worker
+    names, from this worker on) the poisoned gradient would have travelled.
+    """
+
+    def __init__(self, message: str, worker_name: str | None = None, node_name: str = "",
+                 cause_type: str = "", forward_stack: str = "", hops: list | None = None) -> None:
+        super().__init__(message, worker_name, node_name, cause_type)
+        self.summary = message
+        self.forward_stack = forward_stack
+        self.hops = list(hops or [])   # (worker id, message id) of the first hops
+        self.chains: list[list[str]] = []
+        self.set_chains([])
+
+    def set_chains(self, chains: list) -> None:
+        """Record the ways the gradient would have gone; the message then shows them."""
+        self.chains = [list(c) for c in chains]
+        text = self.summary
+        if self.chains:
+            text += "\nThe poisoned gradient would have travelled: " + "; ".join(
+                " -> ".join(c) for c in self.chains)
+        if self.forward_stack:
+            text += (f"\nTraceback of the forward call that created {self.node_name} on worker "
+                     f"{self.worker_name}:\n{self.forward_stack.rstrip()}")
+        self.args = (text,)
+
+    def __reduce__(self):
+        return (_rebuild_anomaly, (self.summary, self.worker_name, self.node_name, self.forward_stack,
+                                   self.hops, self.chains))
+
+
+def _rebuild_anomaly(summary, worker, node, stack, hops, chains) -> AnomalyError:
+    err = AnomalyError(summary, worker, node, "", stack, hops)
+    err.set_chains(chains)
+    return err
+
+
 class ProtocolError(DistgradError):
     """A peer sent bytes that do not form a valid distgrad message."""
 
@@ -83,5 +124,5 @@ class SerializationError(DistgradError, TypeError):
     """An object could not be pickled (caller side) or unpickled (callee side)."""
 
 
-__all__ = ["BackwardError", "DistgradError", "RPCTimeoutError", "WorkerLostError", "RemoteError",
-           "ProtocolError", "SerializationError"]
+__all__ = ["AnomalyError", "BackwardError", "DistgradError", "RPCTimeoutError", "WorkerLostError",
+           "RemoteError", "ProtocolError", "SerializationError"]

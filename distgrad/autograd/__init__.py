@@ -19,6 +19,7 @@ import torch
 
 from ..rpc.agent import agent_or_none
 from . import recording as _recording  # noqa: F401  (registers the agent extension)
+from .anomaly import detect_anomaly
 from .context import CONTAINER, DistAutogradContext
 from .engine import ENGINE
 from .engine import backward_async as _backward_async
@@ -30,6 +31,7 @@ __all__ = [
     "backward",
     "backward_async",
     "context",
+    "detect_anomaly",
     "export_graph",
     "get_engine_stats",
     "get_gradients",

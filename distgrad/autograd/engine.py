@@ -34,16 +34,17 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ..errors import BackwardError, DistgradError
+from ..errors import AnomalyError, BackwardError, DistgradError
 from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
 from ..rpc.remote_exc import pack_exception, unpack_exception
+from . import anomaly as anomaly_mode
 from .checks import check_roots as _check_roots
 from .context import CONTAINER
 from .futures import all_of as _all
 from .futures import done as _done
 from .nodes import UNREACHED
-from .share import CREATE_GRAPH, ENGINE, RETAIN, PassState
+from .share import ANOMALY, CREATE_GRAPH, ENGINE, RETAIN, PassState
 
 _tls = threading.local()
 _MAX_RESUMES = 8
@@ -178,6 +179,9 @@ def _report(context_id: int, pass_id: tuple, initiator: int, exp: int, blocked: 
 
 
 def _pack_error(err: BaseException, agent: Any) -> bytes:
+    if isinstance(err, AnomalyError):
+        return pickle.dumps(("anomaly", err.summary, err.worker_name, err.node_name, err.forward_stack,
+                             err.hops))
     if isinstance(err, BackwardError):  # keep torch's message; the traceback goes along
         tb = "".join(traceback.format_exception(err.__cause__ or err))
         return pickle.dumps(("backward", str(err), err.worker_name, err.node_name, err.cause_type, tb))
@@ -186,6 +190,9 @@ def _pack_error(err: BaseException, agent: Any) -> bytes:
 
 def _unpack_error(blob: bytes) -> BaseException:
     kind, *rest = pickle.loads(blob)
+    if kind == "anomaly":
+        summary, worker, node, stack, hops = rest
+        return AnomalyError(summary, worker, node, "", stack, hops)
     if kind != "backward":
         return unpack_exception(rest[0])
     message, worker, node, cause, tb = rest
@@ -235,6 +242,26 @@ def _fail(state: PassState, err: BaseException) -> None:
             return
         state.finished = True
     state.on_round(err, set())
+
+
+def _abort(state: PassState) -> None:
+    """Initiator: the pass failed; every participant stops running it."""
+    state.aborted = True
+    agent, me = _agent(), CONTAINER.worker_id
+    with state.lock:
+        others = [w for w in state.participants if w != me and w not in agent.lost]
+    for w in others:
+        agent.send_control(w, "ag_abort", state.ctx.id, state.pass_id)
+
+
+def on_abort(sender: int, context_id: int, pass_id: tuple) -> None:
+    """Control message (reading thread): a pass this worker took part in failed."""
+    ctx = CONTAINER.contexts.get(context_id)
+    if ctx is not None:
+        with ctx.lock:
+            state = ctx.passes.get(tuple(pass_id))
+        if state is not None:
+            state.aborted = True
 
 
 def fail_passes(peer: int, err_for: Any) -> None:
@@ -340,13 +367,16 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
                         f"tensors, got {type(roots).__name__}")
     ctx = CONTAINER.retrieve(context_id)
     roots, grads = _check_roots(roots, grad_tensors)
-    flags = (RETAIN if retain_graph or create_graph else 0) | (CREATE_GRAPH if create_graph else 0)
+    flags = ((RETAIN if retain_graph or create_graph else 0) | (CREATE_GRAPH if create_graph else 0)
+             | (ANOMALY if anomaly_mode.enabled() else 0))
     state = ENGINE.new_pass(ctx, flags, roots)
     state.inline = inline
     rounds = [0]
 
     def finish(exc: BaseException | None) -> None:
         ENGINE.finish(state)
+        if exc is not None:
+            _abort(state)
         deliver(exc)
 
     def on_round(exc: BaseException | None, blocked: set) -> None:
@@ -398,11 +428,13 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
         if exc is None:
             result.set_result(None)
         else:
+            if isinstance(exc, AnomalyError):
+                anomaly_mode.complete(exc, context_id)
             result.set_exception(exc)
 
     def deliver(exc: BaseException | None) -> None:
-        # never run the caller's callbacks on a reading thread
-        if agent.transport.on_io_thread():
+        # never run the caller's callbacks on a reading thread (nor block one)
+        if agent.transport.on_io_thread() or isinstance(exc, AnomalyError):
             agent.callbacks.submit(complete, exc)
         else:
             complete(exc)
@@ -432,6 +464,8 @@ def backward_sync(context_id: int, roots: Sequence[torch.Tensor], retain_graph: 
     start_backward(context_id, roots, retain_graph, grad_tensors, deliver, create_graph=create_graph)
     lock.acquire()
     if box[0] is not None:
+        if isinstance(box[0], AnomalyError):
+            anomaly_mode.complete(box[0], context_id)
         raise box[0]
 
 
@@ -444,6 +478,8 @@ def _backward_inline(context_id: int, roots: Sequence[torch.Tensor], retain_grap
         state, *task = tasks.get()
         if state is None:
             if task[0] is not None:
+                if isinstance(task[0], AnomalyError):
+                    anomaly_mode.complete(task[0], context_id)
                 raise task[0]
             return
         exp, fn, args = task

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..rpc.extensions import AgentExtension, register_extension
+from . import anomaly as anomaly_mode
 from .context import CONTAINER, DistAutogradContext
 
 # One leaf that every recv function hangs from, so that received tensors
@@ -79,18 +80,24 @@ def _node_types() -> tuple[type, type]:
 
 
 class _Scope:
-    """Runs a request's user function inside the caller's autograd context."""
+    """Runs a request's user function inside the caller's autograd context (and in
+    anomaly mode when the caller was in ``detect_anomaly()``)."""
 
-    __slots__ = ("ctx", "prev")
+    __slots__ = ("ctx", "prev", "anomaly")
 
-    def __init__(self, ctx: DistAutogradContext) -> None:
+    def __init__(self, ctx: DistAutogradContext, anomaly: bool = False) -> None:
         self.ctx = ctx
+        self.anomaly = anomaly_mode.scope() if anomaly else None
 
     def __enter__(self) -> DistAutogradContext:
         self.prev = CONTAINER.set_current(self.ctx)
+        if self.anomaly is not None:
+            self.anomaly.__enter__()
         return self.ctx
 
     def __exit__(self, *exc) -> bool:
+        if self.anomaly is not None:
+            self.anomaly.__exit__(*exc)
         CONTAINER.set_current(self.prev)
         return False
 
@@ -103,9 +110,10 @@ class AutogradExtension(AgentExtension):
         CONTAINER.init(agent.rank)
         _node_types()
         from . import _release_remote
-        from .engine import on_report
+        from .engine import on_abort, on_report
         agent.control_handlers["ag_release"] = _release_remote
         agent.control_handlers["ag_report"] = on_report
+        agent.control_handlers["ag_abort"] = on_abort
 
     def current(self) -> Any:
         return CONTAINER.current()
@@ -117,16 +125,17 @@ class AutogradExtension(AgentExtension):
             return None
         rg = [t for t in tensors if t.requires_grad]
         if not rg or not torch.is_grad_enabled():
-            return (ctx.id, None)
-        msg_id = CONTAINER.new_message_id()
-        outs = SendRpc.apply(*rg)
-        with ctx.lock:
-            ctx.send_functions[msg_id] = outs[0].grad_fn
-            ctx.send_outputs[msg_id] = outs
-        return (ctx.id, msg_id)
+            msg_id = None
+        else:
+            msg_id = CONTAINER.new_message_id()
+            outs = SendRpc.apply(*rg)
+            with ctx.lock:
+                ctx.send_functions[msg_id] = outs[0].grad_fn
+                ctx.send_outputs[msg_id] = outs
+        return (ctx.id, msg_id, True) if anomaly_mode.enabled() else (ctx.id, msg_id)
 
     def incoming(self, sender: int, meta: Any):
-        context_id, msg_id = meta
+        context_id, msg_id = meta[0], meta[1]
         ctx = CONTAINER.get_or_create(context_id)
         with ctx.lock:
             ctx.known_workers.add(sender)
@@ -149,7 +158,7 @@ class AutogradExtension(AgentExtension):
         return attach
 
     def request_scope(self, meta: Any):
-        return _Scope(CONTAINER.get_or_create(meta[0]))
+        return _Scope(CONTAINER.get_or_create(meta[0]), len(meta) > 2 and meta[2])
 
     def on_peer_lost(self, peer: int, reason: str) -> None:
         """Release every context that involved ``peer`` and was created elsewhere

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from . import node_hooks
+from . import anomaly, node_hooks
 from .context import CONTAINER, DistAutogradContext
 from .nodes import UNREACHED, accumulate, run_node, validate
 from .recording import _ANCHOR, _node_types
@@ -38,8 +38,9 @@ from .recording import _ANCHOR, _node_types
 _ACCUMULATE = None
 node_hooks.install()
 
-# A pass's flags (they travel with its gradients): keep the graph; record the backward.
-RETAIN, CREATE_GRAPH = 1, 2
+# A pass's flags (they travel with its gradients): keep the graph; record the backward;
+# check every node's outputs for NaN/Inf (detect_anomaly)
+RETAIN, CREATE_GRAPH, ANOMALY = 1, 2, 4
 
 
 def _grad(outputs: tuple, grads: tuple, inputs: tuple, retain_graph: bool,
@@ -115,6 +116,8 @@ class PassState:
         self.flags = flags
         self.retain_graph = bool(flags & (RETAIN | CREATE_GRAPH))
         self.create_graph = bool(flags & CREATE_GRAPH)
+        self.anomaly = bool(flags & ANOMALY)
+        self.aborted = False            # the pass failed elsewhere: run nothing more
         self.roots = list(roots)
         self.lock = threading.RLock()
         self.nodes: set = set()         # every node some entry reaches
@@ -154,7 +157,9 @@ class PassState:
             seen += self._walk("root", [r.grad_fn for r in self.roots])
         for msg_id, node in sends.items():
             seen += self._walk(msg_id, [node])
-        self.shared = seen > len(self.nodes)  # some node was reached from two entries
+        # some node was reached from two entries; or anomaly mode, where the executor
+        # runs every node so that it can check each one's outputs
+        self.shared = seen > len(self.nodes) or self.anomaly
         if self.shared:  # the executor needs every node's count of inputs
             self.count_inputs([r.grad_fn for r in self.roots] + list(sends.values()), self.nodes)
 
@@ -233,6 +238,8 @@ class PassState:
     # -- execution ----------------------------------------------------------------
     def run_entry(self, key: Any, outputs: list, grads: list) -> None:
         """Run ``key``'s region with gradients for ``outputs`` (tensors or edges)."""
+        if self.aborted:
+            return
         if self.shared:
             with self.lock:
                 self._feed(outputs, grads)
@@ -347,7 +354,7 @@ class PassState:
         else:
             for o, g in zip(outputs, grads):  # roots: one dependency each
                 self._add(o.grad_fn, o.output_nr, g, ready)
-        while ready:
+        while ready and not self.aborted:
             self._execute(ready.pop(), ready)
 
     def _arrived(self, node: Any, ready: list) -> None:
@@ -415,6 +422,9 @@ class PassState:
         except Exception as e:  # noqa: BLE001 - name the node, as torch's engine does
             from .engine import backward_error
             raise backward_error(e, node) from e
+        if self.anomaly:
+            from .engine import _agent
+            anomaly.check(node, outs, CONTAINER.worker_id, _agent().name)
         for (nxt, slot), g in zip(node.next_functions, outs):
             if nxt is not None:
                 self._add(nxt, slot, g, ready)
