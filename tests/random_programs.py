@@ -96,8 +96,28 @@ def _named_randn(name: str, shape: tuple) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=DTYPE)
 
 
+class Poison(torch.autograd.Function):
+    """Identity whose backward returns NaN (``--anomaly``: injected after one op)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
 def apply_op(name: str, xs: list, a: dict, counter) -> torch.Tensor:
-    """One single-output op of the program language."""
+    """One single-output op of the program language (``a["poison"]``: its result goes
+    through :class:`Poison`)."""
+    out = _apply_op(name, xs, a, counter)
+    if a.get("poison") and out.requires_grad:
+        out = Poison.apply(out)
+    return out
+
+
+def _apply_op(name: str, xs: list, a: dict, counter) -> torch.Tensor:
     x = xs[0]
     if name == "sin":
         return x.sin()
@@ -1152,6 +1172,71 @@ def _drain(world: int, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+# -- NaN injection (--anomaly) ----------------------------------------------------------
+def poisoned(prog: dict, rng: random.Random, tries: int = 6):
+    """A copy of ``prog`` with a NaN-producing node after one random op whose backward
+    runs (local anomaly mode names it), and that op's worker; (None, None) if none of
+    ``tries`` candidates is reached by the backward."""
+    import warnings
+    ops = [(b["worker"], i, blk) for blk, ins, _, _ in walk(prog["main"]) for b in [blk]
+           for i, x in enumerate(blk["body"]) if x is ins and x[0] == "op"]
+    rng.shuffle(ops)
+    for worker, i, blk in ops[:tries]:
+        ins = blk["body"][i]
+        blk["body"][i] = (*ins[:4], dict(ins[4], poison=True))
+        cand = _copy(prog)
+        blk["body"][i] = ins
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with torch.autograd.detect_anomaly(check_nan=True):
+                    torch.autograd.backward(list(run_block(cand["main"], [], LocalRuntime())))
+        except RuntimeError as e:
+            if "PoisonBackward" in str(e):
+                return cand, worker
+        except Exception:  # noqa: BLE001 - an op the poison broke (e.g. a no-grad value)
+            continue
+    return None, None
+
+
+def check_anomaly(prog: dict, worker: int, backward_timeout: float = BACKWARD_TIMEOUT) -> dict:
+    """Run poisoned ``prog`` on the cluster under ``dist_autograd.detect_anomaly()``: the
+    error must name ``PoisonBackward`` on ``worker``, its chain must start there."""
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    from distgrad.errors import AnomalyError
+    rec = {"seed": prog["seed"], "world": prog["world"], "size": size(prog), "ok": False,
+           "poison_worker": worker}
+    for w in range(prog["world"]):
+        rpc.rpc_sync(f"worker{w}", _reset)
+    err = None
+    try:
+        with dist_autograd.detect_anomaly(), dist_autograd.context() as cid:
+            roots = list(run_block(prog["main"], [], DistRuntime()))
+            _drain(prog["world"])
+            _backward(cid, roots, False, backward_timeout)
+    except AnomalyError as e:
+        err = e
+    except Hang as e:
+        rec.update(group="hang: dist_autograd.backward never returned", detail=str(e), hang=True)
+        return rec
+    except Exception as e:  # noqa: BLE001
+        rec.update(group="error: " + group_of(_error_text(e)), detail=traceback.format_exc()[-3000:])
+        return rec
+    want = f"worker{worker}"
+    if err is None:
+        rec.update(group="anomaly not reported", detail="backward returned without an AnomalyError")
+    elif err.node_name != "PoisonBackward" or err.worker_name != want:
+        rec.update(group="anomaly misplaced", detail=f"reported {err.node_name} on {err.worker_name}, "
+                                                     f"want PoisonBackward on {want}: {err}")
+    elif not err.chains or any(c[0] != want for c in err.chains) or "PoisonBackward" not in str(err):
+        rec.update(group="anomaly chain", detail=str(err))
+    else:
+        rec["ok"] = True
+        rec["chain"] = err.chains
+    return rec
+
+
 def run_distributed(prog: dict, backward_timeout: float) -> dict:
     """The program on the cluster (call on worker0, inside init_rpc)."""
     import distgrad.autograd as dist_autograd
@@ -1486,6 +1571,26 @@ def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
     shrunk_per_group: collections.Counter = collections.Counter()
     for seed in seeds:
         prog = generate(seed, world)
+        if cfg.get("anomaly"):
+            bad, worker = poisoned(prog, random.Random(seed))
+            if bad is None:  # no op of this program is reached by its backward
+                rec = {"seed": seed, "world": world, "size": size(prog), "ok": True, "skipped": True}
+            else:
+                rec = check_anomaly(bad, worker, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
+                rec["features"] = sorted(features(prog))
+                if not rec["ok"]:
+                    rec["dump"] = dump(bad)
+            records.append(rec)
+            if cfg.get("out"):
+                with open(cfg["out"], "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            if not rec["ok"] and cfg.get("verbose"):
+                print(f"  FAIL seed {seed} world {world}: {rec['group']}", flush=True)
+            if rec.get("hang"):
+                if cfg.get("out"):
+                    os._exit(3)
+                break
+            continue
         if cfg.get("order", 1) == 2:
             prog["order"] = 2
         rec = check_program(prog, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
@@ -1558,8 +1663,10 @@ def run_seeds(world: int, seeds: list, cfg: dict, timeout: float, log=print) -> 
 def report(records: list, per_group: int = 3, out=sys.stdout) -> None:
     """Passed/failed counts, then each failure group with its smallest seeds."""
     failed = [r for r in records if not r["ok"]]
-    print(f"\n{len(records) - len(failed)} passed, {len(failed)} failed (of {len(records)} programs)",
-          file=out)
+    skipped = sum(bool(r.get("skipped")) for r in records)
+    print(f"\n{len(records) - len(failed) - skipped} passed, {len(failed)} failed (of {len(records)} "
+          f"programs" + (f"; {skipped} skipped: no op reached by the backward to poison)" if skipped
+                         else ")"), file=out)
     groups: dict = collections.defaultdict(list)
     for r in failed:
         groups[r["group"]].append(r)
@@ -1591,6 +1698,9 @@ def main(argv=None) -> int:
     ap.add_argument("--show", type=int, default=2, help="failures printed in full per group")
     ap.add_argument("--dump", action="store_true", help="print the programs and exit (no cluster)")
     ap.add_argument("--json", default=None, help="also write every record here (JSON lines)")
+    ap.add_argument("--anomaly", action="store_true",
+                    help="inject a NaN-producing node after a random op of each program and check "
+                         "that detect_anomaly() names its worker and node")
     ap.add_argument("--order", type=int, choices=(1, 2), default=1,
                     help="2: second derivatives (backward with create_graph=True, then a backward "
                          "over the sum of squared gradients)")
@@ -1608,7 +1718,8 @@ def main(argv=None) -> int:
                 print(dump(generate(s, w)), "\n")
         return 0
     cfg = {"shrink": args.shrink, "shrink_budget_s": args.shrink_budget,
-           "backward_timeout": args.backward_timeout, "verbose": True, "order": args.order}
+           "backward_timeout": args.backward_timeout, "verbose": True, "order": args.order,
+           "anomaly": args.anomaly}
     records: list = []
     for w, seeds in sorted(plan.items()):
         t0 = time.monotonic()

@@ -34,30 +34,28 @@ import torch
 
 from ..errors import AnomalyError
 
-_tls = threading.local()
 _lock = threading.Lock()
 _users = [0, None]  # threads inside an anomaly scope here; torch's mode before the first
 
 
 def enabled() -> bool:
-    """Whether this thread is inside :func:`detect_anomaly` (or serves an RPC made there)."""
-    return getattr(_tls, "depth", 0) > 0
+    """Whether some thread of this process is inside :func:`detect_anomaly` (or serves an
+    RPC made there): process-wide, as torch's anomaly mode is."""
+    return _users[0] > 0
 
 
 @contextlib.contextmanager
 def scope() -> Iterator[None]:
-    """Anomaly mode for this thread, and torch's (process-wide) forward-stack recording
-    while any thread of this process is in such a scope."""
+    """Anomaly mode (process-wide, as torch's) while any thread of this process is in
+    such a scope; torch's forward-stack recording with it."""
     with _lock:
         if _users[0] == 0:
             _users[1] = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
             torch.set_anomaly_enabled(True, False)  # stacks only: the executor checks values
         _users[0] += 1
-    _tls.depth = getattr(_tls, "depth", 0) + 1
     try:
         yield
     finally:
-        _tls.depth -= 1
         with _lock:
             _users[0] -= 1
             if _users[0] == 0:
