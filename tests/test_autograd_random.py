@@ -138,3 +138,26 @@ def test_second_order_oracle_is_not_first_order():
             two = rp.run_local(dict(prog, order=2))["grads"]
             changed += any(g is not None and not torch.allclose(g, two[k]) for k, g in one.items())
     assert changed >= 36, changed
+
+
+ANOMALY_SEEDS = {2: list(range(600, 610)), 3: list(range(700, 710)), 4: list(range(800, 810))}
+
+
+@pytest.mark.parametrize("world", sorted(ANOMALY_SEEDS))
+def test_random_programs_anomaly(world):
+    """A NaN-producing node after a random op (one the backward reaches, by local
+    autograd's anomaly mode) is reported by dist_autograd.detect_anomaly() as
+    PoisonBackward on the right worker, every time."""
+    seeds = ANOMALY_SEEDS[world]
+    res = rp.run_seeds(world, seeds, {"shrink": 0, "anomaly": True}, timeout=200, log=lambda *a: None)
+    records = res["records"]
+    assert sorted(r["seed"] for r in records) == sorted(seeds)
+    checked = [r for r in records if not r.get("skipped")]
+    assert len(checked) >= 8, f"only {len(checked)} programs had an op to poison"
+    failed = [r for r in records if not r["ok"]]
+    if failed:
+        out = io.StringIO()
+        rp.report(records, per_group=2, out=out)
+        pytest.fail(f"{len(failed)} of {len(records)} poisoned programs on {world} workers misreported "
+                    f"(rerun: python tests/random_programs.py --anomaly --programs 1 --workers {world} "
+                    f"--seed SEED){out.getvalue()}", pytrace=False)
