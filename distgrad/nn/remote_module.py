@@ -1,9 +1,10 @@
 """RemoteModule: an ``nn.Module`` that lives on another worker, called through RPC.
 
 The same API as ``torch.distributed.nn.api.remote_module.RemoteModule``, built
-on distgrad's public RPC calls only (``rpc.remote`` creates the module,
+on distgrad's public RPC calls (``rpc.remote`` creates the module,
 ``rpc_sync``/``rpc_async`` run its ``forward`` with the module's RRef as an
-argument). Every call is an ordinary RPC, so inside
+argument; the only internal used is the wire's ``current_destination``, which
+tells pickling inside an RPC from plain pickling, as RRefs do). Every call is an ordinary RPC, so inside
 ``distgrad.autograd.context()`` it records send/recv functions and a
 distributed backward reaches the remote module's parameters; those parameters'
 RRefs (:meth:`RemoteModule.remote_parameters`) go to
@@ -11,8 +12,8 @@ RRefs (:meth:`RemoteModule.remote_parameters`) go to
 
 As in torch:
 
-* ``forward`` and ``forward_async`` are installed on each instance from a
-  template: ``(*args, **kwargs)`` for a plain module; with
+* ``forward`` and ``forward_async`` are the instance's ``generated_methods``:
+  ``(*args, **kwargs)`` for a plain module; with
   ``_module_interface_cls`` (a ``@torch.jit.interface`` class) they take the
   interface's ``forward`` signature (arguments are bound and defaults filled
   in here, so a wrong call fails before anything is sent) and the remote module
@@ -29,7 +30,9 @@ As in torch:
   back to the CPU (distgrad carries CPU tensors only, so no device map is ever
   set: ``is_device_map_set`` is False).
 
-Differences: ``train()``/``eval()`` return the RemoteModule itself (torch
+Differences: ``forward``/``forward_async`` are bound on access rather than
+kept in the instance's ``__dict__`` (no reference cycle, so a dropped
+RemoteModule releases its RRef at once); ``train()``/``eval()`` return the RemoteModule itself (torch
 returns a copy of the remote module, fetched over RPC); ``repr()`` names the
 worker and device (torch's raises, since ``extra_repr`` does); calling a
 received or :meth:`~RemoteModule.init_from_module_rref` instance as
