@@ -1,6 +1,7 @@
 """distgrad.nn.RemoteModule on real worker processes (torch's RemoteModule API)."""
 from __future__ import annotations
 
+import traceback
 import warnings
 
 import pytest
@@ -96,11 +97,37 @@ def _raises(exc, fn, *args, match: str = "", **kwargs):
 
 
 # ---------------------------------------------------------------------------
-# API (three workers: worker0 drives, modules on worker1, worker2 receives)
+# One set of three workers runs every scenario (a spawn costs more than a
+# scenario); worker0 drives, each test checks its scenario's outcome.
 # ---------------------------------------------------------------------------
-def _api(rank, world_size):
+def _scenarios(rank, world_size, pg_port):
     if rank != 0:
         return None
+    out = {}
+    for name, fn, args in (("api", _api, ()), ("train", _train, ()), ("ddp", _ddp_master, (pg_port,))):
+        try:
+            out[name] = ("ok", fn(*args))
+        except BaseException:  # noqa: BLE001 - reported by that scenario's test
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    return run_workers(_scenarios, world_size=3, timeout=180, args=(free_port(),))[0]
+
+
+def _outcome(scenarios, name):
+    status, value = scenarios[name]
+    if status != "ok":
+        pytest.fail(f"scenario {name} failed on worker0:\n{value}", pytrace=False)
+    return value
+
+
+# ---------------------------------------------------------------------------
+# API (three workers: worker0 drives, modules on worker1, worker2 receives)
+# ---------------------------------------------------------------------------
+def _api():
     import distgrad.rpc as rpc
     from distgrad.errors import DistgradError
     from distgrad.nn import RemoteModule
@@ -198,9 +225,9 @@ def _api(rank, world_size):
     return True
 
 
-@pytest.mark.timeout(120)
-def test_remote_module_api():
-    assert run_workers(_api, world_size=3, timeout=100)[0] is True
+@pytest.mark.timeout(200)
+def test_remote_module_api(scenarios):
+    assert _outcome(scenarios, "api") is True
 
 
 def test_needs_rpc_and_parses_devices():
@@ -218,9 +245,7 @@ def test_needs_rpc_and_parses_devices():
 # ---------------------------------------------------------------------------
 # distributed autograd + DistributedOptimizer against local autograd
 # ---------------------------------------------------------------------------
-def _train(rank, world_size):
-    if rank != 0:
-        return None
+def _train():
     import distgrad.autograd as dist_autograd
     import distgrad.rpc as rpc
     from distgrad.nn import RemoteModule
@@ -259,9 +284,9 @@ def _train(rank, world_size):
     return True
 
 
-@pytest.mark.timeout(120)
-def test_backward_and_distributed_optimizer_match_local():
-    assert run_workers(_train, world_size=2, timeout=100)[0] is True
+@pytest.mark.timeout(200)
+def test_backward_and_distributed_optimizer_match_local(scenarios):
+    assert _outcome(scenarios, "train") is True
 
 
 # ---------------------------------------------------------------------------
@@ -311,9 +336,7 @@ def _trainer(emb, pg_port: int, rank: int):
         dist.destroy_process_group()
 
 
-def _ddp_master(rank, world_size, pg_port):
-    if rank != 0:
-        return None
+def _ddp_master(pg_port):
     import distgrad.rpc as rpc
     from distgrad.nn import RemoteModule
 
@@ -354,12 +377,12 @@ def _local_step(emb0: Tensor, fc0: list, rank: int):
     return emb.weight.grad, [p.grad for p in fc.parameters()]
 
 
-@pytest.fixture(scope="module")
-def ddp_run():
-    return _as_tensors(run_workers(_ddp_master, world_size=3, timeout=100, args=(free_port(),))[0])
+@pytest.fixture
+def ddp_run(scenarios):
+    return _as_tensors(_outcome(scenarios, "ddp"))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 def test_ddp_rpc_pattern(ddp_run):
     emb0, emb1, trainers = ddp_run
     (fc0_a, grads_a, _), (fc0_b, grads_b, _) = trainers
@@ -374,7 +397,7 @@ def test_ddp_rpc_pattern(ddp_run):
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 @pytest.mark.xfail(strict=True, reason=(
     "DDP's gradient allreduce does not happen under distgrad's distributed backward: DDP's "
     "reducer hooks are C++ post-hooks on AccumulateGrad nodes (and read gradients through "
