@@ -212,3 +212,39 @@ def _rrefs(rank, world_size):
 def test_rrefs():
     out = run_workers(_rrefs, world_size=3, timeout=150)
     assert out[0] < 60
+
+
+class _Cycle:
+    def __init__(self, rref):
+        self.rref = rref
+        self.me = self  # only the cyclic garbage collector frees it
+
+
+def gc_frees_rref_during_send(rank, world_size):
+    """The cyclic GC frees a user RRef while this thread holds the peer's write lock
+    (here: forced at the moment the message is coalesced); its delete message must
+    queue behind the current one, not wait for the lock this thread holds."""
+    if rank != 0:
+        return None
+    import gc
+
+    import distgrad.rpc as rpc
+    from distgrad.transport import framing
+    gc.disable()
+    try:
+        _Cycle(rpc.remote("worker1", torch.add, args=(torch.ones(2), 1)))
+        orig = framing.coalesce
+
+        def coalesce(frames):
+            framing.coalesce = orig
+            gc.collect()
+            return orig(frames)
+        framing.coalesce = coalesce
+        out = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1)).wait()
+    finally:
+        gc.enable()
+    return out.tolist()
+
+
+def test_rref_freed_by_gc_during_a_send_does_not_deadlock():
+    assert run_workers(gc_frees_rref_during_send, world_size=2, timeout=40)[0] == [2.0, 2.0]

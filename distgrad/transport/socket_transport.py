@@ -89,12 +89,13 @@ def host_key() -> str:
 
 
 class _Conn:
-    __slots__ = ("peer", "sock", "fd", "wlock", "rlock", "alock", "reader", "outq", "owned",
+    __slots__ = ("peer", "sock", "fd", "wlock", "wowner", "rlock", "alock", "reader", "outq", "owned",
                  "lost", "cipher", "poll", "deferred")
 
     def __init__(self, peer: int, sock: socket.socket, max_frame: int, cipher) -> None:
         self.peer, self.sock, self.fd = peer, sock, sock.fileno()
         self.wlock = threading.Lock()   # one sender at a time, whole messages
+        self.wowner = 0                 # the thread holding wlock (0: none)
         self.rlock = threading.Lock()   # one reader at a time, in order
         self.alock = threading.Lock()   # poller registration changes
         self.reader = framing.FrameReader(max_frame)
@@ -403,13 +404,19 @@ class SocketTransport(Transport):
         # holder may be waiting for the peer to read, and the peer for this thread
         # to read (both sides sending big messages at once). Each holder checks the
         # queue again after releasing the lock, so nothing queued is left behind.
+        # A send nested inside the holder's own (an RRef freed by the garbage collector
+        # during a write sends its delete) only queues: the holder's loop sends it next.
         reading = getattr(self._tls, "reading", False)
         conn.deferred.append(frames)
+        me = threading.get_ident()
+        if conn.wowner == me:
+            return
         if reading:
             if not conn.wlock.acquire(False):
                 return
         else:
             conn.wlock.acquire()
+        conn.wowner = me
         arm = False
         failed = None
         while True:
@@ -421,9 +428,11 @@ class SocketTransport(Transport):
             if conn.lost or failed:
                 conn.deferred.clear()
             self._last_sent[conn.peer] = time.monotonic()
+            conn.wowner = 0
             conn.wlock.release()
             if failed or not conn.deferred or not conn.wlock.acquire(False):
                 break
+            conn.wowner = me
         if failed:
             self._lose(conn.peer, f"connection failed: {failed}", graceful=False)
         elif arm:
@@ -547,12 +556,14 @@ class SocketTransport(Transport):
         out = True
         if ev & _OUT and conn.outq:
             if conn.wlock.acquire(False):  # else its holder flushes it
+                conn.wowner = threading.get_ident()
                 try:
                     conn.outq[:] = framing.send_some(conn.sock, conn.outq)
                 except OSError as e:
                     self._lose(conn.peer, f"connection failed: {e}", graceful=False)
                     return
                 finally:
+                    conn.wowner = 0
                     conn.wlock.release()
             else:
                 out = False
@@ -854,6 +865,7 @@ class SocketTransport(Transport):
     def _goodbye(self, conn: _Conn, linger: float) -> None:
         frames = [_GOODBYE]
         with conn.wlock:
+            conn.wowner = threading.get_ident()  # a nested send only queues
             try:
                 for msg in [*conn.deferred, frames]:  # queued messages go before it
                     if conn.cipher is not None:
