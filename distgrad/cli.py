@@ -5,6 +5,7 @@ Examples::
     distgrad demo                                  # train the demo on a 4-process local cluster
     distgrad demo --workers 5 --steps 300 --out /tmp/demo
     distgrad launch --nproc-per-node 2 train.py    # like torchrun --nproc-per-node 2
+    distgrad launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc-per-node 2 train.py
     python -m distgrad demo                        # same as `distgrad demo`
 """
 from __future__ import annotations
@@ -30,8 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "model-parallel classifier on scikit-learn's digits with distributed autograd "
                     "and DistributedOptimizer; writes training curves and the autograd graph."))
     build_launch_parser(sub.add_parser(
-        "launch", help="start N local worker processes (like torchrun --nproc-per-node N)",
-        description="Start N local worker processes with torchrun-style environment variables."))
+        "launch", help="start this node's worker processes (like torchrun --nproc-per-node N, "
+                       "--nnodes, --node-rank)",
+        description="Start this node's worker processes with torchrun-style environment variables "
+                    "(one launcher per node with --nnodes > 1)."))
     return parser
 
 

@@ -199,3 +199,45 @@ def test_torch_rpc_script_under_torchrun() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     assert "RESULT rank=0 [2.0, 2.0]" in res.stdout
     assert "RESULT rank=1 [3.0, 3.0]" in res.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is out of range for --nnodes 2"),
+    (["--nnodes", "2", "--node-rank", "-1"], "--node-rank -1 is out of range"),
+    (["--nnodes", "2", "--node_rank", "1"], "--node-rank 1 of --nnodes 2 needs --master-addr"),
+    (["--nnodes", "1:4"], "elastic node ranges are not supported"),
+    (["--nnodes", "0"], "--nnodes must be >= 1"),
+    (["--nnodes", "two"], "--nnodes must be N or N:N"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
+])
+def test_bad_multi_node_arguments_are_refused(capsys, argv, message) -> None:
+    from distgrad.launch.launcher import main
+    assert main([*argv, "never_started.py"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_multi_node_worker_env_is_torchruns() -> None:
+    # the names and values torchrun's agent gives (static rendezvous, default role)
+    from distgrad.launch.launcher import worker_env
+    env = worker_env(nnodes=3, node_rank=1, nproc=2, local_rank=1)
+    assert env == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2",
+                   "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "3", "ROLE_RANK": "3",
+                   "ROLE_WORLD_SIZE": "6", "ROLE_NAME": "default"}
+
+
+@pytest.mark.timeout(60)
+def test_second_node_env_and_prefixes() -> None:
+    # node 1 of 2 on its own: its workers get ranks 2..3 (they only print, no rendezvous)
+    res = _run(["--nnodes", "2:2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr",
+                "10.1.2.3", str(SCRIPTS / "print_env.py")], DISTGRAD_SECRET="shared")
+    assert res.returncode == 0, res.stderr
+    seen = {ln.partition(": ")[0]: json.loads(ln.partition(": ")[2][4:])["env"]
+            for ln in res.stdout.splitlines() if ": ENV " in ln}
+    assert sorted(seen) == ["[rank2]", "[rank3]"]
+    for local in range(2):
+        env = seen[f"[rank{2 + local}]"]
+        assert env["RANK"] == str(2 + local) and env["LOCAL_RANK"] == str(local)
+        assert env["WORLD_SIZE"] == "4" and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == "1" and env["GROUP_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "10.1.2.3" and env["MASTER_PORT"] == "29500"
+        assert env["DISTGRAD_SECRET"] == "shared"

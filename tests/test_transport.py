@@ -678,3 +678,40 @@ def test_no_room_in_shm_falls_back_to_tcp(monkeypatch, caplog):
     finally:
         a.close(0)
         b.close(0)
+
+
+def test_silent_peer_is_lost_though_nobody_reads_its_connection():
+    # The heartbeat check reads a silent peer's connection before calling it lost; an
+    # empty read is no sign of life (it once was: a silent peer that nobody waited on,
+    # e.g. a host gone without a FIN, was never lost)
+    a, b, ha, _ = _pair(threshold=0, heartbeat_interval=0.05, heartbeat_deadline=0.5)
+    try:
+        b._heartbeat = lambda now: None  # b goes silent: no heartbeats, no checks
+        start = time.monotonic()
+        with ha.cond:
+            assert ha.cond.wait_for(lambda: ha.lost, 10), "the silent peer was never lost"
+        assert ha.lost[0][0] == 1 and "no heartbeat" in ha.lost[0][1], ha.lost
+        assert time.monotonic() - start < 5
+    finally:
+        a.close(0)
+        b.close(0)
+
+
+def test_unreachable_hint_names_a_loopback_address_across_hosts():
+    # A peer on another host (or network namespace) cannot reach 127.0.0.1: the
+    # connect timeout's error says so and what to set
+    from distgrad.transport.socket_transport import host_key
+    if not host_key():
+        pytest.skip("no host key (no /proc)")
+    t = SocketTransport(0)
+    try:
+        t.listen("127.0.0.1")
+        t._addresses = {1: "tcp://10.0.0.2:5000#host=elsewhere", 2: "tcp://10.0.0.3:5000",
+                        3: f"tcp://127.0.0.1:5000#host={t.host_id}"}
+        hint = t._unreachable_hint(1)
+        assert "worker 0 listens on the loopback address 127.0.0.1" in hint
+        assert "DISTGRAD_SOCKET_IFNAME" in hint
+        assert t._unreachable_hint(2) == ""  # no host tag: unknown
+        assert t._unreachable_hint(3) == ""  # same host: loopback is fine
+    finally:
+        t.close(0)

@@ -553,10 +553,13 @@ class RpcAgent:
         if self.gil_wait is not None:
             total, n = self.gil_wait
             info["agent.gil_average_wait_time_us"] = str(int(total / n * 1e6) if n else 0)
-        for peer, (ms, bs, mr, br) in sorted(stats.items()):
+        link_info = getattr(self.transport, "link_info", None)
+        for peer, (ms, bs, mr, br, *_) in sorted(stats.items()):
             name = self.workers[peer].name
             info[f"peer.{name}"] = {"messages_sent": ms, "bytes_sent": bs,
                                     "messages_received": mr, "bytes_received": br}
+            if link_info is not None and peer != self.rank:
+                info[f"peer.{name}"].update(link_info(peer))
         return info
 
     def get_worker_info(self, worker_name: Any = None) -> WorkerInfo:

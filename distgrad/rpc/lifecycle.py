@@ -11,13 +11,14 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import Any
 
 from ..errors import DistgradError
 from ..launch import rendezvous
-from ..transport import SocketTransport
+from ..transport import SocketTransport, netaddr
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
 from . import collective, remote_profiling
@@ -39,7 +40,10 @@ def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBack
     """Listen, meet the other workers through ``store``, install the agent (so
     that it is current before anything can reach it), then start the transport."""
     timeout = rdv_timeout(opts)
-    host = opts.listen_addr or default_host or "127.0.0.1"
+    try:  # an address the other hosts reach: see transport/netaddr.py
+        host = netaddr.listen_address(opts.listen_addr, default_host or os.environ.get("MASTER_ADDR"))
+    except DistgradError as e:
+        raise DistgradError(f"worker {name}: cannot choose an address to listen on: {e}", name) from None
     secret = opts.secret or secret_from_env()
     if secret is None:
         log.warning("worker %s: no cluster secret (DISTGRAD_SECRET): messages are not "

@@ -41,8 +41,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     ``rpc_timeout`` (s, default 60; 0 means no timeout), ``init_method``
     (``env://``, ``tcp://host:port`` or ``file://path``), ``num_worker_threads``
-    (default 16), ``listen_addr`` (interface to bind; default
-    ``$DISTGRAD_LISTEN_ADDR``, else ``MASTER_ADDR`` or the ``tcp://`` host, else
+    (default 16), ``listen_addr`` (address to bind; default
+    ``$DISTGRAD_LISTEN_ADDR``, else the address of the interface
+    ``$DISTGRAD_SOCKET_IFNAME`` (or torch's ``$TP_SOCKET_IFNAME``), else the
+    local address that routes to ``MASTER_ADDR`` or the ``tcp://`` host, else
     127.0.0.1), ``heartbeat_interval``/``heartbeat_deadline`` (s),
     ``max_message_size`` (bytes per frame a peer may send, default 8 GiB, -1
     for no limit), ``secret`` (the cluster secret; default

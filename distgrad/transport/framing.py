@@ -129,6 +129,7 @@ class FrameReader:
         self._big = None                      # the large frame being filled
         self._filled = 0
         self._eof = False
+        self.received = 0                     # bytes read so far (liveness: any byte counts)
 
     def read(self, sock: socket.socket) -> list[list]:
         """Read what the socket has now; returns the messages it completed.
@@ -147,6 +148,7 @@ class FrameReader:
                     return out
                 if n == 0:
                     return self._closed(out)
+                self.received += n
                 self._filled += n
                 if n < want:
                     return out  # the socket is drained; wait for more
@@ -170,6 +172,7 @@ class FrameReader:
                 return out
             if n == 0:
                 return self._closed(out)
+            self.received += n
             self._end += n
             if n < space:  # drained: parse what came and let the poller say when there is more
                 self._parse(out)

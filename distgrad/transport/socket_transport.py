@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from . import framing, shm
+from . import framing, netaddr, shm
 from .auth import Authenticator, AuthError
 from .base import Timer, Transport, TransportHandler
 from .handshake import HandshakeError, client_handshake, server_handshake
@@ -142,6 +142,7 @@ class SocketTransport(Transport):
         self._tcp: socket.socket | None = None
         self._unix: socket.socket | None = None
         self._unix_name = ""
+        self._addresses: dict[int, str] = {}
         self._conns: dict[int, _Conn] = {}
         self._by_fd: dict[int, _Conn] = {}
         self._peers: set[int] = set()
@@ -177,7 +178,9 @@ class SocketTransport(Transport):
         shared = _EPOLL and os.environ.get("DISTGRAD_SHARED_POLL", "1") != "0"
         self.pool = LeaderFollowers(self._lead, num_threads, name=f"distgrad-{rank}",
                                     shared=self._wake if shared else None)
-        self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
+        # per peer: messages and bytes sent, received; messages through shared memory
+        # sent, received
+        self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0] * 6)
 
     # -- set-up ------------------------------------------------------------
     def listen(self, host: str) -> str:
@@ -215,6 +218,7 @@ class SocketTransport(Transport):
     def start(self, handler: TransportHandler, peers: Mapping[int, str]) -> None:
         """Connect to every peer (lower ranks connect, higher ones accept), then start reading."""
         self._handler = handler
+        self._addresses = dict(peers)
         plan = {}
         for peer, full in peers.items():
             addr, *tagged = full.split("#")
@@ -243,8 +247,9 @@ class SocketTransport(Transport):
             self._add(conn)
         missing = sorted(self._peers - set(self._conns))
         if missing:
+            hint = next(filter(None, map(self._unreachable_hint, missing)), "")
             raise RuntimeError(f"worker {self.rank}: workers {missing} never connected within "
-                               f"{_CONNECT_TIMEOUT:.0f} s")
+                               f"{_CONNECT_TIMEOUT:.0f} s{hint}")
         self._open_poller()
         now = time.monotonic()
         for peer in self._conns:
@@ -267,6 +272,16 @@ class SocketTransport(Transport):
         if self._auth is not None:
             self._auth.set_peer_nonce(peer, bytes.fromhex(tags[_AUTH_TAG]))
 
+    def _unreachable_hint(self, peer: int) -> str:
+        """Why ``peer`` may never connect, if it is on another host (or network
+        namespace): a loopback address on either side ("" otherwise)."""
+        addr, *tagged = self._addresses.get(peer, "").split("#")
+        tags = dict(t.partition("=")[::2] for t in tagged)
+        if not self.host_id or tags.get(_HOST_TAG, self.host_id) == self.host_id:
+            return ""
+        mine = self._tcp.getsockname()[0] if self._tcp is not None else ""
+        return netaddr.loopback_hint(self.rank, mine, peer, addr)
+
     def _connect(self, peer: int, unix: str | None, addr: str, deadline: float) -> _Conn:
         host, _, port = addr[len("tcp://"):].rpartition(":")
         while True:
@@ -285,7 +300,7 @@ class SocketTransport(Transport):
                 sock.close()
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"worker {self.rank} could not connect to worker {peer} at "
-                                       f"{unix or addr}: {e}") from e
+                                       f"{unix or addr}: {e}{self._unreachable_hint(peer)}") from e
                 time.sleep(0.05)
         try:
             cc, sc = client_handshake(sock, self.rank, peer, self._secret, self.encrypt)
@@ -391,10 +406,13 @@ class SocketTransport(Transport):
         if conn is None or conn.lost:
             return
         nbytes = sum(memoryview(f).nbytes for f in frames)
-        if peer in self._shm_peers:  # the copy into shared memory runs here, on the sender
-            frames = self._shm_writer.pack(frames, self.shm_threshold, peer) or frames
-        self._send(conn, frames)
         st = self.stats[peer]
+        if peer in self._shm_peers:  # the copy into shared memory runs here, on the sender
+            packed = self._shm_writer.pack(frames, self.shm_threshold, peer)
+            if packed is not None:
+                frames = packed
+                st[4] += 1
+        self._send(conn, frames)
         st[0] += 1
         st[1] += nbytes
 
@@ -467,6 +485,33 @@ class SocketTransport(Transport):
     def uses_shm(self, peer: int) -> bool:
         """Whether large frames to ``peer`` go through shared memory."""
         return peer in self._shm_peers
+
+    def link_info(self, peer: int) -> dict:
+        """How this worker reaches ``peer``: ``link`` ("unix", "tcp", or "none"
+        before start-up), ``remote_address`` (the peer's TCP address, as
+        ``host:port``; "" over a Unix socket), ``shm`` (whether large frames may go
+        through shared memory) and the messages that did, each way.
+
+        Example::
+
+            >>> t.link_info(1)
+            {'link': 'tcp', 'remote_address': '10.0.0.2:41234', 'shm': False,
+             'shm_messages_sent': 0, 'shm_messages_received': 0}
+        """
+        conn = self._conns.get(peer)
+        link, remote = "none", ""
+        if conn is not None:
+            unix = conn.sock.family == getattr(socket, "AF_UNIX", None)
+            link = "unix" if unix else "tcp"
+            if not unix:
+                try:
+                    host, port = conn.sock.getpeername()[:2]
+                    remote = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                except OSError:  # lost
+                    remote = "?"
+        st = self.stats[peer] if peer in self.stats else [0] * 6
+        return {"link": link, "remote_address": remote, "shm": peer in self._shm_peers,
+                "shm_messages_sent": st[4], "shm_messages_received": st[5]}
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         self._inbox.append((None, fn))
@@ -577,6 +622,7 @@ class SocketTransport(Transport):
     def _read(self, conn: _Conn, work: list) -> None:
         """Read what ``conn`` has and hand each message up, in order (read lock held)."""
         peer = conn.peer
+        before = conn.reader.received
         try:
             msgs = conn.reader.read(conn.sock)
         except EOFError:
@@ -589,7 +635,8 @@ class SocketTransport(Transport):
         if msgs is None:
             self._lose(peer, why, graceful=False)
             return
-        self._last_recv[peer] = time.monotonic()
+        if conn.reader.received != before:  # an empty read (the heartbeat's look) is no news
+            self._last_recv[peer] = time.monotonic()
         for frames in msgs:
             self._deliver(conn, frames, work)
 
@@ -616,6 +663,7 @@ class SocketTransport(Transport):
                     self._reject(peer, "sent shared memory, not on this host")
                     return
                 body = self._shm_reader.unpack(prefix, body)
+                self.stats[peer][5] += 1
             st = self.stats[peer]
             st[2] += 1
             st[3] += sum(memoryview(b).nbytes for b in body)
