@@ -392,16 +392,15 @@ def test_ddp_rpc_pattern(ddp_run):
     ref_emb_b, ref_fc_b = _local_step(emb0, fc0_b, 2)
     # the server's table: one SGD step with each trainer's gradient
     torch.testing.assert_close(emb1, emb0 - LR * ref_emb_a - LR * ref_emb_b)
-    # each trainer's own gradient reached its distributed autograd context
-    for got, want in zip(grads_a + grads_b, ref_fc_a + ref_fc_b, strict=True):
-        torch.testing.assert_close(got, want)
+    # DDP's average of the trainers' gradients reached each distributed autograd context
+    # (as torch's reducer writes it into torch's context)
+    for got_a, got_b, ga, gb in zip(grads_a, grads_b, ref_fc_a, ref_fc_b, strict=True):
+        torch.testing.assert_close(got_a, (ga + gb) / 2)
+        torch.testing.assert_close(got_b, (ga + gb) / 2)
+    assert any(not torch.allclose(ga, gb) for ga, gb in zip(ref_fc_a, ref_fc_b))  # not vacuous
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.xfail(strict=True, reason=(
-    "DDP's gradient allreduce does not happen under distgrad's distributed backward: DDP's "
-    "reducer hooks are C++ post-hooks on AccumulateGrad nodes (and read gradients through "
-    "torch's C++ dist-autograd context), which distgrad's engine neither runs nor provides"))
 def test_ddp_rpc_replicas_stay_in_sync(ddp_run):
     emb0, _, trainers = ddp_run
     (fc0, _, fc1_a), (_, _, fc1_b) = trainers

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from . import anomaly, node_hooks
+from . import anomaly, ddp, node_hooks
 from .context import CONTAINER, DistAutogradContext
 from .nodes import UNREACHED, accumulate, run_node, validate
 from .recording import _ANCHOR, _node_types
@@ -276,6 +276,8 @@ class PassState:
             with fed_slots(fed):
                 res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
                             self.retain_graph, self.create_graph)
+            if ddp.active[0]:
+                res = ddp.synced(region.leaves, res)
             hooked = _leaf_hooks(region.leaves, res)
             if hooked:
                 res = list(res)  # (the tuple goes: the gradients' reference counts stay the same)
@@ -404,6 +406,8 @@ class PassState:
                 pre, post = node_hooks.hooks_of(node)
                 if pre:
                     g = node_hooks.run_pre(pre, g)
+                if ddp.active[0]:
+                    g = ddp.synced([node], [g])[0]
                 if self.create_graph:
                     self.ctx.accumulate_graph([node], [g])
                 else:
