@@ -124,5 +124,40 @@ class SerializationError(DistgradError, TypeError):
     """An object could not be pickled (caller side) or unpickled (callee side)."""
 
 
+_SERIALIZATION_TYPES: dict[type, type] = {}
+
+
+def serialization_error(message: str, cause: BaseException,
+                        worker_name: str | None = None) -> SerializationError:
+    """A :class:`SerializationError` that is also an instance of ``cause``'s type, so code
+    written for torch (which raises pickle's own error: ``TypeError`` for an object that
+    cannot be pickled, ``AttributeError`` for a local function, ``PicklingError``...)
+    catches it as before.
+
+    Example::
+
+        >>> e = serialization_error("cannot pickle", AttributeError("local object"))
+        >>> isinstance(e, AttributeError), isinstance(e, TypeError)
+        (True, True)
+    """
+    base = type(cause)
+    cls = SerializationError
+    if not issubclass(SerializationError, base) and isinstance(cause, Exception):
+        cls = _SERIALIZATION_TYPES.get(base)
+        if cls is None:
+            try:
+                cls = type("SerializationError", (SerializationError, base),
+                           {"__module__": __name__, "__doc__": SerializationError.__doc__})
+            except TypeError:  # a base whose layout cannot be combined
+                cls = SerializationError
+            _SERIALIZATION_TYPES[base] = cls
+    try:
+        err = cls(message, worker_name)
+    except TypeError:  # a base whose constructor insists on its own arguments
+        err = SerializationError(message, worker_name)
+    err.__cause__ = cause
+    return err
+
+
 __all__ = ["AnomalyError", "BackwardError", "DistgradError", "RPCTimeoutError", "WorkerLostError",
-           "RemoteError", "ProtocolError", "SerializationError"]
+           "RemoteError", "ProtocolError", "SerializationError", "serialization_error"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SerializationError
+from ..errors import SerializationError, serialization_error
 from ..wire import pickler as wire
 
 __all__ = ["RPCExecMode", "serialize", "deserialize", "PythonUDF", "RemoteException"]
@@ -80,7 +80,8 @@ class _InternalRPCPickler:
         except SerializationError:
             raise
         except Exception as e:  # noqa: BLE001 - pickle raises many types
-            raise SerializationError(f"cannot pickle {type(obj).__name__}: {type(e).__name__}: {e}") from e
+            raise serialization_error(f"cannot pickle {type(obj).__name__}: {type(e).__name__}: {e}",
+                                      e) from e
         return buf.getvalue(), tensors
 
     def deserialize(self, binary_data: bytes, tensor_table: list[torch.Tensor]) -> Any:

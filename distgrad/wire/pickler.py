@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import DistgradError, ProtocolError, SerializationError
+from ..errors import DistgradError, ProtocolError, SerializationError, serialization_error
 
 # A spec's kind: bit 0 says nn.Parameter, the rest the layout. Sparse tensors go
 # through the table too (not reduced to their parts), so that autograd sees them.
@@ -233,8 +233,10 @@ def dumps(obj: Any, dest: Any = None, pins: list | None = None) -> tuple[bytes, 
         _Pickler(buf, protocol=5).dump(obj)
     except SerializationError:
         raise
-    except Exception as e:  # pickle raises many types: normalise at this boundary
-        raise SerializationError(f"cannot pickle {_describe(obj)}: {type(e).__name__}: {e}") from e
+    except Exception as e:  # pickle raises many types: one of ours that is also theirs
+        to = f" for worker {dest.name}" if getattr(dest, "name", None) else ""
+        raise serialization_error(f"cannot pickle {_describe(obj)}{to}: {type(e).__name__}: {e}", e,
+                                  getattr(dest, "name", None)) from e
     finally:
         _local.dest, _local.pins, _local.table = saved
     return buf.getvalue(), tensors
