@@ -42,8 +42,10 @@ def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBack
     host = opts.listen_addr or default_host or "127.0.0.1"
     secret = opts.secret or secret_from_env()
     if secret is None:
-        log.warning("worker %s: no cluster secret (DISTGRAD_SECRET): messages are not "
-                    "authenticated and anyone who can connect can run code here", name)
+        # once per cluster (rank 0 speaks for it), not once per worker: the others log it at INFO
+        log.log(logging.WARNING if rank == 0 else logging.INFO,
+                "worker %s: no cluster secret (DISTGRAD_SECRET): messages between the %d workers are "
+                "not authenticated and anyone who can connect can run code on them", name, world_size)
     faults = config_from(opts)
     encrypt = getattr(opts, "encrypt", False)
     if faults is not None:  # tests only: see distgrad/transport/faults.py
