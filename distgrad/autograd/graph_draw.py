@@ -11,7 +11,7 @@ Layout, a small Sugiyama-style one:
    then every node with successors moved down to just above its first
    successor, so that leaves sit next to their consumer;
 2. workers are columns, ordered so that cross-worker edges are short and do
-   not cross another worker's box (all orders are tried up to 7 workers);
+   not cross another worker's box (all orders are tried up to 6 workers);
 3. a local edge spanning several layers runs through placeholder slots in
    its worker's column, so that it never crosses a node;
 4. the order inside each (worker, layer) cell is improved by barycenter
@@ -169,7 +169,7 @@ def _layers(ids: Sequence[str], dag: Sequence[tuple[str, str]]) -> dict[str, int
 def _column_order(workers: list[int], spans: dict[int, tuple[int, int]],
                   cross: list[tuple[int, int, int, int]]) -> list[int]:
     """Workers left to right: short cross edges that pass no other worker's box."""
-    if len(workers) > 7 or not cross:
+    if len(workers) > 6 or not cross:
         return workers
 
     def cost(order: tuple[int, ...]) -> int:
@@ -191,6 +191,8 @@ def layout(desc: dict, ruler: _Ruler | None = None) -> Layout:
     """Place every node of ``desc`` (see ``describe_graph``); sizes in inches."""
     ruler = ruler or _Ruler()
     items, edges = _graph(desc)
+    if not items:
+        raise ValueError("graph_draw.layout: the description has no workers")
     ids = list(items)
     dag = _acyclic(ids, edges)
     layer = _layers(ids, dag)
