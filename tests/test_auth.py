@@ -382,3 +382,30 @@ def test_a_wrong_secret_is_rejected():
         in text, text
     assert "worker 1: workers [0] never connected" in text, text
     assert took < 120, took
+
+
+def _no_secret_logs(rank, world_size, port):
+    import distgrad.rpc as rpc
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    log = logging.getLogger("distgrad.rpc.lifecycle")
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+        rpc.shutdown()
+    finally:
+        log.removeHandler(handler)
+    return [(r.levelname, r.getMessage()) for r in records if "DISTGRAD_SECRET" in r.getMessage()]
+
+
+def test_no_secret_warning_once_per_cluster():
+    # quiet by default: a cluster without a secret warns once (rank 0), not once per worker
+    from mp_utils import free_port
+    out = run_workers(_no_secret_logs, world_size=2, timeout=90, init=False, args=(free_port(),),
+                      env_per_rank={r: {"DISTGRAD_SECRET": None} for r in range(2)})
+    assert [level for level, _ in out[0]] == ["WARNING"], out
+    assert "worker0" in out[0][0][1] and "2 workers" in out[0][0][1] and "not authenticated" in out[0][0][1]
+    assert [level for level, _ in out[1]] == ["INFO"], out     # still in the log, below WARNING

@@ -16,6 +16,8 @@ from mp_utils import run_workers
 F32_4x4 = 4 * 4 * 4
 F64_3 = 3 * 8
 F32_2x5 = 2 * 5 * 4
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NO_DOT = shutil.which("dot") is None
 
 
 def _on_worker1(x, s):
@@ -44,22 +46,13 @@ def _export(rank, world_size, out_dir):
         desc = graph_export.export_graph(cid, os.path.join(out_dir, "g.json"), roots=[loss])
         graph_export.export_graph(cid, os.path.join(out_dir, "g.dot"), roots=[loss])
         dist_autograd.backward(cid, [loss], retain_graph=True)
-        # still drawable after a backward that kept the graph
-        if shutil.which("dot"):
-            graph_export.export_graph(cid, os.path.join(out_dir, "g.svg"), roots=[loss])
-        # without dot: a clear error, and the DOT source is kept
-        real = graph_export.shutil
-        graph_export.shutil = type("NoDot", (), {"which": staticmethod(lambda _: None)})
-        try:
-            graph_export.export_graph(cid, os.path.join(out_dir, "nodot.png"))
-            err = None
-        except RuntimeError as e:
-            err = str(e)
-        finally:
-            graph_export.shutil = real
+        # still drawable after a backward that kept the graph; matplotlib needs no system binary
+        graph_export.export_graph(cid, os.path.join(out_dir, "g.png"), roots=[loss], engine="matplotlib")
+        if graph_export.dot_program():
+            graph_export.export_graph(cid, os.path.join(out_dir, "g.svg"), roots=[loss], engine="dot")
         grads = dist_autograd.get_gradients(cid)
         ok_grads = grads[t].shape == t.shape and grads[s].shape == s.shape
-    return {"desc": desc, "err": err, "ok_grads": ok_grads}
+    return {"desc": desc, "ok_grads": ok_grads}
 
 
 def test_export_graph_three_workers():
@@ -104,11 +97,15 @@ def test_export_graph_three_workers():
     with open(os.path.join(out_dir, "g.dot")) as f:
         dot = f.read()
     assert dot.startswith("digraph") and dot.count("subgraph cluster_w") == 3
+    png = os.path.join(out_dir, "g.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert os.path.getsize(png) > 10_000
     if shutil.which("dot"):
         root = ET.parse(os.path.join(out_dir, "g.svg")).getroot()
         assert root.tag.endswith("svg")
-    assert res["err"] is not None and "dot" in res["err"]
-    assert os.path.exists(os.path.join(out_dir, "nodot.dot"))
+    # the matplotlib layout of this real graph: nothing overlaps
+    _check_layout(desc)
 
 
 def test_to_dot_escapes_labels():
@@ -120,12 +117,135 @@ def test_to_dot_escapes_labels():
     assert 'we\\"ird' in src and "A\\\\B" in src
 
 
-@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz 'dot' not installed")
-def test_dot_renders_png(tmp_path):
-    import graphviz
+# -- drawing, without a cluster: descriptions built by hand ---------------------------
+def _desc(workers, cross):
+    """workers: {rank: (name, [(id, autograd name, kind, extra)], [[src, dst], ...])};
+    cross: [(src id, dst id, bytes)] (src a send node, dst a recv node)."""
+    out = {"context_id": 3, "workers": {}, "cross_edges": []}
+    rank_of = {}
+    for r, (name, nodes, edges) in workers.items():
+        ns = []
+        for nid, label, kind, extra in nodes:
+            n = {"id": nid, "name": label, "kind": kind, **extra}
+            if kind == "send":
+                n.setdefault("tensors", [{"shape": [64, 64], "dtype": "float32", "bytes": 16384}])
+                n.setdefault("bytes", sum(t["bytes"] for t in n["tensors"]))
+            ns.append(n)
+            rank_of[nid] = r
+        out["workers"][r] = {"rank": r, "name": name, "nodes": ns, "edges": edges, "known_workers": []}
+    for i, (a, b, nbytes) in enumerate(cross):
+        out["cross_edges"].append({"src": a, "dst": b, "src_worker": rank_of[a], "dst_worker": rank_of[b],
+                                   "message_id": i, "bytes": nbytes})
+    return out
 
-    from distgrad.autograd.graph_export import to_dot
-    desc = {"context_id": 1, "cross_edges": [],
-            "workers": {0: {"name": "w", "nodes": [{"id": "w0n0", "name": "X", "kind": "op"}], "edges": []}}}
-    data = graphviz.Source(to_dot(desc)).pipe(format="png")
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+
+def _leaf(shape):
+    return {"shape": shape, "dtype": "float32"}
+
+
+def _two_workers():
+    return _desc({0: ("trainer", [("a", "AccumulateGrad", "leaf", _leaf([4, 4])),
+                                  ("b", "SendRpcBackward", "send", {"message_id": 0}),
+                                  ("c", "RecvRpcBackward", "recv", {"message_id": 1, "sender": 1}),
+                                  ("d", "SumBackward0", "op", {"root": True})],
+                                 [["a", "b"], ["c", "d"]]),
+                  1: ("ps", [("e", "RecvRpcBackward", "recv", {"message_id": 0, "sender": 0}),
+                             ("f", "MulBackward0", "op", {}),
+                             ("g", "SendRpcBackward", "send", {"message_id": 1})],
+                      [["e", "f"], ["f", "g"]])},
+                 [("b", "e", 16384), ("g", "c", 16384)])
+
+
+def _demo_like():
+    """The shape of `distgrad demo`'s graph: driver relays between ps, stage1 and stage2."""
+    send, recv, acc = "SendRpcBackward", "RecvRpcBackward", "AccumulateGrad"
+    return _desc({
+        0: ("driver", [("d1", recv, "recv", {"sender": 1}), ("d2", send, "send", {}),
+                       ("d3", recv, "recv", {"sender": 2}), ("d4", send, "send", {}),
+                       ("d5", recv, "recv", {"sender": 3}), ("d6", "LogSoftmaxBackward0", "op", {}),
+                       ("d7", "NllLossBackward0", "op", {"root": True})],
+            [["d1", "d2"], ["d3", "d4"], ["d5", "d6"], ["d6", "d7"]]),
+        1: ("ps", [("p1", acc, "leaf", _leaf([64])), ("p2", acc, "leaf", _leaf([64])),
+                   ("p3", "MulBackward0", "op", {}), ("p4", "AddBackward0", "op", {}),
+                   ("p5", send, "send", {})],
+            [["p1", "p3"], ["p3", "p4"], ["p2", "p4"], ["p4", "p5"]]),
+        2: ("stage1", [("s1", recv, "recv", {"sender": 0}), ("s2", acc, "leaf", _leaf([128, 64])),
+                       ("s3", "TBackward0", "op", {}), ("s4", "AccumulateGrad", "leaf", _leaf([128])),
+                       ("s5", "AddmmBackward0", "op", {}), ("s6", "ReluBackward0", "op", {}),
+                       ("s7", send, "send", {})],
+            [["s2", "s3"], ["s1", "s5"], ["s3", "s5"], ["s4", "s5"], ["s5", "s6"], ["s6", "s7"]]),
+        3: ("stage2", [("t1", recv, "recv", {"sender": 0}), ("t2", acc, "leaf", _leaf([10, 128])),
+                       ("t3", "TBackward0", "op", {}), ("t4", "AccumulateGrad", "leaf", _leaf([10])),
+                       ("t5", "AddmmBackward0", "op", {}), ("t6", send, "send", {})],
+            [["t2", "t3"], ["t1", "t5"], ["t3", "t5"], ["t4", "t5"], ["t5", "t6"]]),
+    }, [("p5", "d1", 16384), ("d2", "s1", 16384), ("s7", "d3", 32768), ("d4", "t1", 32768),
+        ("t6", "d5", 2560)])
+
+
+def _check_layout(desc):
+    """Nodes never overlap, each sits inside its worker's box, boxes are disjoint,
+    every edge points down (forward data flow, layered)."""
+    from distgrad.autograd.graph_draw import layout
+    lay = layout(desc)
+    real = [it for it in lay.items.values() if not it.dummy]
+    assert len(real) == sum(max(1, len(w["nodes"])) for w in desc["workers"].values())
+    hw, hh = lay.node_w / 2, lay.node_h / 2
+    for i, a in enumerate(real):
+        for b in real[i + 1:]:
+            assert abs(a.x - b.x) >= 2 * hw or abs(a.y - b.y) >= 2 * hh, (a, b)
+        x0, y0, x1, y1 = lay.boxes[a.worker]
+        assert x0 < a.x - hw and a.x + hw < x1 and y0 < a.y - hh and a.y + hh < y1, (a.id, lay.boxes)
+    boxes = list(lay.boxes.values())
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1], (a, b)
+    for path, _, _ in lay.edges:
+        ys = [lay.items[i].y for i in path]
+        assert all(p > q for p, q in zip(ys, ys[1:])), path
+    return lay
+
+
+@pytest.mark.parametrize("make", [_two_workers, _demo_like], ids=["two_workers", "demo_like"])
+def test_fallback_draws_png_and_svg(make, tmp_path, monkeypatch):
+    from distgrad.autograd import graph_export
+    monkeypatch.setenv("DISTGRAD_NO_DOT", "1")
+    assert graph_export.dot_program() is None
+    desc = make()
+    _check_layout(desc)
+    png, svg = tmp_path / "g.png", tmp_path / "g.svg"
+    assert graph_export.render(desc, str(png)) == "matplotlib"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5_000
+    assert graph_export.render(desc, str(svg)) == "matplotlib"
+    text = svg.read_text()
+    assert ET.fromstring(text).tag.endswith("svg")
+    for w in desc["workers"].values():      # worker boxes are titled (text kept as text)
+        assert f"{w['name']} (rank {w['rank']})" in text
+    assert "16.0 KiB" in text and "64x64 float32" in text      # cross-edge labels
+    assert not (tmp_path / "g.dot").exists()
+
+
+def test_fallback_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+
+    from distgrad.autograd import graph_export
+    from distgrad.errors import DistgradError
+    monkeypatch.setenv("DISTGRAD_NO_DOT", "1")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(DistgradError, match="pip install matplotlib"):
+        graph_export.render(_two_workers(), str(tmp_path / "g.png"))
+    assert (tmp_path / "g.dot").read_text().startswith("digraph")
+    with pytest.raises(DistgradError, match="not on PATH"):
+        graph_export.render(_two_workers(), str(tmp_path / "h.png"), engine="dot")
+
+
+@pytest.mark.skipif(NO_DOT, reason="Graphviz's 'dot' is not on PATH: the dot path cannot run here "
+                                   "(the matplotlib fallback is tested above)")
+def test_dot_renders_png_and_svg(tmp_path, monkeypatch):
+    from distgrad.autograd import graph_export
+    monkeypatch.delenv("DISTGRAD_NO_DOT", raising=False)
+    desc = _demo_like()
+    assert graph_export.render(desc, str(tmp_path / "g.png")) == "dot"
+    assert (tmp_path / "g.png").read_bytes()[:8] == PNG_MAGIC
+    assert graph_export.render(desc, str(tmp_path / "g.svg"), engine="dot") == "dot"
+    text = (tmp_path / "g.svg").read_text()
+    assert "cluster_w3" in text and "stage2 (rank 3)" in text

@@ -19,26 +19,31 @@ Example (inside a context, after the forward)::
         desc = export_graph(cid, "step.svg", roots=[loss])
         dist_autograd.backward(cid, [loss])
 
-Rendering needs the ``graphviz`` Python package and Graphviz's ``dot``
-program (``apt-get install graphviz``, ``brew install graphviz``); a ``.dot``
-or ``.gv`` path, or ``.json``, needs neither.
+Pictures (``.svg``, ``.png``, ``.pdf``) are drawn by Graphviz's ``dot``
+where it is on PATH, otherwise by matplotlib with a layered layout of its own
+(``graph_draw``): the same boxes per worker and labelled cross-worker edges,
+no system package needed. ``DISTGRAD_NO_DOT=1`` forces the matplotlib path.
+A ``.dot``/``.gv`` path (DOT source) or ``.json`` needs neither.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ..errors import DistgradError
 from ..rpc import api as rpc_api
 from ..rpc.agent import agent_or_none
+from . import graph_labels as labels
 from .context import CONTAINER
 from .recording import _ANCHOR, _node_types
 
-__all__ = ["describe_graph", "export_graph", "to_dot"]
+__all__ = ["describe_graph", "dot_program", "export_graph", "render", "to_dot"]
 
 _RENDER_FORMATS = {"svg", "png", "pdf"}
 _DOT_FORMATS = {"dot", "gv"}
@@ -195,35 +200,18 @@ def describe_graph(context_id: int, roots: Sequence[torch.Tensor] = ()) -> dict:
             "cross_edges": cross}
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
-def _shape(shape: Sequence[int]) -> str:
-    return "x".join(map(str, shape)) if len(shape) else "scalar"
-
-
-def _msg(mid: int | None) -> str:
-    """An autograd message id as <creating worker>.<counter>."""
-    return "?" if mid is None else f"{mid >> 48}.{mid & ((1 << 48) - 1)}"
-
-
-_COLORS = {"send": "#f4a582", "recv": "#92c5de", "leaf": "#d9f0a3", "op": "#f0f0f0"}
-
-
 def to_dot(desc: dict) -> str:
-    """Graphviz DOT source of a description from :func:`describe_graph`."""
+    """Graphviz DOT source of a description from :func:`describe_graph`.
+
+    Example::
+
+        open("step.dot", "w").write(to_dot(describe_graph(cid)))
+    """
     def q(s: Any) -> str:
         return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
-    title = (f"distributed autograd graph of context {desc['context_id']}\n"
-             "(arrows: forward data flow; gradients flow back along them)")
     lines = ["digraph distgrad {",
-             f"  label={q(title)};",
+             f"  label={q(labels.title(desc))};",
              "  labelloc=t; fontname=Helvetica; rankdir=TB; compound=true;",
              "  node [shape=box, style=\"rounded,filled\", fontname=Helvetica, fontsize=10];",
              "  edge [fontname=Helvetica, fontsize=9];"]
@@ -233,76 +221,120 @@ def to_dot(desc: dict) -> str:
         title = f"{wd['name']} (rank {w})"
         lines.append(f"    label={q(title)}; style=\"rounded\"; color=\"#555555\";")
         for n in wd["nodes"]:
-            label = n["name"].replace("torch::autograd::", "")
-            if n["kind"] == "leaf":
-                if n.get("shape") is not None:
-                    label += "\n" + (_shape(n["shape"]) + " " + n.get("dtype", "")).strip()
-            elif n["kind"] == "send":
-                label += f"\nmsg {_msg(n.get('message_id'))}, {_human(n['bytes'])}"
-            elif n["kind"] == "recv":
-                sender = n.get("sender")
-                who = names.get(sender, f"rank {sender}")
-                label += f"\nmsg {_msg(n.get('message_id'))} from {who}"
             extra = ", penwidth=2" if n.get("root") else ""
-            lines.append(f"    {n['id']} [label={q(label)}, fillcolor={q(_COLORS[n['kind']])}{extra}];")
+            lines.append(f"    {n['id']} [label={q(labels.node_label(n, names))}, "
+                         f"fillcolor={q(labels.COLORS[n['kind']])}{extra}];")
         for a, b in wd["edges"]:
             lines.append(f"    {a} -> {b};")
         lines.append("  }")
     tensors = {n["id"]: n.get("tensors") or [] for wd in desc["workers"].values() for n in wd["nodes"]}
     for e in desc["cross_edges"]:
-        what = ", ".join(f"{_shape(t['shape'])} {t['dtype']}" for t in tensors.get(e["src"], []))
-        label = _human(e["bytes"]) + (f"\n{what}" if what else "")
-        lines.append(f"  {e['src']} -> {e['dst']} [label={q(label)}, color=\"#b2182b\", "
-                     f"fontcolor=\"#b2182b\", penwidth=1.6, style=bold];")
+        label = labels.edge_label(e, tensors.get(e["src"], []))
+        lines.append(f"  {e['src']} -> {e['dst']} [label={q(label)}, color=\"{labels.CROSS_COLOR}\", "
+                     f"fontcolor=\"{labels.CROSS_COLOR}\", penwidth=1.6, style=bold];")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def export_graph(context_id: int, path: str, roots: Sequence[torch.Tensor] = ()) -> dict:
+def dot_program() -> str | None:
+    """Path of Graphviz's ``dot``, or None when it is not on PATH or
+    ``DISTGRAD_NO_DOT=1`` is set (to try the matplotlib drawing where dot exists).
+
+    Example::
+
+        engine = "dot" if dot_program() else "matplotlib"
+    """
+    if os.environ.get("DISTGRAD_NO_DOT", "").strip().lower() not in ("", "0", "false", "no"):
+        return None
+    return shutil.which("dot")
+
+
+def render(desc: dict, path: str, engine: str = "auto") -> str:
+    """Draw a description (from :func:`describe_graph`) into ``path``; returns
+    the engine that drew it, ``"dot"`` or ``"matplotlib"``.
+
+    The format follows the extension: ``.svg``, ``.png`` or ``.pdf``.
+    ``engine="auto"`` uses Graphviz's ``dot`` where it is installed (see
+    :func:`dot_program`) and otherwise draws the same picture with matplotlib
+    (``graph_draw``: layered layout, one box per worker); ``"dot"`` or
+    ``"matplotlib"`` insists on one. When the engine is missing, the DOT
+    source is written next to ``path`` (``.dot``) and DistgradError says what
+    to install.
+
+    Example::
+
+        desc = describe_graph(cid, roots=[loss])
+        render(desc, "step.svg")
+        render(desc, "step.png", engine="matplotlib")
+    """
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in _RENDER_FORMATS:
+        raise ValueError(f"render: unknown picture format {ext!r} for {path!r} (use .svg .png .pdf)")
+    if engine not in ("auto", "dot", "matplotlib"):
+        raise ValueError(f"render: engine must be 'auto', 'dot' or 'matplotlib', not {engine!r}")
+    dot = dot_program() if engine != "matplotlib" else None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if dot is not None:
+        src = to_dot(desc)
+        try:
+            done = subprocess.run([dot, f"-T{ext}", "-o", path], input=src.encode(), capture_output=True,
+                                  timeout=120, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise DistgradError(f"render: Graphviz's dot failed on {path!r}: {e}") from e
+        if done.returncode != 0:
+            raise DistgradError(f"render: Graphviz's dot failed on {path!r} (exit {done.returncode}): "
+                                f"{done.stderr.decode(errors='replace').strip()[-500:]}")
+        return "dot"
+    dot_path = os.path.splitext(path)[0] + ".dot"
+    if engine == "dot":
+        _write(dot_path, to_dot(desc))
+        raise DistgradError(f"render: cannot draw {path!r} with Graphviz: its 'dot' program is not on "
+                            f"PATH (or DISTGRAD_NO_DOT is set); the DOT source is in {dot_path!r}")
+    try:
+        import matplotlib  # noqa: F401
+
+        from . import graph_draw
+    except ImportError as e:
+        _write(dot_path, to_dot(desc))
+        raise DistgradError(f"render: cannot draw {path!r}: Graphviz's 'dot' is not on PATH and "
+                            f"matplotlib is not installed ({e}); pip install matplotlib (or "
+                            f"'distgrad[demo]'). The DOT source is in {dot_path!r}") from e
+    graph_draw.draw(desc, path)
+    return "matplotlib"
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def export_graph(context_id: int, path: str, roots: Sequence[torch.Tensor] = (),
+                 engine: str = "auto") -> dict:
     """Draw the distributed autograd graph of ``context_id`` into ``path``.
 
     Call it while the context is alive (inside ``with dist_autograd.context()``),
     after the forward pass (or after ``backward(..., retain_graph=True)``).
     The format follows ``path``'s extension: ``.svg``, ``.png`` or ``.pdf``
-    (rendered with Graphviz's ``dot``), ``.dot``/``.gv`` (DOT source) or
-    ``.json`` (the description). ``roots``: local tensors, e.g. the loss, whose
-    graph on this worker to include (the recorded RPCs are always included).
-    Returns the description (see :func:`describe_graph`).
+    (a picture, see :func:`render` for ``engine``), ``.dot``/``.gv`` (DOT
+    source) or ``.json`` (the description). ``roots``: local tensors, e.g. the
+    loss, whose graph on this worker to include (the recorded RPCs are always
+    included). Returns the description (see :func:`describe_graph`).
 
-    Raises RuntimeError when ``dot`` is needed but missing; the DOT source
-    is then written next to ``path`` (same name, ``.dot``) first.
+    Example::
+
+        desc = export_graph(cid, "out/step.png", roots=[loss])
     """
-    desc = describe_graph(context_id, roots)
     ext = os.path.splitext(path)[1].lstrip(".").lower()
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    if ext not in _RENDER_FORMATS | _DOT_FORMATS | {"json"}:
+        raise ValueError(f"export_graph: unknown format {ext!r} for {path!r} "
+                         f"(use one of .svg .png .pdf .dot .gv .json)")
+    desc = describe_graph(context_id, roots)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if ext == "json":
         with open(path, "w") as f:
             json.dump(desc, f, indent=1)
-        return desc
-    src = to_dot(desc)
-    if ext in _DOT_FORMATS:
-        with open(path, "w") as f:
-            f.write(src)
-        return desc
-    if ext not in _RENDER_FORMATS:
-        raise ValueError(f"export_graph: unknown format {ext!r} for {path!r} "
-                         f"(use one of .svg .png .pdf .dot .gv .json)")
-    dot_path = os.path.splitext(path)[0] + ".dot"
-    try:
-        import graphviz
-    except ImportError:
-        graphviz = None
-    if graphviz is None or shutil.which("dot") is None:
-        with open(dot_path, "w") as f:
-            f.write(src)
-        what = ("the 'graphviz' Python package is not installed (pip install graphviz)"
-                if graphviz is None else "Graphviz's 'dot' program is not on PATH "
-                "(apt-get install graphviz / brew install graphviz / conda install graphviz)")
-        raise RuntimeError(f"export_graph: cannot render {path!r}: {what}. The DOT source was "
-                           f"written to {dot_path!r}; render it later with "
-                           f"'dot -T{ext} {dot_path} -o {path}'.")
-    data = graphviz.Source(src).pipe(format=ext)
-    with open(path, "wb") as f:
-        f.write(data)
+    elif ext in _DOT_FORMATS:
+        _write(path, to_dot(desc))
+    else:
+        render(desc, path, engine)
     return desc

@@ -3,6 +3,7 @@ printed summary."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 
@@ -69,7 +70,6 @@ def format_summary(s: dict[str, Any]) -> str:
     by_sender = ", ".join(f"{w} {_kib(v)}" for w, v in s["bytes_per_step_by_sender"].items())
     comp_by = ", ".join(f"{w} {ms(v)}" for w, v in s["compute_seconds"].items())
     w = s["workers"]
-    g = s["graph"]
     lines = ["", "== distgrad demo summary =="]
     add = lines.append
     add(f"cluster          {len(w)} processes on 127.0.0.1: {', '.join(w)}")
@@ -87,7 +87,27 @@ def format_summary(s: dict[str, Any]) -> str:
         f"serialization, waiting (for peers and the CPU), engine bookkeeping")
     add(f"  optimizer      {ms(opt)} ({pct(opt)}) - DistributedOptimizer.step: Adam on each owner, "
         f"incl. its RPCs")
-    add(f"pictures         {s['curves_path']}")
-    add(f"                 {g['path']} ({g['nodes']} autograd nodes, "
-        f"{g['cross_worker_edges']} cross-worker edges)")
+    add("files written:")
+    files = files_written(s)
+    width = max(len(p) for p, _ in files)
+    for path, what in files:
+        add(f"  {path:<{width}}  {what}")
     return "\n".join(lines)
+
+
+def files_written(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """(path, what it shows) for every file the demo wrote, pictures first."""
+    g = s["graph"]
+    graph = (f"one training step's autograd graph ({g['nodes']} nodes): a box per worker, "
+             f"red arrows = tensors sent between workers (bytes, shapes)")
+    engine = {"dot": "Graphviz's dot", "matplotlib": "matplotlib (no Graphviz 'dot' on PATH)"}
+    what = {".png": f"{graph}; drawn by {engine.get(g['engine'], g['engine'])}",
+            ".svg": "the same graph as a scalable picture (open it in a browser)",
+            ".dot": "the graph's Graphviz source (dot -Tpdf ... renders it anew)",
+            ".json": "the graph's description: nodes, edges, bytes per cross-worker edge"}
+    out = [(s["curves_path"], "loss and accuracy over the training steps (train batches, held-out test)")]
+    for path in g.get("files", [g["path"]]):
+        out.append((path, what.get(os.path.splitext(path)[1], "the autograd graph")))
+    if s.get("summary_path"):
+        out.append((s["summary_path"], "these numbers and the per-step history (JSON)"))
+    return out

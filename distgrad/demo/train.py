@@ -17,15 +17,15 @@ import argparse
 import json
 import os
 import secrets
-import shutil
 import socket
 import sys
 import time
 from typing import Any
 
 DEFAULT_OUT = "./distgrad-demo-out"
-GRAPH_FILE = "autograd_graph.svg"
+GRAPH_BASE = "autograd_graph"        # .png and .svg pictures, .dot source, .json description
 CURVES_FILE = "training_curves.png"
+DEMO_PACKAGES = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
 _SERVE_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -55,6 +55,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def missing_packages() -> list[str]:
+    """The pip names of the demo's packages (the ``demo`` extra) that cannot be imported."""
+    missing = []
+    for module, package in DEMO_PACKAGES.items():
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
 def run(args: argparse.Namespace) -> int:
     """Start the cluster, train, report; returns the exit code."""
     if args.workers < 3:
@@ -64,6 +75,13 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.batch_size < 1 or args.lr <= 0 or args.eval_every < 1:
         print("distgrad demo: --steps, --batch-size, --eval-every must be >= 1 and --lr > 0",
               file=sys.stderr)
+        return 2
+    missing = missing_packages()
+    if missing:
+        print(f"distgrad demo needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+              f"not installed. Install the demo's extra:\n"
+              f"    pip install 'distgrad[demo]'      (from a source checkout: pip install '.[demo]')\n"
+              f"or just: pip install {' '.join(missing)}", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the workers inherit it: only processes of this cluster can talk to each other
@@ -194,19 +212,14 @@ class Driver:
         import torch.nn.functional as F
 
         import distgrad.autograd as dist_autograd
-        from distgrad.autograd.graph_export import export_graph
+        from distgrad.autograd.graph_export import describe_graph
 
         from .model import build_module
 
         x, y = self.xtr[:self.cfg["batch_size"]], self.ytr[:self.cfg["batch_size"]]
-        graph_path = os.path.join(self.cfg["out"], GRAPH_FILE)
-        if shutil.which("dot") is None:  # no Graphviz: keep the graph as DOT source
-            graph_path = os.path.splitext(graph_path)[0] + ".dot"
-            print("note: Graphviz's `dot` is not installed; writing the autograd graph as DOT "
-                  f"source ({graph_path}); install graphviz to get the SVG", flush=True)
         with dist_autograd.context() as cid:
             loss = F.cross_entropy(self.forward(x), y)
-            desc = export_graph(cid, graph_path, roots=[loss])
+            desc = describe_graph(cid, roots=[loss])
             dist_autograd.backward(cid, [loss])
             dist_grads = [g for s in self.shards for g in s.rpc_sync().gradients(cid)]
         # the same model in this process, from the shards' current weights
@@ -232,9 +245,7 @@ class Driver:
             raise RuntimeError(f"gradient check FAILED: parameters {bad} differ from the "
                                f"single-process gradients (max abs diff {worst:.3g})")
         self.graph_desc = desc
-        with open(os.path.splitext(graph_path)[0] + ".json", "w") as f:
-            json.dump(desc, f, indent=1)
-        self.graph_path = graph_path
+        self.graph_files, self.graph_engine = write_graph(desc, os.path.join(self.cfg["out"], GRAPH_BASE))
         return (f"gradient check: OK - distributed gradients match single-process gradients on all "
                 f"{len(ref_grads)} parameters (torch.allclose; max abs diff {worst:.1e})")
 
@@ -242,13 +253,13 @@ class Driver:
     def main(self) -> None:
         torch = self.torch
         import torch.nn.functional as F
-        from tqdm import tqdm
 
         import distgrad.autograd as dist_autograd
         from distgrad.optim import DistributedOptimizer
 
         from . import report
         from .model import describe_spec
+        from .progress import progress
 
         cfg = self.cfg
         t_setup = time.perf_counter()
@@ -260,7 +271,8 @@ class Driver:
         print(f"data: scikit-learn digits, {len(self.xtr)} train / {len(self.xte)} test images (8x8)",
               flush=True)
         print(self.gradient_check(), flush=True)
-        print(f"autograd graph of one step written to {self.graph_path}", flush=True)
+        print(f"autograd graph of one step drawn by {self.graph_engine}: "
+              f"{', '.join(os.path.basename(p) for p in self.graph_files)}", flush=True)
 
         opt = DistributedOptimizer(torch.optim.Adam, self.param_rrefs, lr=cfg["lr"])
         gen = torch.Generator().manual_seed(cfg["seed"])
@@ -274,8 +286,7 @@ class Driver:
         t_ready = time.perf_counter()
         b0 = self.traffic_snapshot()
         test_acc = float("nan")
-        bar = tqdm(range(1, steps + 1), desc="training", unit="step", dynamic_ncols=True,
-                   mininterval=0.25, file=sys.stderr)
+        bar = progress(range(1, steps + 1), desc="training")
         for step in bar:
             idx = torch.randint(0, len(self.xtr), (bs,), generator=gen)
             x, y = self.xtr[idx], self.ytr[idx]
@@ -336,13 +347,28 @@ class Driver:
             "compute_detail": timings,
             "setup_seconds": t_ready - t_setup,
             "history": hist,
-            "graph": {"path": self.graph_path,
+            "graph": {"path": self.graph_files[0], "files": self.graph_files, "engine": self.graph_engine,
                       "nodes": sum(len(w["nodes"]) for w in self.graph_desc["workers"].values()),
                       "cross_worker_edges": len(self.graph_desc["cross_edges"])},
         }
         summary["curves_path"] = report.plot_curves(hist, os.path.join(cfg["out"], CURVES_FILE))
-        report.write_summary(summary, os.path.join(cfg["out"], "summary.json"))
+        summary["summary_path"] = os.path.join(cfg["out"], "summary.json")
+        report.write_summary(summary, summary["summary_path"])
         print(report.format_summary(summary), flush=True)
+
+
+def write_graph(desc: dict, base: str) -> tuple[list[str], str]:
+    """The graph as ``base``.png and .svg (Graphviz's dot where installed, else
+    matplotlib), .dot source and .json description; returns (paths, engine)."""
+    from distgrad.autograd.graph_export import render, to_dot
+    paths = [base + ".png", base + ".svg"]
+    engine = render(desc, paths[0])
+    render(desc, paths[1], engine=engine)
+    with open(base + ".dot", "w") as f:
+        f.write(to_dot(desc))
+    with open(base + ".json", "w") as f:
+        json.dump(desc, f, indent=1)
+    return paths + [base + ".dot", base + ".json"], engine
 
 
 def _marker(marks: dict[str, float], key: str):

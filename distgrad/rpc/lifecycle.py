@@ -46,8 +46,10 @@ def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBack
         raise DistgradError(f"worker {name}: cannot choose an address to listen on: {e}", name) from None
     secret = opts.secret or secret_from_env()
     if secret is None:
-        log.warning("worker %s: no cluster secret (DISTGRAD_SECRET): messages are not "
-                    "authenticated and anyone who can connect can run code here", name)
+        # once per cluster (rank 0 speaks for it), not once per worker: the others log it at INFO
+        log.log(logging.WARNING if rank == 0 else logging.INFO,
+                "worker %s: no cluster secret (DISTGRAD_SECRET): messages between the %d workers are "
+                "not authenticated and anyone who can connect can run code on them", name, world_size)
     faults = config_from(opts)
     encrypt = getattr(opts, "encrypt", False)
     if faults is not None:  # tests only: see distgrad/transport/faults.py
