@@ -43,27 +43,25 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
-from . import framing, netaddr, shm
+from . import framing, shm
 from .auth import Authenticator, AuthError
 from .base import Timer, Transport, TransportHandler
-from .handshake import HandshakeError, client_handshake, server_handshake
 from .leader import LeaderFollowers
+from .opening import Opening, _Conn, host_key
 from .waker import Waker
 
 log = logging.getLogger(__name__)
 
 _HEARTBEAT = b"\xffHB"
 _GOODBYE = b"\xffBYE"
-_UNIX_TAG, _HOST_TAG, _SHM_TAG, _AUTH_TAG, _ENC_TAG = "unix", "host", "shm", "auth", "enc"
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 33
 DEFAULT_SHM_THRESHOLD = 256 << 10
 _EPOLL = hasattr(select, "epoll")
 _IN = select.EPOLLIN if _EPOLL else 1
 _OUT = select.EPOLLOUT if _EPOLL else 4
 _ONESHOT = select.EPOLLONESHOT if _EPOLL else 0
-_CONNECT_TIMEOUT = 60.0
 
 
 def _default_shm_threshold() -> int:
@@ -71,46 +69,7 @@ def _default_shm_threshold() -> int:
     return int(value) if value else DEFAULT_SHM_THRESHOLD
 
 
-def host_key() -> str:
-    """What two processes share only if they can reach each other's Unix sockets
-    and shared memory: boot id, hostname and network namespace. Two machines
-    never share a boot id; two namespaces of one machine never share the
-    namespace's inode (so a test can treat them as two hosts).
-    ``DISTGRAD_SAME_HOST=0`` makes every peer a remote one (TCP only, no shared
-    memory: the cross-host path, for measuring it on one machine)."""
-    if os.environ.get("DISTGRAD_SAME_HOST", "1") == "0":
-        return ""
-    base = shm.host_id() or ""
-    try:
-        ns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        ns = 0
-    return f"{base}/{ns}" if base else ""
-
-
-class _Conn:
-    __slots__ = ("peer", "sock", "fd", "wlock", "wowner", "rlock", "alock", "reader", "outq", "owned",
-                 "lost", "cipher", "poll", "deferred")
-
-    def __init__(self, peer: int, sock: socket.socket, max_frame: int, cipher) -> None:
-        self.peer, self.sock, self.fd = peer, sock, sock.fileno()
-        self.wlock = threading.Lock()   # one sender at a time, whole messages
-        self.wowner = 0                 # the thread holding wlock (0: none)
-        self.rlock = threading.Lock()   # one reader at a time, in order
-        self.alock = threading.Lock()   # poller registration changes
-        self.reader = framing.FrameReader(max_frame)
-        self.outq: list = []            # iovecs a reading thread could not send
-        self.deferred: collections.deque = collections.deque()  # messages to send (see _send)
-        self.owned = False              # a caller reads its own reply here
-        self.lost = False
-        self.cipher = cipher
-        self.poll = None                # for a caller reading its own reply
-        if hasattr(select, "poll"):     # (Windows: the leader reads every reply)
-            self.poll = select.poll()
-            self.poll.register(self.fd, select.POLLIN)
-
-
-class SocketTransport(Transport):
+class SocketTransport(Opening, Transport):
     """See the module docstring.
 
     Example::
@@ -183,167 +142,6 @@ class SocketTransport(Transport):
         self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0] * 6)
 
     # -- set-up ------------------------------------------------------------
-    def listen(self, host: str) -> str:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._tcp = socket.socket(family, socket.SOCK_STREAM)
-        self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._tcp.bind((host, 0))
-        self._tcp.listen(socket.SOMAXCONN)
-        port = self._tcp.getsockname()[1]
-        addr = f"tcp://[{host}]:{port}" if family == socket.AF_INET6 else f"tcp://{host}:{port}"
-        if self.host_id and hasattr(socket, "AF_UNIX"):
-            self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            name = f"distgrad-{os.getpid()}-{self.rank}-{os.urandom(6).hex()}"
-            # Linux: the abstract namespace (no file to clean up, private to the
-            # network namespace); elsewhere a file in the temp directory
-            if os.uname().sysname == "Linux":
-                self._unix_name = "@" + name
-                self._unix.bind("\0" + name)
-            else:
-                import tempfile
-                self._unix_name = os.path.join(tempfile.gettempdir(), name + ".sock")
-                self._unix.bind(self._unix_name)
-            self._unix.listen(socket.SOMAXCONN)
-            addr += f"#{_UNIX_TAG}={self._unix_name}"
-        if self.host_id:
-            addr += f"#{_HOST_TAG}={self.host_id}"
-            if self.shm_threshold > 0 and shm.host_id():
-                addr += f"#{_SHM_TAG}={os.getpid()}"
-        if self._secret:
-            addr += f"#{_AUTH_TAG}={self._auth.nonce.hex() if self._auth else '1'}"
-        if self.encrypt:
-            addr += f"#{_ENC_TAG}=1"
-        return addr
-
-    def start(self, handler: TransportHandler, peers: Mapping[int, str]) -> None:
-        """Connect to every peer (lower ranks connect, higher ones accept), then start reading."""
-        self._handler = handler
-        self._addresses = dict(peers)
-        plan = {}
-        for peer, full in peers.items():
-            addr, *tagged = full.split("#")
-            tags = dict(t.partition("=")[::2] for t in tagged)
-            self._check_peer(peer, addr, tags)
-            same = bool(self.host_id) and tags.get(_HOST_TAG) == self.host_id
-            if same and _SHM_TAG in tags and self.shm_threshold > 0 and shm.host_id():
-                self._shm_peers[peer] = shm.owner_prefix(int(tags[_SHM_TAG]), peer)
-            plan[peer] = (tags[_UNIX_TAG] if same and _UNIX_TAG in tags and self._unix else None, addr)
-        self._peers = set(plan)
-        deadline = time.monotonic() + _CONNECT_TIMEOUT
-        accepted: dict[int, _Conn] = {}
-        errors: list[BaseException] = []
-        lower = {p for p in plan if p < self.rank}
-        acceptor = threading.Thread(target=self._accept_all, args=(lower, accepted, errors, deadline),
-                                    daemon=True, name=f"distgrad-accept-{self.rank}")
-        acceptor.start()
-        try:
-            for peer in sorted(p for p in plan if p > self.rank):
-                self._add(self._connect(peer, *plan[peer], deadline))
-        finally:
-            acceptor.join(max(0.0, deadline - time.monotonic()) + 1)
-        if errors:
-            raise errors[0]
-        for conn in accepted.values():
-            self._add(conn)
-        missing = sorted(self._peers - set(self._conns))
-        if missing:
-            hint = next(filter(None, map(self._unreachable_hint, missing)), "")
-            raise RuntimeError(f"worker {self.rank}: workers {missing} never connected within "
-                               f"{_CONNECT_TIMEOUT:.0f} s{hint}")
-        self._open_poller()
-        now = time.monotonic()
-        for peer in self._conns:
-            self._last_recv[peer] = now
-            self._last_sent[peer] = 0.0
-        self._running = True
-        self.pool.start()
-
-    def _check_peer(self, peer: int, addr: str, tags: dict) -> None:
-        if self._secret and _AUTH_TAG not in tags:
-            raise RuntimeError(f"worker {peer} ({addr}) runs without the cluster secret "
-                               "(DISTGRAD_SECRET) while this worker has one")
-        if not self._secret and _AUTH_TAG in tags:
-            raise RuntimeError(f"worker {peer} ({addr}) requires the cluster secret "
-                               "(DISTGRAD_SECRET) and this worker has none")
-        if (_ENC_TAG in tags) != self.encrypt:
-            raise RuntimeError(f"worker {peer} ({addr}) runs with encryption "
-                               f"{'on' if _ENC_TAG in tags else 'off'} and this worker with it "
-                               f"{'on' if self.encrypt else 'off'} (DISTGRAD_ENCRYPT)")
-        if self._auth is not None:
-            self._auth.set_peer_nonce(peer, bytes.fromhex(tags[_AUTH_TAG]))
-
-    def _unreachable_hint(self, peer: int) -> str:
-        """Why ``peer`` may never connect, if it is on another host (or network
-        namespace): a loopback address on either side ("" otherwise)."""
-        addr, *tagged = self._addresses.get(peer, "").split("#")
-        tags = dict(t.partition("=")[::2] for t in tagged)
-        if not self.host_id or tags.get(_HOST_TAG, self.host_id) == self.host_id:
-            return ""
-        mine = self._tcp.getsockname()[0] if self._tcp is not None else ""
-        return netaddr.loopback_hint(self.rank, mine, peer, addr)
-
-    def _connect(self, peer: int, unix: str | None, addr: str, deadline: float) -> _Conn:
-        host, _, port = addr[len("tcp://"):].rpartition(":")
-        while True:
-            try:
-                if unix:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    target = "\0" + unix[1:] if unix.startswith("@") else unix
-                else:
-                    host = host.strip("[]")
-                    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-                    target = (host, int(port))
-                sock.settimeout(max(1.0, deadline - time.monotonic()))
-                sock.connect(target)
-                break
-            except OSError as e:
-                sock.close()
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"worker {self.rank} could not connect to worker {peer} at "
-                                       f"{unix or addr}: {e}{self._unreachable_hint(peer)}") from e
-                time.sleep(0.05)
-        try:
-            cc, sc = client_handshake(sock, self.rank, peer, self._secret, self.encrypt)
-        except (HandshakeError, OSError) as e:
-            sock.close()
-            raise RuntimeError(f"worker {self.rank}: handshake with worker {peer} failed: {e}") from e
-        return self._conn(peer, sock, cc, sc)
-
-    def _conn(self, peer: int, sock: socket.socket, cc: bytes, sc: bytes) -> _Conn:
-        cipher = None
-        if self.encrypt:
-            from .crypto import FrameCipher
-            cipher = FrameCipher(self._secret, self.rank, peer, cc, sc)
-        if sock.family != getattr(socket, "AF_UNIX", None):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(False)
-        return _Conn(peer, sock, self.max_message_size, cipher)
-
-    def _accept_all(self, lower: set[int], accepted: dict, errors: list, deadline: float) -> None:
-        listeners = [s for s in (self._unix, self._tcp) if s is not None]
-        try:
-            while lower - set(accepted) and time.monotonic() < deadline:
-                ready, _, _ = select.select(listeners, [], [], 0.2)
-                for ls in ready:
-                    try:
-                        sock, _ = ls.accept()
-                    except OSError:
-                        continue
-                    sock.settimeout(3)  # a worker sends its hello at once
-                    try:
-                        peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt,
-                                                        lower - set(accepted))
-                    except (HandshakeError, OSError) as e:
-                        # Never fatal: anyone can connect. A peer of the cluster with
-                        # other settings was already refused from its address tags
-                        # (_check_peer), on both sides.
-                        log.warning("worker %d: refused a connection: %s", self.rank, e)
-                        sock.close()
-                        continue
-                    accepted[peer] = self._conn(peer, sock, cc, sc)
-        except BaseException as e:  # noqa: BLE001 - reported by start()
-            errors.append(e)
-
     def _add(self, conn: _Conn) -> None:
         self._conns[conn.peer] = conn
         self._by_fd[conn.fd] = conn
@@ -754,32 +552,6 @@ class SocketTransport(Transport):
         finally:
             tls.reading = False
             self.release(peer)
-
-    def _accept_late(self, fd: int) -> None:
-        """A connection after start-up: every peer is connected, so it is refused
-        (after its handshake, on a short-lived thread, so that the refusal says why)."""
-        ls = self._tcp if self._tcp is not None and fd == self._tcp.fileno() else self._unix
-        try:
-            sock, _ = ls.accept()
-        except OSError:
-            return
-        with self._lose_lock:
-            if self._handshakes >= 8:
-                sock.close()
-                return
-            self._handshakes += 1
-
-        def refuse():
-            try:
-                sock.settimeout(5)
-                server_handshake(sock, self.rank, self._secret, self.encrypt, set())
-            except (HandshakeError, OSError) as e:
-                log.warning("worker %d: refused a connection: %s", self.rank, e)
-            finally:
-                sock.close()
-                with self._lose_lock:
-                    self._handshakes -= 1
-        threading.Thread(target=refuse, daemon=True).start()
 
     # -- liveness --------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
