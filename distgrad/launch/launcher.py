@@ -124,6 +124,8 @@ def launch(args: argparse.Namespace) -> int:
         return 2
     port = args.master_port if args.master_port is not None else find_free_port(args.master_addr)
     base_env = dict(os.environ)
+    # No agent hosts a store here (rank 0 does): drop torchrun's flag, if inherited.
+    base_env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     base_env.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))
     if nproc > 1:
         base_env.setdefault("OMP_NUM_THREADS", "1")  # same default torchrun applies
