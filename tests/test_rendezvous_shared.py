@@ -156,3 +156,20 @@ def test_port_held_by_something_else():
         threading.Thread(target=hang_up, daemon=True).start()
         with pytest.raises(DistgradError, match=f"worker 'worker1'.*cannot reach .* at 127.0.0.1:{port}"):
             rendezvous.make_store(f"tcp://127.0.0.1:{port}", 1, 2, 1.0, name="worker1")
+
+
+def test_agent_store_only_on_master_port(monkeypatch):
+    """Under torchrun rank 0 hosts nothing on MASTER_PORT (the agent does), but
+    still hosts a tcp:// store on another port."""
+    from distgrad.launch import rendezvous
+
+    agent_port, other_port = free_port(), free_port()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent_port))
+    store = rendezvous.make_store(f"tcp://127.0.0.1:{other_port}", 0, 1, 5.0, name="worker0")
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    # nothing serves the agent's port here: rank 0 is a client, so it cannot connect
+    with pytest.raises(DistgradError, match=f"cannot reach .* at 127.0.0.1:{agent_port}"):
+        rendezvous.make_store("env://", 0, 1, 1.0, name="worker0")

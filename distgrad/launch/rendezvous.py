@@ -104,7 +104,7 @@ def make_store(init_method: str, rank: int, world_size: int, timeout: float,
         host, port = url.hostname, url.port
         if not host or not port:
             raise ValueError(f"init_method {init_method!r} must name host and port")
-    host_it = rank == 0 and not agent_hosts_store()
+    host_it = rank == 0 and not agent_hosts_store(int(port))
     try:
         return dist.TCPStore(host, int(port), world_size, is_master=host_it, timeout=td,
                              wait_for_workers=False, multi_tenant=host_it)
@@ -112,19 +112,28 @@ def make_store(init_method: str, rank: int, world_size: int, timeout: float,
         raise _store_error(name, rank, host, int(port), host_it, e) from e
 
 
-def agent_hosts_store() -> bool:
-    """True under torchrun, whose agent hosts the store on MASTER_ADDR:MASTER_PORT
-    (it sets ``TORCHELASTIC_USE_AGENT_STORE=True``): no rank may host one there."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+def agent_hosts_store(port: int) -> bool:
+    """True when torchrun's agent serves the store on ``port``: it sets
+    ``TORCHELASTIC_USE_AGENT_STORE=True`` and hosts it on MASTER_PORT, where no
+    rank may host one. (A tcp:// address on another port is still rank 0's.)
+
+    Example::
+
+        >>> os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_PORT="29500")
+        >>> agent_hosts_store(29500), agent_hosts_store(29501)
+        (True, False)
+    """
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("MASTER_PORT") == str(port))
 
 
 def _store_error(name: str | None, rank: int, host: str, port: int, host_it: bool,
                  cause: Exception) -> DistgradError:
     who = f"worker {name!r} (rank {rank})" if name else f"rank {rank}"
     if host_it and "EADDRINUSE" in str(cause):
-        what = (f"cannot host the rendezvous store on port {port} ({host}:{port}): the port is held "
-                "by another program, or by a store this process opened without multi_tenant=True "
-                "(a process group or init_rpc on the same address shares it); choose a free "
+        what = (f"cannot host the rendezvous store on {host}:{port}: the port is held by "
+                "another program, or by a store this process opened without multi_tenant=True "
+                "(stores opened by torch's or distgrad's rendezvous share it); choose a free "
                 "MASTER_PORT")
     elif host_it:
         what = f"cannot host the rendezvous store on {host}:{port}: {cause}"
