@@ -22,7 +22,7 @@ from distgrad.transport.handshake import _HELLO, _WELCOME, F_ENCRYPT, F_SECRET, 
 def worker_address(agent, rank: int) -> tuple[tuple[str, int], str | None, dict]:
     """((host, port), unix socket name or None, tags) of worker ``rank``, as published
     in the store (``tcp://127.0.0.1:PORT#unix=@name#host=...#auth=...``)."""
-    full = pickle.loads(agent.store.get(f"distgrad/worker/{rank}"))[1]
+    full = pickle.loads(agent.store.get(f"worker/{rank}"))[1]
     addr, *tagged = full.split("#")
     tags = dict(t.partition("=")[::2] for t in tagged)
     host, _, port = addr[len("tcp://"):].rpartition(":")

@@ -2,6 +2,15 @@
 
 Each worker publishes its name and listening address under its rank, then
 reads everyone else's. The same store later serves the shutdown barrier.
+
+The store is shared as torch shares it: rank 0 opens its TCPStore with
+``multi_tenant=True``, so a gloo process group on the same MASTER_ADDR/PORT in
+this process (before or after init_rpc) uses the same server, which lives as
+long as either still holds it; under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+the agent hosts the store and every rank connects as a client. Each init_rpc
+works in its own namespace of the store (:func:`session`), so neither a
+process group's keys nor an earlier init_rpc's on a store that outlived it
+are ever read.
 """
 from __future__ import annotations
 
@@ -13,6 +22,8 @@ from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch.distributed as dist
+
+from ..errors import DistgradError
 
 _PREFIX = "distgrad/"
 
@@ -64,8 +75,21 @@ def master_host(init_method: str) -> str | None:
     return None
 
 
-def make_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:
-    """A store every worker of this cluster reaches; rank 0 hosts it for tcp/env."""
+def make_store(init_method: str, rank: int, world_size: int, timeout: float,
+               name: str | None = None) -> dist.Store:
+    """A store every worker of this cluster reaches, opened as torch's own
+    rendezvous opens it: for tcp/env rank 0 hosts it, shared (``multi_tenant``)
+    with any other store this process opens on the same port, and under torchrun
+    (``TORCHELASTIC_USE_AGENT_STORE=True``) every rank is a client of the agent's.
+
+    Raises DistgradError naming the address when the store cannot be opened
+    (e.g. another program holds the port).
+
+    Example::
+
+        >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        >>> store = make_store("env://", 0, 2, 60.0, name="worker0")
+    """
     url = urlparse(init_method)
     td = timedelta(seconds=timeout)
     if url.scheme == "file":
@@ -80,18 +104,72 @@ def make_store(init_method: str, rank: int, world_size: int, timeout: float) -> 
         host, port = url.hostname, url.port
         if not host or not port:
             raise ValueError(f"init_method {init_method!r} must name host and port")
-    return dist.TCPStore(host, int(port), world_size, is_master=(rank == 0), timeout=td,
-                         wait_for_workers=False)
+    host_it = rank == 0 and not agent_hosts_store(int(port))
+    try:
+        return dist.TCPStore(host, int(port), world_size, is_master=host_it, timeout=td,
+                             wait_for_workers=False, multi_tenant=host_it)
+    except dist.DistError as e:
+        raise _store_error(name, rank, host, int(port), host_it, e) from e
+
+
+def agent_hosts_store(port: int) -> bool:
+    """True when torchrun's agent serves the store on ``port``: it sets
+    ``TORCHELASTIC_USE_AGENT_STORE=True`` and hosts it on MASTER_PORT, where no
+    rank may host one. (A tcp:// address on another port is still rank 0's.)
+
+    Example::
+
+        >>> os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_PORT="29500")
+        >>> agent_hosts_store(29500), agent_hosts_store(29501)
+        (True, False)
+    """
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("MASTER_PORT") == str(port))
+
+
+def _store_error(name: str | None, rank: int, host: str, port: int, host_it: bool,
+                 cause: Exception) -> DistgradError:
+    who = f"worker {name!r} (rank {rank})" if name else f"rank {rank}"
+    if host_it and "EADDRINUSE" in str(cause):
+        what = (f"cannot host the rendezvous store on {host}:{port}: the port is held by "
+                "another program, or by a store this process opened without multi_tenant=True "
+                "(stores opened by torch's or distgrad's rendezvous share it); choose a free "
+                "MASTER_PORT")
+    elif host_it:
+        what = f"cannot host the rendezvous store on {host}:{port}: {cause}"
+    else:
+        what = (f"cannot reach a torch.distributed store at {host}:{port} (is rank 0 or the "
+                f"torchrun agent serving there, and is that port a store?): {cause}")
+    return DistgradError(f"rendezvous of {who} failed: {what}", name)
+
+
+def session(store: dist.Store, rank: int) -> dist.Store:
+    """This init_rpc's own namespace in ``store``: ``distgrad/<attempt>.<n>/``.
+
+    ``n`` counts this rank's joins on the store (every rank counts the same: the
+    workers init and shut down together) and ``attempt`` is torchrun's restart
+    count, so a store that outlives an init_rpc (shared with a process group,
+    or torchrun's agent store) never serves its keys to the next one.
+
+    Example::
+
+        >>> s = session(store, rank=0)   # first init_rpc on this store
+        >>> s.set("worker/0", b"...")    # key distgrad/0.1/worker/0 in store
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    n = store.add(f"{_PREFIX}{attempt}/joins/{rank}", 1)
+    return dist.PrefixStore(f"{_PREFIX}{attempt}.{n}", store)
 
 
 def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: str,
              timeout: float) -> list[tuple[str, str]]:
-    """Publish ``(name, address)`` for ``rank`` and return every rank's pair.
+    """Publish ``(name, address)`` for ``rank`` in ``store`` (a :func:`session`)
+    and return every rank's pair.
 
     Raises RuntimeError when two workers chose the same name or on timeout.
     """
-    store.set(f"{_PREFIX}worker/{rank}", pickle.dumps((name, address)))
-    keys = [f"{_PREFIX}worker/{r}" for r in range(world_size)]
+    store.set(f"worker/{rank}", pickle.dumps((name, address)))
+    keys = [f"worker/{r}" for r in range(world_size)]
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception as e:
@@ -131,9 +209,8 @@ def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: fl
     the store, so once it is lost this raises at once.
     """
     if lost is not None:
-        _survivor_barrier(store, _PREFIX + key, rank, world_size, timeout, lost)
+        _survivor_barrier(store, key, rank, world_size, timeout, lost)
         return
-    key = _PREFIX + key
     if store.add(key, 1) == world_size:
         store.set(key + "/done", b"1")
     deadline = time.monotonic() + timeout

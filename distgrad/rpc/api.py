@@ -79,7 +79,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
                 backend, store=store, name=name, rank=rank, world_size=world_size,
                 rpc_backend_options=opts))
             return
-        store = rendezvous.make_store(init_method, rank, world_size, lifecycle.rdv_timeout(opts))
+        store = rendezvous.make_store(init_method, rank, world_size, lifecycle.rdv_timeout(opts), name)
         lifecycle.start_agent(store, name, rank, world_size, opts, rendezvous.master_host(init_method))
 
 

@@ -62,6 +62,7 @@ def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBack
                                     num_threads=opts.num_worker_threads)
     try:
         address = transport.listen(host)
+        store = rendezvous.session(store, rank)  # this init_rpc's keys only
         peers = rendezvous.exchange(store, rank, world_size, name, address, timeout)
         workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
         agent = RpcAgent(name, rank, world_size, workers, transport, opts)
@@ -101,6 +102,7 @@ def join(agent: RpcAgent, deadline: float, check_leak: bool = False) -> None:
         if peer != agent.rank:
             agent.send_control(peer, "shutdown_arrived")
     leak = rref_leak(agent, deadline) if check_leak else None
+    store_timeout = agent.store.timeout
     try:
         # Bound every store operation too: the store's host (rank 0) may be gone or
         # stopped, and a store call would then wait for its timeout.
@@ -112,6 +114,9 @@ def join(agent: RpcAgent, deadline: float, check_leak: bool = False) -> None:
                  "survivors' announcements", agent.name, e)
         if not await_arrivals(agent, deadline):
             log.warning("worker %s: shutdown barrier incomplete: %s", agent.name, e)
+    finally:
+        # The store may be a process group's too (_init_rpc_backend): leave it as found.
+        agent.store.set_timeout(store_timeout)
     if leak is not None:
         raise DistgradError(leak, agent.name)
 
@@ -142,6 +147,9 @@ def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
         agent.pool.shutdown(wait=graceful, cancel_futures=not graceful)
         agent.callbacks.shutdown(wait=graceful)
     finally:
+        # Let go of the store: on rank 0 its server closes once nothing else in this
+        # process (a process group on the same port) holds it.
+        agent.store = None
         _holder.pop("agent", None)
         remote_profiling.detach()
 
