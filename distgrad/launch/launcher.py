@@ -226,14 +226,10 @@ def launch(args: argparse.Namespace) -> int:
     if port is None:
         port = find_free_port(master_addr)
     base_env = dict(os.environ)
-<<<<<<< HEAD
-    if nnodes == 1:  # on several nodes every launcher must pass the same one: the user's
-        base_env.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))
-=======
     # No agent hosts a store here (rank 0 does): drop torchrun's flag, if inherited.
     base_env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    base_env.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))
->>>>>>> h-rdzv
+    if nnodes == 1:  # on several nodes every launcher must pass the same one: the user's
+        base_env.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))
     if nproc > 1:
         base_env.setdefault("OMP_NUM_THREADS", "1")  # same default torchrun applies
     base_env.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
