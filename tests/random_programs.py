@@ -1557,6 +1557,37 @@ def shrink(prog: dict, group: str, budget_s: float = 60.0, max_tries: int = 300,
 # ---------------------------------------------------------------------------------------
 # the cluster side and the CLI
 # ---------------------------------------------------------------------------------------
+def _check_one(prog: dict, cfg: dict, shrunk_per_group: collections.Counter) -> dict:
+    """Check ``prog`` (second order with ``cfg["order"] == 2``), shrinking a failure."""
+    if cfg.get("order", 1) == 2:
+        prog["order"] = 2
+    rec = check_program(prog, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
+    rec["features"] = sorted(features(prog))
+    if not rec["ok"]:
+        rec["dump"] = dump(prog)
+        if (not rec.get("hang") and not rec["group"].startswith("GENERATOR")
+                and shrunk_per_group[rec["group"]] < cfg.get("shrink", 0)):
+            shrunk_per_group[rec["group"]] += 1
+            small, small_rec = shrink(prog, rec["group"], cfg.get("shrink_budget_s", 60.0))
+            if small_rec is not None:
+                rec["shrunk"] = dump(small)
+                rec["shrunk_size"] = size(small)
+                rec["shrunk_detail"] = small_rec["detail"]
+    return rec
+
+
+def _check_poisoned(prog: dict, seed: int, world: int, cfg: dict) -> dict:
+    """``--anomaly``: poison one op of ``prog`` and check what detect_anomaly reports."""
+    bad, worker = poisoned(prog, random.Random(seed))
+    if bad is None:  # no op of this program is reached by its backward
+        return {"seed": seed, "world": world, "size": size(prog), "ok": True, "skipped": True}
+    rec = check_anomaly(bad, worker, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
+    rec["features"] = sorted(features(prog))
+    if not rec["ok"]:
+        rec["dump"] = dump(bad)
+    return rec
+
+
 def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
     """run_workers target: worker0 runs and checks every seed's program; the others serve.
 
@@ -1571,40 +1602,8 @@ def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
     shrunk_per_group: collections.Counter = collections.Counter()
     for seed in seeds:
         prog = generate(seed, world)
-        if cfg.get("anomaly"):
-            bad, worker = poisoned(prog, random.Random(seed))
-            if bad is None:  # no op of this program is reached by its backward
-                rec = {"seed": seed, "world": world, "size": size(prog), "ok": True, "skipped": True}
-            else:
-                rec = check_anomaly(bad, worker, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
-                rec["features"] = sorted(features(prog))
-                if not rec["ok"]:
-                    rec["dump"] = dump(bad)
-            records.append(rec)
-            if cfg.get("out"):
-                with open(cfg["out"], "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-            if not rec["ok"] and cfg.get("verbose"):
-                print(f"  FAIL seed {seed} world {world}: {rec['group']}", flush=True)
-            if rec.get("hang"):
-                if cfg.get("out"):
-                    os._exit(3)
-                break
-            continue
-        if cfg.get("order", 1) == 2:
-            prog["order"] = 2
-        rec = check_program(prog, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
-        rec["features"] = sorted(features(prog))
-        if not rec["ok"]:
-            rec["dump"] = dump(prog)
-            if (not rec.get("hang") and not rec["group"].startswith("GENERATOR")
-                    and shrunk_per_group[rec["group"]] < cfg.get("shrink", 0)):
-                shrunk_per_group[rec["group"]] += 1
-                small, small_rec = shrink(prog, rec["group"], cfg.get("shrink_budget_s", 60.0))
-                if small_rec is not None:
-                    rec["shrunk"] = dump(small)
-                    rec["shrunk_size"] = size(small)
-                    rec["shrunk_detail"] = small_rec["detail"]
+        rec = (_check_poisoned(prog, seed, world, cfg) if cfg.get("anomaly")
+               else _check_one(prog, cfg, shrunk_per_group))
         records.append(rec)
         if cfg.get("out"):
             with open(cfg["out"], "a") as f:

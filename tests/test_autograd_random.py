@@ -84,19 +84,24 @@ def test_shrink_candidates_stay_valid():
             assert rp.size(cand) <= rp.size(prog)
 
 
-@pytest.mark.parametrize("world", sorted(SEEDS))
-def test_random_programs(world):
-    seeds = SEEDS[world]
-    res = rp.run_seeds(world, seeds, {"shrink": 0}, timeout=200, log=lambda *a: None)
+def _run_checked(world: int, seeds: list, cfg: dict, what: str, flags: str = "") -> dict:
+    """Run ``seeds`` on a ``world``-worker cluster; fail with the report if any differs."""
+    res = rp.run_seeds(world, seeds, {"shrink": 0, **cfg}, timeout=200, log=lambda *a: None)
     records = res["records"]
     assert sorted(r["seed"] for r in records) == sorted(seeds)
     failed = [r for r in records if not r["ok"]]
     if failed:
         out = io.StringIO()
         rp.report(records, per_group=2, out=out)
-        pytest.fail(f"{len(failed)} of {len(records)} programs on {world} workers differ from local "
-                    f"autograd (rerun one: python tests/random_programs.py --programs 1 --workers {world} "
-                    f"--seed SEED; it also shrinks it){out.getvalue()}", pytrace=False)
+        pytest.fail(f"{len(failed)} of {len(records)} {what} on {world} workers (rerun one: python "
+                    f"tests/random_programs.py{flags} --programs 1 --workers {world} --seed SEED; it "
+                    f"also shrinks it){out.getvalue()}", pytrace=False)
+    return res
+
+
+@pytest.mark.parametrize("world", sorted(SEEDS))
+def test_random_programs(world):
+    res = _run_checked(world, SEEDS[world], {}, "programs differ from local autograd")
     stats = res["engine_stats"]
     if stats:  # both ways of running a worker's share were exercised
         assert stats["passes_native"] > 0 and stats["passes_shared"] > 0, stats
@@ -114,17 +119,8 @@ def test_random_programs_second_order(world):
     """Second derivatives: backward(create_graph=True), then a backward over the sum of
     the squared gradients (on every worker) must leave what local autograd's
     ``backward(create_graph=True)`` + ``(sum of grad**2).backward()`` leaves in .grad."""
-    seeds = SECOND_ORDER_SEEDS[world]
-    res = rp.run_seeds(world, seeds, {"shrink": 0, "order": 2}, timeout=200, log=lambda *a: None)
-    records = res["records"]
-    assert sorted(r["seed"] for r in records) == sorted(seeds)
-    failed = [r for r in records if not r["ok"]]
-    if failed:
-        out = io.StringIO()
-        rp.report(records, per_group=2, out=out)
-        pytest.fail(f"{len(failed)} of {len(records)} second-order programs on {world} workers differ "
-                    f"(rerun: python tests/random_programs.py --order 2 --programs 1 --workers {world} "
-                    f"--seed SEED){out.getvalue()}", pytrace=False)
+    _run_checked(world, SECOND_ORDER_SEEDS[world], {"order": 2}, "second-order programs differ",
+                 " --order 2")
 
 
 def test_second_order_oracle_is_not_first_order():
@@ -148,16 +144,7 @@ def test_random_programs_anomaly(world):
     """A NaN-producing node after a random op (one the backward reaches, by local
     autograd's anomaly mode) is reported by dist_autograd.detect_anomaly() as
     PoisonBackward on the right worker, every time."""
-    seeds = ANOMALY_SEEDS[world]
-    res = rp.run_seeds(world, seeds, {"shrink": 0, "anomaly": True}, timeout=200, log=lambda *a: None)
-    records = res["records"]
-    assert sorted(r["seed"] for r in records) == sorted(seeds)
-    checked = [r for r in records if not r.get("skipped")]
+    res = _run_checked(world, ANOMALY_SEEDS[world], {"anomaly": True}, "poisoned programs misreported",
+                       " --anomaly")
+    checked = [r for r in res["records"] if not r.get("skipped")]
     assert len(checked) >= 8, f"only {len(checked)} programs had an op to poison"
-    failed = [r for r in records if not r["ok"]]
-    if failed:
-        out = io.StringIO()
-        rp.report(records, per_group=2, out=out)
-        pytest.fail(f"{len(failed)} of {len(records)} poisoned programs on {world} workers misreported "
-                    f"(rerun: python tests/random_programs.py --anomaly --programs 1 --workers {world} "
-                    f"--seed SEED){out.getvalue()}", pytrace=False)
