@@ -1,0 +1,471 @@
+"""Run PyTorch's own RPC example programs on torch and on distgrad, side by side.
+
+The programs are those of pytorch/examples' ``distributed/rpc`` folder (rnn,
+rl, batch/reinforce, batch/parameter_server, parameter_server, pipeline,
+ddp_rpc). This file holds none of their code: point it at a copy of that
+folder. For each program it makes two variants in a temporary folder:
+
+* **torch**: the program as it is, CUDA calls removed (``.cuda(...)``,
+  ``"cuda:N"`` -> ``"cpu"``, ``device_ids=[...]``), its fixed ports 29500/29501
+  moved to free ones, and the few per-program edits listed in ``PROGRAMS``
+  (an added loss print where the program prints none, a smaller run where the
+  original takes far more than a few minutes on 2 cores, synthetic MNIST-shaped
+  data where the program downloads MNIST);
+* **distgrad**: the same, with the imports swapped
+  (``torch.distributed.rpc`` -> ``distgrad.rpc``, ``torch.distributed.autograd``
+  -> ``distgrad.autograd``, ``torch.distributed.optim.DistributedOptimizer`` ->
+  ``distgrad.optim``, ``torch.distributed.nn.RemoteModule`` -> ``distgrad.nn``).
+
+Both run under the same ``sitecustomize`` (on PYTHONPATH, so in every process,
+spawned children included): ``torch``/``random``/``numpy`` seeded with
+``--seed`` at start-up, and a work-around for a torchvision whose C++ ops do
+not load (a CUDA torchvision wheel on a CPU torch). Programs written for the
+old gym API (``env.seed``, 4-tuple ``step``) get a small ``gym`` module over
+gymnasium. Each run has a timeout (its whole process group is killed past it);
+its printed numbers (losses, rewards, accuracy) are pulled out with the
+program's patterns and compared: ``same?`` is ``yes`` when every value printed
+is identical, ``close`` when within 1e-4 relative, else ``no``; programs that
+are nondeterministic by design say so, and what they compare instead.
+
+Usage (torch 2.x, CPU; gymnasium and torchvision installed)::
+
+    python tools/run_torch_examples.py --examples-dir /path/to/examples/distributed/rpc
+    python tools/run_torch_examples.py --examples-dir DIR --only rnn,rl --impl distgrad
+    python tools/run_torch_examples.py --examples-dir DIR --distgrad-path /other/checkout \\
+        --out /tmp/ex-logs --keep
+
+``--out DIR`` keeps every run's log (``DIR/<program>.<impl>.log``) and the
+table (``DIR/results.md``); ``--keep`` also keeps the generated variants.
+Exit status 0 when every run that was asked for completed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# --------------------------------------------------------------------------
+# the generic edits
+
+IMPORT_SWAPS = [  # applied to the distgrad variant only
+    (r"\btorch\.distributed\.rpc\b", "distgrad.rpc"),
+    (r"\btorch\.distributed\.autograd\b", "distgrad.autograd"),
+    (r"\bfrom torch\.distributed\.optim import DistributedOptimizer\b",
+     "from distgrad.optim import DistributedOptimizer"),
+    (r"\bfrom torch\.distributed\.nn import RemoteModule\b", "from distgrad.nn import RemoteModule"),
+    (r"\btorch\.distributed\.optim\.DistributedOptimizer\b", "distgrad.optim.DistributedOptimizer"),
+    (r"\btorch\.distributed\.nn\.RemoteModule\b", "distgrad.nn.RemoteModule"),
+]
+
+CUDA_EDITS = [  # applied to both variants
+    (r"\.cuda\((?:[\w.]*)\)", ""),            # x.cuda(), x.cuda(rank), x.cuda(self.device)
+    (r"""(["'])cuda:\d+\1""", '"cpu"'),        # "cuda:0" -> "cpu"
+    (r",\s*device_ids=\[[^\]]*\]", ""),       # DDP(..., device_ids=[rank])
+]
+
+SITECUSTOMIZE = '''\
+"""Start-up of every process of a run_torch_examples.py run (seed; torchvision work-around)."""
+import os as _os
+
+if _os.environ.get("RTE_TORCHVISION_FIX") == "1":
+    import glob as _glob
+    import importlib.util as _ilu
+    _spec = _ilu.find_spec("torchvision")
+    if _spec is not None and _spec.origin:
+        import torch as _torch
+        _libs = _glob.glob(_os.path.join(_os.path.dirname(_spec.origin), "_C*.so"))
+        try:
+            _torch.ops.load_library(_libs[0])
+        except (OSError, IndexError):
+            # a torchvision built for another torch (e.g. CUDA wheel on CPU torch):
+            # declare the two ops it registers fake kernels for without a guard
+            _lib = _torch.library.Library("torchvision", "DEF")
+            _lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+            _lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+if _os.environ.get("RTE_SEED"):
+    import random as _random
+    import torch as _torch
+    _seed = int(_os.environ["RTE_SEED"])
+    _random.seed(_seed)
+    _torch.manual_seed(_seed)
+    try:
+        import numpy as _np
+        _np.random.seed(_seed)
+    except ImportError:
+        pass
+'''
+
+OLD_GYM = '''\
+"""gym's pre-0.26 API (env.seed, reset() -> obs, 4-tuple step) over gymnasium."""
+import gymnasium as _gym
+
+
+class _OldApiEnv:
+    def __init__(self, env):
+        self._env = env
+        self._seed = None
+
+    def seed(self, seed=None):
+        self._seed = seed
+        return [seed]
+
+    def reset(self):
+        if self._seed is not None:
+            obs, _ = self._env.reset(seed=self._seed)
+            self._seed = None
+        else:
+            obs, _ = self._env.reset()
+        return obs
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self._env.step(action)
+        return obs, reward, terminated or truncated, info
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+def make(env_id, **kwargs):
+    return _OldApiEnv(_gym.make(env_id, **kwargs))
+'''
+
+# --------------------------------------------------------------------------
+# the programs
+
+
+@dataclasses.dataclass
+class Program:
+    """One example program: where it is, how it is started and read."""
+    name: str
+    folder: str                       # relative to --examples-dir
+    script: str
+    metrics: list                     # [(label, regex with one group)], compared
+    info: list = dataclasses.field(default_factory=list)  # [(label, regex)], shown, not compared
+    edits: list = dataclasses.field(default_factory=list)  # [(file, regex, repl, why)]
+    argv: list = dataclasses.field(default_factory=list)
+    per_rank: int = 0                 # >0: start that many processes, "--rank=r" each
+    old_gym: bool = False
+    timeout: float = 600.0
+    compare: str = "exact"            # "exact" | "none": nondeterministic by design
+    note: str = ""
+
+
+NUM = r"(-?\d+(?:\.\d+)?(?:e[-+]?\d+)?|nan|inf)"
+
+PROGRAMS = [
+    Program(
+        "rnn", "rnn", "main.py",
+        metrics=[("loss", r"^Training epoch \d+ loss " + NUM)],
+        edits=[("main.py", r'print\("Training epoch \{\}"\.format\(epoch\)\)',
+                'print("Training epoch {} loss {:.6f}".format(epoch, loss.item()))',
+                "probe: prints the last loss of each epoch"),
+               ("main.py", r"torch\.LongTensor\((batch, \w+)\) %", r"torch.randint(0, 1 << 30, (\1)) %",
+                "data: seeded random ints instead of uninitialized torch.LongTensor memory"),
+               ("rnn.py", r"^(\s*)(self\.emb_table_rref = rpc\.remote\(.*\)\n)",
+                r"\1\2\1self.emb_table_rref.to_here()\n",
+                "waits for the first remote constructor before the second")],
+        timeout=300,
+        note="as written it is nondeterministic even on torch alone: its data is uninitialized "
+             "memory (torch.LongTensor(n, m)) and its two rpc.remote constructors run at once on the "
+             "ps and race for its RNG; both made deterministic (seeded data, constructors in turn)"),
+    Program(
+        "rl", "rl", "main.py",
+        metrics=[("last reward", r"Last reward: " + NUM), ("average reward", r"Average reward: " + NUM),
+                 ("solved at", r"Solved! Running reward is now " + NUM)],
+        timeout=900,
+        note="world_size 2 (its default): one observer, all steps in sequence"),
+    Program(
+        "batch/reinforce", "batch", "reinforce.py",
+        metrics=[("last reward", r"Last reward: " + NUM), ("average reward", r"Average reward: " + NUM)],
+        info=[("time batch/no-batch", r"^(\d+, [\d.]+, [\d.]+)$")],
+        old_gym=True,
+        edits=[("reinforce.py", r"for world_size in range\(2, 12\):", "for world_size in range(2, 4):",
+                "world sizes 2..3 instead of 2..11")],
+        timeout=900,
+        note="world size 3, no-batch mode: the agent samples in the order the observers' "
+             "requests arrive"),
+    Program(
+        "batch/parameter_server", "batch", "parameter_server.py",
+        metrics=[("PS updates", r"(PS updated model)")],
+        timeout=600, compare="count",
+        note="5 trainers race for the PS; gradients summed in arrival order; prints no loss: "
+             "compares the number of PS updates"),
+    Program(
+        "parameter_server", "parameter_server", "rpc_parameter_server.py",
+        metrics=[("loss", r"training batch \d+ loss " + NUM), ("accuracy", r"^Accuracy " + NUM)],
+        argv=["--world_size=2"], per_rank=2,
+        edits=[("rpc_parameter_server.py",
+                r"datasets\.MNIST\('\.\./data', train=True, download=True,",
+                "datasets.FakeData(size=640, image_size=(1, 28, 28), num_classes=10, random_offset=0,",
+                "MNIST (a download) -> FakeData, 640 train images"),
+               ("rpc_parameter_server.py",
+                r"datasets\.MNIST\('\.\./data', train=False,",
+                "datasets.FakeData(size=320, image_size=(1, 28, 28), num_classes=10, random_offset=100000,",
+                "MNIST test set -> FakeData, 320 images")],
+        timeout=600,
+        note="--world_size=2: the PS and one trainer (with more trainers their steps interleave)"),
+    Program(
+        "pipeline", "pipeline", "main.py",
+        metrics=[("loss", r"^loss " + NUM)],
+        info=[("time per split", r"number of splits = (\d+, execution time = [\d.]+)")],
+        edits=[("main.py", r"^(\s*)dist_autograd\.backward\(context_id, \[loss_fn\(outputs, labels\)\]\)",
+                r'\1_loss = loss_fn(outputs, labels)\n\1print(f"loss {_loss.item():.6f}")\n'
+                r"\1dist_autograd.backward(context_id, [_loss])",
+                "probe: prints each batch's loss")],
+        timeout=900,
+        note="micro-batches' gradients are summed in arrival order: float noise possible"),
+    Program(
+        "ddp_rpc", "ddp_rpc", "main.py",
+        metrics=[("loss", r"^Training done for epoch \d+ loss " + NUM)],
+        edits=[("main.py", r'print\("Training done for epoch \{\}"\.format\(epoch\)\)',
+                'print("Training done for epoch {} loss {:.6f}".format(epoch, loss.item()))',
+                "probe: prints the last loss of each epoch")],
+        timeout=600, compare="none",
+        note="two trainers update the shared embedding table asynchronously"),
+]
+
+# --------------------------------------------------------------------------
+# making the variants
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now.
+
+    Example::
+
+        >>> 1024 < free_port() < 65536
+        True
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_variant(prog: Program, examples_dir: Path, dest: Path, impl: str,
+                 ports: dict[str, str]) -> list[str]:
+    """Copy ``prog``'s folder to ``dest`` and apply the edits; returns what was changed.
+
+    Example::
+
+        >>> make_variant(PROGRAMS[0], Path("examples/rpc"), Path("/tmp/v"), "distgrad",
+        ...              {"29500": "41000"})
+        ['main.py: port 29500 -> 41000 (1)', ...]
+    """
+    src = examples_dir / prog.folder
+    if not src.is_dir():
+        raise FileNotFoundError(f"{prog.name}: no folder {src}")
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "data"))
+    changes = []
+    applied = set()
+    for path in sorted(dest.rglob("*.py")):
+        rel = path.relative_to(dest).as_posix()
+        text = path.read_text()
+        rules = [(p, r, f"CUDA {p!r}") for p, r in CUDA_EDITS]
+        rules += [(re.escape(old), new, f"port {old} -> {new}") for old, new in ports.items()]
+        if impl == "distgrad":
+            rules += [(p, r, f"import {p!r} -> {r}") for p, r in IMPORT_SWAPS]
+        rules += [(p, r, why) for f, p, r, why in prog.edits if f == rel]
+        for pattern, repl, why in rules:
+            text, n = re.subn(pattern, repl, text, flags=re.M)
+            if n:
+                changes.append(f"{rel}: {why} ({n})")
+                applied.add(why)
+        path.write_text(text)
+    missing = [why for _f, _p, _r, why in prog.edits if why not in applied]
+    if missing:
+        raise ValueError(f"{prog.name}: edits that matched nothing (another version of the program?): {missing}")
+    return changes
+
+
+def write_shims(shim_dir: Path, old_gym: bool) -> None:
+    shim_dir.mkdir(parents=True, exist_ok=True)
+    (shim_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    if old_gym:
+        (shim_dir / "gym.py").write_text(OLD_GYM)
+
+# --------------------------------------------------------------------------
+# running
+
+
+@dataclasses.dataclass
+class Outcome:
+    ok: bool
+    seconds: float
+    values: dict            # label -> [str]
+    info: dict
+    error: str = ""
+
+
+def run_variant(prog: Program, workdir: Path, shim_dir: Path, impl: str, distgrad_path: Path,
+                seed: int, timeout: float, log: Path) -> Outcome:
+    """Run one variant (all its processes) with a timeout and read its numbers."""
+    env = dict(os.environ)
+    paths = [str(shim_dir)] + ([str(distgrad_path)] if impl == "distgrad" else [])
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env.update(PYTHONPATH=os.pathsep.join(paths), RTE_SEED=str(seed), RTE_TORCHVISION_FIX="1",
+               PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    cmds = []
+    base = [sys.executable, prog.script] + prog.argv
+    if prog.per_rank:
+        cmds = [base + [f"--rank={r}"] for r in range(prog.per_rank)]
+    else:
+        cmds = [base]
+    start = time.monotonic()
+    procs = []
+    with open(log, "wb") as out:
+        for cmd in cmds:
+            procs.append(subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = start + timeout
+        timed_out = False
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+        for p in procs:  # each run's own process group: the program and its children
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.5 if sig == signal.SIGTERM else 0)
+            p.wait()
+    seconds = time.monotonic() - start
+    text = log.read_text(errors="replace")
+    values = {label: re.findall(rx, text, re.M) for label, rx in prog.metrics}
+    info = {label: re.findall(rx, text, re.M) for label, rx in prog.info}
+    rcs = [p.returncode for p in procs]
+    if timed_out:
+        return Outcome(False, seconds, values, info, f"timeout after {timeout:.0f} s")
+    if any(rcs):
+        return Outcome(False, seconds, values, info, f"exit {rcs}: {last_error(text)}")
+    return Outcome(True, seconds, values, info)
+
+
+def last_error(text: str) -> str:
+    """The last line of the output that names an exception, else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception)\b", ln) or ln.startswith("torch.multiprocessing.spawn"):
+            return ln[:200]
+    return lines[-1][:200] if lines else "(no output)"
+
+# --------------------------------------------------------------------------
+# comparing and reporting
+
+
+def summary(prog: Program, o: Outcome | None) -> str:
+    if o is None:
+        return "-"
+    parts = []
+    for label, vals in o.values.items():
+        if vals:
+            parts.append(f"{len(vals)}x {label}" if prog.compare == "count"
+                         else f"{label} {vals[-1]}" + (f" ({len(vals)} values)" if len(vals) > 1 else ""))
+    head = "; ".join(parts) or "no numbers"
+    if not o.ok:
+        head = f"FAIL: {o.error}" + (f" [{head}]" if parts else "")
+    return f"{head}, {o.seconds:.0f} s"
+
+
+def same(prog: Program, a: Outcome | None, b: Outcome | None) -> str:
+    if a is None or b is None or not a.ok or not b.ok:
+        return "-"
+    if prog.compare == "count":
+        return "yes (counts)" if all(len(a.values[k]) == len(b.values[k]) for k in a.values) else "no (counts)"
+    if a.values == b.values:
+        n = sum(len(v) for v in a.values.values())
+        verdict = f"yes ({n} values identical)"
+        return verdict if prog.compare == "exact" else verdict + ", by chance"
+    worst = 0.0
+    for k in a.values:
+        va, vb = a.values[k], b.values[k]
+        if len(va) != len(vb):
+            return f"no ({k}: {len(va)} vs {len(vb)} values)" + (" - expected" if prog.compare == "none" else "")
+        for x, y in zip(va, vb):
+            fx, fy = float(x), float(y)
+            worst = max(worst, abs(fx - fy) / max(abs(fx), abs(fy), 1e-12))
+    if prog.compare == "none":
+        return f"n/a (max rel diff {worst:.2g}; nondeterministic by design)"
+    return f"close (max rel diff {worst:.2g})" if worst <= 1e-4 else f"no (max rel diff {worst:.2g})"
+
+
+def table(rows: list[tuple[Program, Outcome | None, Outcome | None]]) -> str:
+    lines = ["| program | torch: result, time | distgrad: result, time | same? |", "|---|---|---|---|"]
+    for prog, t, d in rows:
+        lines.append(f"| {prog.name} | {summary(prog, t)} | {summary(prog, d)} | {same(prog, t, d)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--examples-dir", required=True, type=Path,
+                    help="a copy of pytorch/examples/distributed/rpc")
+    ap.add_argument("--distgrad-path", type=Path, default=REPO,
+                    help="the distgrad checkout put on PYTHONPATH (default: this repository)")
+    ap.add_argument("--only", default="", help="comma-separated program names (default: all)")
+    ap.add_argument("--impl", default="torch,distgrad")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=0, help="seconds per run (default: each program's own)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for logs and results.md")
+    ap.add_argument("--keep", action="store_true", help="keep the generated variants (under --out)")
+    args = ap.parse_args(argv)
+
+    names = [n for n in args.only.split(",") if n]
+    unknown = set(names) - {p.name for p in PROGRAMS}
+    if unknown:
+        ap.error(f"unknown programs {sorted(unknown)}; known: {[p.name for p in PROGRAMS]}")
+    progs = [p for p in PROGRAMS if not names or p.name in names]
+    impls = [i for i in args.impl.split(",") if i]
+    out = args.out or Path(tempfile.mkdtemp(prefix="rte-out-"))
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="rte-"))
+    rows, all_ok = [], True
+    try:
+        for prog in progs:
+            results: dict[str, Outcome] = {}
+            for impl in impls:
+                ports = {"29500": str(free_port()), "29501": str(free_port())}
+                tag = prog.name.replace("/", "_")
+                vdir = work / f"{tag}.{impl}"
+                changes = make_variant(prog, args.examples_dir, vdir, impl, ports)
+                write_shims(vdir / "_rte_shims", prog.old_gym)
+                log = out / f"{tag}.{impl}.log"
+                print(f"== {prog.name} [{impl}]: {len(changes)} edits; log {log}", flush=True)
+                for c in changes:
+                    print(f"   {c}", flush=True)
+                o = run_variant(prog, vdir, vdir / "_rte_shims", impl, args.distgrad_path, args.seed,
+                                args.timeout or prog.timeout, log)
+                results[impl] = o
+                all_ok &= o.ok
+                print(f"   -> {summary(prog, o)}" + "".join(f"; {k}: {v}" for k, v in o.info.items()),
+                      flush=True)
+            rows.append((prog, results.get("torch"), results.get("distgrad")))
+            if args.keep:
+                shutil.copytree(work, out / "variants", dirs_exist_ok=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = table(rows) + "\n\n" + "\n".join(f"- {p.name}: {p.note}" for p, _, _ in rows if p.note)
+    (out / "results.md").write_text(report + "\n")
+    print("\n" + report)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
