@@ -215,8 +215,8 @@ PROGRAMS = [
         argv=["--world_size=2"], per_rank=2,
         edits=[("rpc_parameter_server.py",
                 r"datasets\.MNIST\('\.\./data', train=True, download=True,",
-                "datasets.FakeData(size=640, image_size=(1, 28, 28), num_classes=10, random_offset=0,",
-                "MNIST (a download) -> FakeData, 640 train images"),
+                "datasets.FakeData(size=1280, image_size=(1, 28, 28), num_classes=10, random_offset=0,",
+                "MNIST (a download) -> FakeData, 1280 train images"),
                ("rpc_parameter_server.py",
                 r"datasets\.MNIST\('\.\./data', train=False,",
                 "datasets.FakeData(size=320, image_size=(1, 28, 28), num_classes=10, random_offset=100000,",
@@ -230,7 +230,9 @@ PROGRAMS = [
         edits=[("main.py", r"^(\s*)dist_autograd\.backward\(context_id, \[loss_fn\(outputs, labels\)\]\)",
                 r'\1_loss = loss_fn(outputs, labels)\n\1print(f"loss {_loss.item():.6f}")\n'
                 r"\1dist_autograd.backward(context_id, [_loss])",
-                "probe: prints each batch's loss")],
+                "probe: prints each batch's loss"),
+               ("main.py", r"^batch_size = 120$", "batch_size = 40",
+                "batches of 40 images instead of 120 (> 3 min on 2 cores)")],
         timeout=900,
         note="micro-batches' gradients are summed in arrival order: float noise possible"),
     Program(
@@ -457,6 +459,19 @@ def table(rows: list[tuple[Program, Outcome | None, Outcome | None]]) -> str:
     return "\n".join(lines)
 
 
+def header(distgrad_path: Path, seed: int) -> str:
+    """One line on what ran: torch version, distgrad's commit, seed, CPUs and load."""
+    import torch
+    try:
+        rev = subprocess.run(["git", "-C", str(distgrad_path), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        rev = "?"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"torch {torch.__version__}; distgrad {distgrad_path} at {rev}; seed {seed}; "
+            f"{os.cpu_count()} CPUs, load {load:.1f} at the end")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -507,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copytree(work, out / "variants", dirs_exist_ok=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report = table(rows) + "\n\n" + "\n".join(f"- {p.name}: {p.note}" for p, _, _ in rows if p.note)
+    report = (header(args.distgrad_path, args.seed) + "\n\n" + table(rows) + "\n\n"
+              + "\n".join(f"- {p.name}: {p.note}" for p, _, _ in rows if p.note))
     (out / "results.md").write_text(report + "\n")
     print("\n" + report)
     return 0 if all_ok else 1
