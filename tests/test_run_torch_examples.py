@@ -114,8 +114,12 @@ def test_verdicts() -> None:
     assert rte.same(p, outcome("1.5", "1.2"), outcome("1.5", "0.9")).startswith("no (first 1/2")
     assert rte.same(p, outcome("1.5"), outcome("1.5", "0.9")).startswith("no (values printed")
     assert rte.same(p, outcome("1.5"), outcome("1.5", ok=False)) == "-"
-    assert rte.same(toy_program(exact_prefix=1), outcome("1.5", "1.2"), outcome("1.5", "0.9")).startswith(
-        "yes (the 1 deterministic")
+    assert rte.same(toy_program(exact_prefix=1), outcome("1.5", "1.2"), outcome("1.5", "0.9")) == (
+        "yes (1 identical; 1 after those differ, see the note)")
+    noisy = rte.Program("toy", "toy", "main.py", metrics=[("loss", "x", 1e-2)])
+    assert rte.same(noisy, outcome("1.0", "2.0"), outcome("1.0", "2.01")).startswith(
+        "yes (0 identical; 2 within torch's own noise")
+    assert rte.same(noisy, outcome("1.0", "2.0"), outcome("1.0", "2.1")).startswith("no (loss: max rel diff")
     assert rte.same(toy_program(compare="none"), outcome("1.5"), outcome("1.4")).startswith("n/a")
 
 

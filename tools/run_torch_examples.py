@@ -188,8 +188,10 @@ PROGRAMS = [
         edits=[("main.py", r"for i_episode in count\(1\):", "for i_episode in range(1, 101):",
                 "at most 100 episodes (until solved: > 3 min on 2 cores)")],
         timeout=600,
-        argv=["--log-interval=1"],
-        note="world_size 2 (its default): one observer, all steps in sequence"),
+        argv=["--log-interval=1"], exact_prefix=80,
+        note="world_size 2 (its default): one observer, all steps in sequence; yet torch alone is not "
+             "reproducible past episode ~88 (torch runs with the same seed part at episode 89 or 93, "
+             "e.g. last reward 127 vs 76): the first 80 episodes must match"),
     Program(
         "batch/reinforce", "batch", "reinforce.py",
         metrics=[("last reward", r"Last reward: " + NUM), ("average reward", r"Average reward: " + NUM)],
@@ -225,16 +227,18 @@ PROGRAMS = [
         note="--world_size=2: the PS and one trainer (with more trainers their steps interleave)"),
     Program(
         "pipeline", "pipeline", "main.py",
-        metrics=[("loss", r"^loss " + NUM)],
+        metrics=[("loss, batches 0-1", r"^loss b[01] " + NUM), ("loss, batch 2", r"^loss b2 " + NUM, 1e-2)],
         info=[("time per split", r"number of splits = (\d+, execution time = [\d.]+)")],
         edits=[("main.py", r"^(\s*)dist_autograd\.backward\(context_id, \[loss_fn\(outputs, labels\)\]\)",
-                r'\1_loss = loss_fn(outputs, labels)\n\1print(f"loss {_loss.item():.6f}")\n'
+                r'\1_loss = loss_fn(outputs, labels)\n\1print(f"loss b{i} {_loss.item():.6f}")\n'
                 r"\1dist_autograd.backward(context_id, [_loss])",
                 "probe: prints each batch's loss"),
                ("main.py", r"^batch_size = 120$", "batch_size = 40",
                 "batches of 40 images instead of 120 (> 3 min on 2 cores)")],
         timeout=900,
-        note="micro-batches' gradients are summed in arrival order: float noise possible"),
+        note="splits 1, 2, 4, 8 (3 batches each); torch alone is not bit-reproducible from the third "
+             "batch on, even with one split (three torch runs, split 1: 0.132190, 0.131958, 0.132016): "
+             "the losses after two SGD steps are compared within 1e-2, the others exactly"),
     Program(
         "ddp_rpc", "ddp_rpc", "main.py",
         metrics=[("loss", r"^Training done for epoch \d+ loss " + NUM)],
@@ -352,7 +356,7 @@ def run_variant(prog: Program, workdir: Path, shim_dir: Path, impl: str, distgra
                 kill_group(p)
     seconds = time.monotonic() - start
     text = log.read_text(errors="replace")
-    values = {label: re.findall(rx, text, re.M) for label, rx in prog.metrics}
+    values = {m[0]: re.findall(m[1], text, re.M) for m in prog.metrics}
     info = {label: re.findall(rx, text, re.M) for label, rx in prog.info}
     rcs = [p.returncode for p in procs]
     if timed_out:
@@ -426,7 +430,12 @@ def max_rel_diff(a: list, b: list) -> float:
 
 
 def same(prog: Program, a: Outcome | None, b: Outcome | None) -> str:
-    """The verdict of the ``same?`` column for two runs of ``prog``."""
+    """The verdict of the ``same?`` column for two runs of ``prog``.
+
+    A metric ``(label, regex)`` must print identical values (all of them, or
+    the first ``prog.exact_prefix``); ``(label, regex, rtol)`` must agree
+    within that relative tolerance (torch's own run-to-run float noise).
+    """
     if a is None or b is None or not a.ok or not b.ok:
         return "-"
     if prog.compare == "count":
@@ -443,13 +452,25 @@ def same(prog: Program, a: Outcome | None, b: Outcome | None) -> str:
     head = f"first {prefix}/{total} identical, then max rel diff {worst:.2g}"
     if prog.compare == "none":
         return f"n/a ({head}; nondeterministic by design)"
-    if prog.exact_prefix and all(common_prefix(a.values[k], b.values[k]) >= prog.exact_prefix
-                                 for k in a.values):
-        n = prog.exact_prefix * len(a.values)
-        return f"yes (the {n} deterministic values identical; the rest may differ by design)"
-    if worst <= 1e-4:
-        return f"close ({head})"
-    return f"no ({head})"
+    exact = tolerated = 0
+    for metric in prog.metrics:
+        va, vb = a.values[metric[0]], b.values[metric[0]]
+        if len(metric) > 2:
+            if max_rel_diff(va, vb) > metric[2]:
+                return f"no ({metric[0]}: max rel diff {max_rel_diff(va, vb):.2g} > {metric[2]:g})"
+            tolerated += len(va)
+            continue
+        need = min(len(va), prog.exact_prefix or len(va))
+        if common_prefix(va, vb) < need:
+            return ("close" if worst <= 1e-4 else "no") + f" ({head})"
+        exact += need
+    parts = [f"{exact} identical"]
+    if tolerated:
+        tol = max(max_rel_diff(a.values[m[0]], b.values[m[0]]) for m in prog.metrics if len(m) > 2)
+        parts.append(f"{tolerated} within torch's own noise (max rel diff {tol:.2g})")
+    if prog.exact_prefix and exact < total - tolerated:
+        parts.append(f"{total - tolerated - exact} after those differ, see the note")
+    return "yes (" + "; ".join(parts) + ")"
 
 
 def table(rows: list[tuple[Program, Outcome | None, Outcome | None]]) -> str:
