@@ -191,7 +191,10 @@ PROGRAMS = [
         argv=["--log-interval=1"], exact_prefix=80,
         note="world_size 2 (its default): one observer, all steps in sequence; yet torch alone is not "
              "reproducible past episode ~88 (torch runs with the same seed part at episode 89 or 93, "
-             "e.g. last reward 127 vs 76): the first 80 episodes must match"),
+             "e.g. last reward 127 vs 76): each step's policy forward runs on whichever RPC thread "
+             "serves it, autograd's sequence numbers are per thread, so the order in which the "
+             "episode's backward sums the shared weights' gradients (last bits) varies from run to "
+             "run until a sampled action flips. The first 80 episodes must match"),
     Program(
         "batch/reinforce", "batch", "reinforce.py",
         metrics=[("last reward", r"Last reward: " + NUM), ("average reward", r"Average reward: " + NUM)],
