@@ -390,7 +390,8 @@ def run_variant(prog: Program, workdir: Path, shim_dir: Path, impl: str, distgra
     values = {m[0]: re.findall(m[1], text, re.M) for m in prog.metrics}
     info = {label: re.findall(rx, text, re.M) for label, rx in prog.info}
     rcs = [p.returncode for p in procs]
-    tracebacks = text.count("Traceback (most recent call last)")
+    tracebacks = (text.count("Traceback (most recent call last)")  # a remote one (distgrad) inside
+                  - len(re.findall(r"^Remote traceback.*\nTraceback \(most recent", text, re.M)))
     if timed_out:
         return Outcome(False, seconds, values, info, f"timeout after {timeout:.0f} s", tracebacks)
     if any(rcs):
