@@ -127,6 +127,37 @@ class SerializationError(DistgradError, TypeError):
 _SERIALIZATION_TYPES: dict[type, type] = {}
 
 
+def _serialization_type(base: type) -> type:
+    """``SerializationError`` combined with ``base``, one class per base, reachable as
+    ``distgrad.errors.SerializationError_<base name>`` (so it pickles by reference and a
+    remote error of this type comes back as itself)."""
+    cls = _SERIALIZATION_TYPES.get(base)
+    if cls is None:
+        name = f"SerializationError_{base.__name__}"
+        try:
+            cls = type(name, (SerializationError, base),
+                       {"__module__": __name__, "__qualname__": name, "__doc__": SerializationError.__doc__})
+        except TypeError:  # a base whose layout cannot be combined
+            cls = SerializationError
+        _SERIALIZATION_TYPES[base] = cls
+    return cls
+
+
+def __getattr__(name: str) -> type:
+    """``SerializationError_<base>`` for bases from builtins and pickle (unpickling a
+    remote error made before this process made the class)."""
+    if name.startswith("SerializationError_"):
+        import builtins
+        import pickle
+        base_name = name[len("SerializationError_"):]
+        base = getattr(builtins, base_name, None) or getattr(pickle, base_name, None)
+        if isinstance(base, type) and issubclass(base, Exception):
+            cls = _serialization_type(base)
+            if cls.__qualname__ == name:
+                return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def serialization_error(message: str, cause: BaseException,
                         worker_name: str | None = None) -> SerializationError:
     """A :class:`SerializationError` that is also an instance of ``cause``'s type, so code
@@ -143,14 +174,7 @@ def serialization_error(message: str, cause: BaseException,
     base = type(cause)
     cls = SerializationError
     if not issubclass(SerializationError, base) and isinstance(cause, Exception):
-        cls = _SERIALIZATION_TYPES.get(base)
-        if cls is None:
-            try:
-                cls = type("SerializationError", (SerializationError, base),
-                           {"__module__": __name__, "__doc__": SerializationError.__doc__})
-            except TypeError:  # a base whose layout cannot be combined
-                cls = SerializationError
-            _SERIALIZATION_TYPES[base] = cls
+        cls = _serialization_type(base)
     try:
         err = cls(message, worker_name)
     except TypeError:  # a base whose constructor insists on its own arguments

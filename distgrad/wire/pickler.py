@@ -420,7 +420,14 @@ _SOUND_MAX, _SOUND_MAX_BYTES = 2048, 2048
 
 def check_pickle(data: Any) -> None:
     """Raise ValueError when ``data`` (up to CHECK_PICKLE_LIMIT bytes) holds an
-    opcode declaring more bytes than the pickle has.
+    opcode declaring more bytes than the pickle has (and, when the pickle is walked,
+    a memo index beyond what a pickle of that size can need).
+
+    Not caught: a LONG_BINPUT with a huge index in a pickle the fast path lets
+    through (the C unpickler then sizes its memo by that index). Finding it means
+    walking every pickle ("r" is in most names): ~20 us a message. Such bytes can
+    only come from a peer that knows the cluster secret (frames are authenticated
+    first) or from a cluster without one, where a pickle can run any code anyway.
 
     Fast path: a regex finds every byte that could be such an opcode; only when
     one is followed by a length larger than the rest of the data (a real opcode
@@ -444,8 +451,9 @@ def check_pickle(data: Any) -> None:
     key = bytes(mv) if n <= _SOUND_MAX_BYTES else None
     if key is not None and key in _SOUND:
         return
-    for _ in pickletools.genops(io.BytesIO(mv)):  # raises ValueError on a truncated argument
-        pass
+    for op, arg, _ in pickletools.genops(io.BytesIO(mv)):  # ValueError on a truncated argument
+        if op.code in "qr" and arg > n:  # a memo index no pickle of n bytes needs
+            raise ValueError(f"memo index {arg} in a pickle of {n} bytes")
     if key is not None:
         if len(_SOUND) >= _SOUND_MAX:
             _SOUND.clear()
