@@ -174,6 +174,17 @@ class Program:
 
 NUM = r"(-?\d+(?:\.\d+)?(?:e[-+]?\d+)?|nan|inf)"
 
+
+# parameter_server downloads MNIST: both of its rows read MNIST-shaped synthetic data instead
+_FAKE_MNIST = [
+    ("rpc_parameter_server.py", r"datasets\.MNIST\('\.\./data', train=True, download=True,",
+     "datasets.FakeData(size=1280, image_size=(1, 28, 28), num_classes=10, random_offset=0,",
+     "MNIST (a download) -> FakeData, 1280 train images"),
+    ("rpc_parameter_server.py", r"datasets\.MNIST\('\.\./data', train=False,",
+     "datasets.FakeData(size=320, image_size=(1, 28, 28), num_classes=10, random_offset=100000,",
+     "MNIST test set -> FakeData, 320 images"),
+]
+
 PROGRAMS = [
     Program(
         "rnn", "rnn", "main.py",
@@ -227,28 +238,14 @@ PROGRAMS = [
         "parameter_server", "parameter_server", "rpc_parameter_server.py",
         metrics=[("loss", r"training batch \d+ loss " + NUM), ("accuracy", r"^Accuracy " + NUM)],
         argv=["--world_size=2"], per_rank=2,
-        edits=[("rpc_parameter_server.py",
-                r"datasets\.MNIST\('\.\./data', train=True, download=True,",
-                "datasets.FakeData(size=1280, image_size=(1, 28, 28), num_classes=10, random_offset=0,",
-                "MNIST (a download) -> FakeData, 1280 train images"),
-               ("rpc_parameter_server.py",
-                r"datasets\.MNIST\('\.\./data', train=False,",
-                "datasets.FakeData(size=320, image_size=(1, 28, 28), num_classes=10, random_offset=100000,",
-                "MNIST test set -> FakeData, 320 images")],
+        edits=_FAKE_MNIST,
         timeout=600,
         note="--world_size=2: the PS and one trainer (with more trainers their steps interleave)"),
     Program(
         "parameter_server x3", "parameter_server", "rpc_parameter_server.py",
         metrics=[("loss", r"training batch \d+ loss " + NUM), ("accuracy", r"Accuracy " + NUM)],
         argv=["--world_size=4"], per_rank=4, compare="none", default=False, timeout=240,
-        edits=[("rpc_parameter_server.py",
-                r"datasets\.MNIST\('\.\./data', train=True, download=True,",
-                "datasets.FakeData(size=1280, image_size=(1, 28, 28), num_classes=10, random_offset=0,",
-                "MNIST (a download) -> FakeData, 1280 train images"),
-               ("rpc_parameter_server.py",
-                r"datasets\.MNIST\('\.\./data', train=False,",
-                "datasets.FakeData(size=320, image_size=(1, 28, 28), num_classes=10, random_offset=100000,",
-                "MNIST test set -> FakeData, 320 images")],
+        edits=_FAKE_MNIST,
         note="(only with --only) its default --world_size=4: three trainers step the shared model "
              "while the others' backward passes still need its saved weights, so on torch and distgrad "
              "alike trainers usually die with 'modified by an inplace operation' (the launcher of each "
