@@ -31,6 +31,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from . import anomaly, ddp, node_hooks
+from . import checkpoint as _checkpoint  # noqa: F401  (reentrant checkpointing in a pass)
 from .context import CONTAINER, DistAutogradContext
 from .nodes import UNREACHED, accumulate, run_node, validate
 from .recording import _ANCHOR, _node_types
@@ -278,31 +279,37 @@ class PassState:
             with fed_slots(fed):
                 res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
                             self.retain_graph, self.create_graph)
-            if ddp.active[0]:
-                res = self._hold_ddp(region.leaves, res)
-            hooked = _leaf_hooks(region.leaves, res)
-            if hooked:
-                res = list(res)  # (the tuple goes: the gradients' reference counts stay the same)
-                for i, pre, _ in hooked:
-                    res[i] = node_hooks.run_pre(pre, res[i])
-            if self.create_graph:
-                self.ctx.accumulate_graph(region.leaves, res)
-            else:
-                # gradients that came over the network belong to this pass: no defensive copy
-                self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs],
-                                          owned=key != "root")
-            if node_hooks.post_acc_registered[0]:
-                for node, g in zip(region.leaves, res):
-                    if g is not None:
-                        node_hooks.run_post_accumulate(node.variable, self.ctx.gradients.get(node))
-            for i, _, post in hooked:
-                node_hooks.run_post(post, res[i])
+            # gradients that came over the network belong to this pass: no defensive copy
+            self.take_leaves(region.leaves, res, [g for _, g in pairs], owned=key != "root")
         if len(pairs) < len(outputs) and region.recvs:
             # torch's engine runs a node even when all its gradients are absent, so a
             # recv function behind an absent gradient still sends (absent gradients):
             # the sender may be counting on that message
             from .engine import ship_absent  # (engine imports this module)
             ship_absent(region.recvs)
+
+    def take_leaves(self, leaves: list, res: Sequence, given: Sequence, owned: bool) -> None:
+        """An engine call's gradients ``res`` for ``leaves`` (AccumulateGrad nodes) into the
+        context, doing what their AccumulateGrad nodes would: DDP's held for the flush,
+        the nodes' pre-hooks, accumulation, post-accumulate-grad hooks, post-hooks.
+        ``given``: the gradients the call started from (:meth:`.DistAutogradContext.accumulate_fresh`)."""
+        if ddp.active[0]:
+            res = self._hold_ddp(leaves, res)
+        hooked = _leaf_hooks(leaves, res)
+        if hooked:
+            res = list(res)
+            for i, pre, _ in hooked:
+                res[i] = node_hooks.run_pre(pre, res[i])
+        if self.create_graph:
+            self.ctx.accumulate_graph(leaves, res)
+        else:
+            self.ctx.accumulate_fresh(leaves, res, given, owned=owned)
+        if node_hooks.post_acc_registered[0]:
+            for node, g in zip(leaves, res):
+                if g is not None:
+                    node_hooks.run_post_accumulate(node.variable, self.ctx.gradients.get(node))
+        for i, _, post in hooked:
+            node_hooks.run_post(post, res[i])
 
     def _fed_slots(self, starts: list) -> dict[int, set]:
         """Recv message id -> the slots fed by nodes reachable from edges ``starts``."""
