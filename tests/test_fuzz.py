@@ -208,9 +208,10 @@ def _mutate(frames, how, a, b, byte):
     elif how == "metalen" and len(frames[0]) >= HEADER.size:
         struct.pack_into("!I", frames[0], 16, b * byte)
     elif how == "declare" and f:
-        # a length-prefixed pickle opcode declaring a huge size, spliced in
+        # a length-prefixed pickle opcode declaring a huge size, or a huge memo index, spliced in
         op = [b"B" + struct.pack("<I", 2**32 - 1), b"\x8e" + struct.pack("<Q", 2**62),
-              b"\x96" + struct.pack("<Q", 2**40), b"\x95" + struct.pack("<Q", 2**62)][byte % 4]
+              b"\x96" + struct.pack("<Q", 2**40), b"\x95" + struct.pack("<Q", 2**62),
+              b"r" + struct.pack("<I", 2**22 + byte), b"p%d\n" % (2**22 + byte)][byte % 6]
         pos = b % (len(f) + 1)
         f[pos:pos + len(op)] = op
     return frames
