@@ -325,6 +325,7 @@ def run_program(prog: dict, rank: int) -> list:
     my_steps, n_max = prog["steps"][rank], max(prog["steps"].values())
     ctx = ddp.join() if prog["join"] else _Nothing()
     rows = []
+    served_compared = 0
     with ctx:
         for step in range(my_steps):
             x = _batch(seed, rank, step)
@@ -352,6 +353,7 @@ def run_program(prog: dict, rank: int) -> list:
             want_served = {k: v for per in _server_grads_local(seed, prog).values() for k, v in per.items()}
             for k, v in served.items():
                 w = want_served.get(k)
+                served_compared += w is not None
                 if not _close(v, w):
                     diffs.append(f"step {step}: server parameter {k}: got "
                                  f"{None if v is None else v.flatten()[:4].tolist()}, want "
@@ -361,6 +363,7 @@ def run_program(prog: dict, rank: int) -> list:
     mine = [{n: (None if v is None else v.tolist()) for n, v in w.items()} for _, _, w in rows]
     everyone = [None] * len(trainers)
     dist.all_gather_object(everyone, mine)
+    compared = 0
     for step, got, _want in rows:
         for name, g in got.items():
             parts = [e[step][name] if step < len(e) else "joined" for e in everyone]
@@ -369,11 +372,14 @@ def run_program(prog: dict, rank: int) -> list:
                 want_g = None
             else:
                 want_g = sum(used) / len(trainers)
+            compared += want_g is not None
             if not _close(g, want_g):
                 diffs.append(f"step {step}: DDP parameter {name}: got "
                              f"{None if g is None else g.tolist()}, want "
                              f"{None if want_g is None else want_g.tolist()} (parts {parts})")
     del n_max
+    if not compared or not served_compared:
+        diffs.append(f"nothing compared ({compared} DDP, {served_compared} server gradients)")
     for key in [k for k in MODS if k[1] == seed and not k[0]]:  # (the served ones may still be used)
         del MODS[key]
     return diffs
