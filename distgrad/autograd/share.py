@@ -499,8 +499,8 @@ class PassState:
             self.ctx.accumulate_graph(leaves, res)
         else:
             for node, g in zip(leaves, res):
-                if g is not None:
-                    self.ctx.accumulate(node, g, owned=True)
+                if g is not None:  # copied: with gradient_as_bucket_view it is DDP's bucket
+                    self.ctx.accumulate(node, g)
 
 
 class Engine:
