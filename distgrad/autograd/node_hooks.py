@@ -121,11 +121,8 @@ def run_tensor_pre_hooks(noted: list, grads: list) -> list:
         if hooks is None:
             retained.append((slot, ref))
             continue
-        for hook in list(hooks.values()):
-            g = grads[slot]
-            if g is None:
-                break
-            out = hook(g)
+        for hook in list(hooks.values()):  # torch calls them with None too (absent)
+            out = hook(grads[slot])
             if out is not None:
                 grads[slot] = out
     for slot, ref in retained:
