@@ -69,35 +69,30 @@ def _loss(out):
     return (out * out).sum() + out[:, 0].sum()
 
 
-def _trainer(rank, pg_port, mode):
-    import torch.distributed as dist
+def _trainer(rank, mode):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    dist.init_process_group("gloo", rank=rank - 1, world_size=2, init_method=f"tcp://127.0.0.1:{pg_port}")
-    try:
-        torch.manual_seed(rank)  # differs per trainer: DDP broadcasts trainer 1's
-        model = DDP(Hybrid(_remote, unused=mode == "unused"), find_unused_parameters=mode == "unused")
-        local = Hybrid(_net(), unused=mode == "unused")
-        local.load_state_dict(model.module.state_dict(), strict=False)
-        steps = {"plain": 2, "unused": 2, "join": 2 if rank == 1 else 3}[mode]
-        out = []
-        with model.join() if mode == "join" else _nothing():
-            for i in range(steps):
-                x = _batch(rank, i)
-                with dist_autograd.context() as cid:
-                    dist_autograd.backward(cid, [_loss(model(x))])
-                    g = dist_autograd.get_gradients(cid)
-                    got = {n: (g[p].clone() if p in g else None) for n, p in model.module.named_parameters()}
-                    server = rpc.rpc_sync("worker0", _server_grads, args=(cid,))
-                    assert all(p.grad is None for p in model.parameters())  # context only
-                local.zero_grad(set_to_none=True)
-                _loss(local(x)).backward()
-                want = {n: (p.grad.clone() if p.grad is not None else None)
-                        for n, p in local.named_parameters() if not n.startswith("remote_call")}
-                want_server = [p.grad.clone() for p in local.remote_call.parameters()]
-                out.append((got, want, server, want_server))
-        return out
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(rank)  # differs per trainer: DDP broadcasts trainer 1's
+    model = DDP(Hybrid(_remote, unused=mode == "unused"), find_unused_parameters=mode == "unused")
+    local = Hybrid(_net(), unused=mode == "unused")
+    local.load_state_dict(model.module.state_dict(), strict=False)
+    steps = {"plain": 2, "unused": 2, "join": 2 if rank == 1 else 3}[mode]
+    out = []
+    with model.join() if mode == "join" else _nothing():
+        for i in range(steps):
+            x = _batch(rank, i)
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [_loss(model(x))])
+                g = dist_autograd.get_gradients(cid)
+                got = {n: (g[p].clone() if p in g else None) for n, p in model.module.named_parameters()}
+                server = rpc.rpc_sync("worker0", _server_grads, args=(cid,))
+                assert all(p.grad is None for p in model.parameters())  # context only
+            local.zero_grad(set_to_none=True)
+            _loss(local(x)).backward()
+            want = {n: (p.grad.clone() if p.grad is not None else None)
+                    for n, p in local.named_parameters() if not n.startswith("remote_call")}
+            want_server = [p.grad.clone() for p in local.remote_call.parameters()]
+            out.append((got, want, server, want_server))
+    return out
 
 
 class _nothing:
@@ -108,12 +103,17 @@ class _nothing:
         return False
 
 
-def _main(rank, world, pg_port, mode):
+def _main(rank, world, pg_port, modes):
     if rank == 0:
         _server_net()  # before any trainer's call (two first calls at once would race)
         return None
-    return [[(_lists(got), _lists(want), _lists(s), _lists(ws)) for got, want, s, ws in steps]
-            for steps in [_trainer(rank, pg_port, mode)]][0]
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank - 1, world_size=2, init_method=f"tcp://127.0.0.1:{pg_port}")
+    try:
+        return {mode: [(_lists(got), _lists(want), _lists(s), _lists(ws))
+                       for got, want, s, ws in _trainer(rank, mode)] for mode in modes}
+    finally:
+        dist.destroy_process_group()
 
 
 def _lists(v):
@@ -130,9 +130,18 @@ def _t(v):
     return None if v is None else torch.tensor(v[1], dtype=torch.float64)
 
 
-def _check(mode):
-    res = run_workers(_main, world_size=3, timeout=240, args=(free_port(), mode))
-    a, b = res[1], res[2]
+MODES = ("plain", "unused", "join")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """One cluster, one gloo group of the two trainers, the three modes in turn."""
+    res = run_workers(_main, world_size=3, timeout=280, args=(free_port(), MODES))
+    return {mode: (res[1][mode], res[2][mode]) for mode in MODES}
+
+
+def _check(runs, mode):
+    a, b = runs[mode]
     compared = 0
     for i in range(max(len(a), len(b))):
         steps = [s[i] if i < len(s) else None for s in (a, b)]
@@ -159,18 +168,18 @@ def _check(mode):
     return compared, a, b
 
 
-def test_ddp_around_hybrid_model_averages_both_sides():
-    compared, a, b = _check("plain")
+def test_ddp_around_hybrid_model_averages_both_sides(runs):
+    compared, a, b = _check(runs, "plain")
     assert compared == 2 * 2 * 4  # two trainers, two passes, fc1 and fc2 (weight, bias)
 
 
-def test_ddp_hybrid_find_unused_parameters():
-    compared, a, b = _check("unused")
+def test_ddp_hybrid_find_unused_parameters(runs):
+    compared, a, b = _check(runs, "unused")
     assert compared == 2 * 2 * 4
     assert a[0][0]["unused.weight"] is None and b[1][0]["unused.bias"] is None
 
 
-def test_ddp_hybrid_join_uneven_inputs():
-    compared, a, b = _check("join")
+def test_ddp_hybrid_join_uneven_inputs(runs):
+    compared, a, b = _check(runs, "join")
     assert len(a) == 2 and len(b) == 3
     assert compared == (2 + 3) * 4

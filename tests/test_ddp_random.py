@@ -11,7 +11,7 @@ import pytest
 import random_ddp as rd
 
 pytestmark = pytest.mark.timeout(400)
-SEEDS = [140, 52, 1, 4, 8, 5, 10]   # chosen to cover every entry of random_ddp.FEATURES
+SEEDS = [140, 52, 5]   # chosen to cover every entry of random_ddp.FEATURES (2 clusters)
 
 
 def test_fixed_seeds_cover_every_feature():
