@@ -381,13 +381,13 @@ def run_block(block: dict, values, rt) -> tuple:
         elif op == "unstash":
             _, out, name = ins
             env[out] = state.stash[name]
-        elif op == "hook":        # without grad mode (shape-only runs) nothing to hook
-            _, x, kind, attrs = ins
-            if torch.is_grad_enabled():
+        elif op == "hook":        # a value without grad (shape-only runs; shrunk variants
+            _, x, kind, attrs = ins   # that bypassed an op) has nothing to hook
+            if env[x].requires_grad:
                 env[x].register_hook(grad_hook(kind, attrs))
         elif op == "nodehook":
             _, x, kind, attrs = ins
-            if torch.is_grad_enabled():
+            if env[x].requires_grad and (kind == "acc" or env[x].grad_fn is not None):
                 register_node_hook(env[x], kind, attrs, state.keep)
         elif op == "module":
             _, out, name, x, attrs = ins
