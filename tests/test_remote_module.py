@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import traceback
+import types
 import warnings
 
 import pytest
@@ -72,6 +73,10 @@ def _is_script(module_rref):
 
 def _use_here(rm, x):
     """On a third worker: a RemoteModule received over RPC, called there."""
+    # torch's receiver puts the generated methods into the instance's __dict__
+    d = rm.__dict__
+    assert isinstance(d["forward"], types.MethodType) and d["forward"].__name__ == "forward"
+    torch.testing.assert_close(d["forward"](x), d["forward_async"](x).wait())
     return (rm.forward(x), rm.forward_async(x).wait(), rm(x), sorted(rm.__dict__),
             rm.on, rm.device, rm.is_device_map_set, rm.is_scriptable)
 
@@ -205,7 +210,7 @@ def _api():
     for out in (fwd, fwd_async, called):
         torch.testing.assert_close(out, want)
     assert keys == sorted(["on", "device", "is_device_map_set", "is_scriptable", "generated_methods",
-                           "module_rref"])
+                           "module_rref", "forward", "forward_async"])
     assert (on, device, mapped, scriptable) == ("worker1", "cpu", False, False)
     with pytest.warns(UserWarning, match="new_attr"):
         assert rpc.rpc_sync("worker2", _use_typed_here, (mine,)) == (("default", 2, torch.ones(1)), False)

@@ -1,24 +1,35 @@
-"""DistributedDataParallel inside a distributed backward (the ddp_rpc pattern).
+"""DistributedDataParallel inside a distributed backward, wherever its parameters are.
 
 DDP averages gradients from hooks on its parameters' AccumulateGrad nodes, and
 its reducer writes the averaged gradient back at the end of the engine call in
-which the last bucket became ready. The distributed engine captures leaf
-gradients without running AccumulateGrad (they go to the context, not
-``.grad``), so those hooks would never fire and each replica would step with its
-own gradient. Here the gradients of DDP's parameters are passed through their
-AccumulateGrad nodes in one engine call (hooks fire, the all-reduce runs, the
-reducer writes the average into ``.grad``); the average is then taken out of
-``.grad`` for the context and ``.grad`` restored, so the context holds what
-torch's context holds with DDP: the averaged gradient.
+which the last bucket became ready. It expects one backward: every parameter's
+hook, then the end. A distributed backward instead runs a worker's graph in
+pieces (the root's region, later the region behind each send function, as
+their gradients arrive), and captures leaf gradients without running
+AccumulateGrad. So the engine (:mod:`.share`) *holds* the gradients of DDP's
+parameters until the pass is quiet everywhere (no gradient in flight, no run
+active), then :mod:`.engine` asks each worker that holds some to *flush*: all
+of them go through their AccumulateGrad nodes in one engine call (:func:`synced`:
+the hooks fire, buckets fill, the all-reduce runs, the reducer writes the
+average into ``.grad``); the average is then taken out of ``.grad`` for the
+context and ``.grad`` restored. The context thus holds what torch's context
+holds with DDP: the group's average, whether DDP's layers lie before, after or
+on both sides of an RPC.
+
+``find_unused_parameters=True``: DDP's forward looks for its unused parameters
+by walking the local graph from the outputs, and stops at a recv function, so a
+layer before an RPC would look unused. Inside a distributed autograd context
+that search is therefore deferred to the flush, where the pass has shown which
+parameters got a gradient (the others are the unused ones).
 
 DDP's parameters are known from its constructor (wrapped once, when this module
 is imported); nothing is checked while no DDP exists.
 
 Example::
 
-    >>> ddp = DistributedDataParallel(torch.nn.Linear(4, 2), process_group=trainers)
+    >>> model = DistributedDataParallel(Hybrid(fc1, remote_emb, fc2), process_group=trainers)
     >>> with dist_autograd.context() as cid:
-    ...     loss = ddp(remote_emb(x)).sum()
+    ...     loss = model(x).sum()                    # fc1 -> RPC -> fc2
     ...     dist_autograd.backward(cid, [loss])      # every trainer gets the average
 """
 from __future__ import annotations
@@ -32,6 +43,8 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 _params: dict[int, weakref.ref] = {}            # id -> parameter some DDP instance syncs
+_owner: dict[int, weakref.ref] = {}             # id of a parameter -> its DDP instance
+_deferred: dict[int, Any] = {}                  # id(reducer) -> reducer whose unused-search waits
 _lock = threading.Lock()                        # one .grad round trip at a time
 active = [False]
 
@@ -47,13 +60,40 @@ def _wrap_ddp() -> None:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         orig(self, *args, **kwargs)
+        me = weakref.ref(self)
         for p in self.module.parameters():
             if p.requires_grad:
-                _params[id(p)] = weakref.ref(p, lambda _r, k=id(p): _params.pop(k, None))
+                _params[id(p)] = weakref.ref(p, lambda _r, k=id(p): (_params.pop(k, None),
+                                                                      _owner.pop(k, None)))
+                _owner[id(p)] = me
         active[0] = True
 
     __init__._distgrad = True  # type: ignore[attr-defined]
     DDP.__init__ = __init__
+    _wrap_reducer()
+
+
+def _wrap_reducer() -> None:
+    try:
+        from torch.distributed import Reducer
+    except ImportError:
+        return
+    orig = Reducer.prepare_for_backward
+    if getattr(orig, "_distgrad", False):
+        return
+
+    def prepare_for_backward(self, outputs):
+        from .context import CONTAINER
+        if outputs and CONTAINER.current() is not None:
+            # find_unused_parameters inside a distributed autograd context: the local
+            # graph ends at recv functions, so the search waits for the flush
+            _deferred[id(self)] = self
+            return None
+        return orig(self, outputs)
+
+    prepare_for_backward._distgrad = True  # type: ignore[attr-defined]
+    prepare_for_backward._orig = orig  # type: ignore[attr-defined]
+    Reducer.prepare_for_backward = prepare_for_backward
 
 
 _wrap_ddp()
@@ -64,21 +104,53 @@ def _is_ddp(t: torch.Tensor) -> bool:
     return ref is not None and ref() is t
 
 
+def held(leaves: Sequence[Any], grads: Sequence) -> list[int]:
+    """Indices of the gradients in ``grads`` (one per AccumulateGrad node of
+    ``leaves``) that belong to a DDP parameter: the engine holds those until the
+    pass's flush."""
+    if not active[0] or not _params:
+        return []
+    return [i for i, g in enumerate(grads) if g is not None and _is_ddp(leaves[i].variable)]
+
+
+def _search_unused(variables: list) -> None:
+    """Run the unused-parameter search that DDP's forward deferred (see above), with
+    the parameters that got a gradient in this pass as what the outputs reached."""
+    from torch.distributed import Reducer
+    owners: dict[int, list] = {}
+    for v in variables:
+        ref = _owner.get(id(v))
+        module = ref() if ref is not None else None
+        if module is not None and id(module.reducer) in _deferred:
+            owners.setdefault(id(module.reducer), []).append(v)
+    for key, vs in owners.items():
+        reducer = _deferred.pop(key)
+        with torch.enable_grad():
+            reached = [v.view_as(v) for v in vs]
+        Reducer.prepare_for_backward._orig(reducer, reached)
+
+
 def synced(leaves: Sequence[Any], grads: Sequence) -> Sequence:
     """``grads`` (one per AccumulateGrad node in ``leaves``) with those of DDP's
-    parameters replaced by what DDP makes of them (the average over its group)."""
-    if not active[0] or not _params:
-        return grads
-    idx = [i for i, g in enumerate(grads) if g is not None and _is_ddp(leaves[i].variable)]
+    parameters replaced by what DDP makes of them (the average over its group),
+    in one engine call through their AccumulateGrad nodes: the node's hooks and
+    post-accumulate-grad hooks run there. The leaves' own tensor hooks do not run
+    again (the engine applied them when it captured the gradients)."""
+    idx = held(leaves, grads)
     if not idx:
         return grads
     from .share import _engine_run_backward
     out = list(grads)
     variables = [leaves[i].variable for i in idx]
     with _lock:
+        if _deferred:
+            _search_unused(variables)
         saved = [v.grad for v in variables]
+        hooked = [(v, v._backward_hooks) for v in variables if v._backward_hooks]
         for v in variables:
             v.grad = None
+        for v, _ in hooked:
+            v._backward_hooks = None
         try:
             edges = tuple(GradientEdge(leaves[i], 0) for i in idx)
             gs = tuple(grads[i].detach() for i in idx)
@@ -91,4 +163,6 @@ def synced(leaves: Sequence[Any], grads: Sequence) -> Sequence:
         finally:
             for v, s in zip(variables, saved):
                 v.grad = s
+            for v, hooks in hooked:
+                v._backward_hooks = hooks
     return out

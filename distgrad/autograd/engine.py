@@ -148,7 +148,8 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
         state.running -= 1
         exp, targets = _tls.exp, _tls.targets
         _tls.state, _tls.exp, _tls.targets, _tls.shipped = prev
-    _report(state.ctx.id, state.pass_id, state.initiator, exp, state.blocked(), targets, err)
+    _report(state.ctx.id, state.pass_id, state.initiator, exp, state.blocked(), targets, err,
+            state.holds_ddp())
 
 
 def backward_error(e: BaseException, node: Any = None) -> BaseException:
@@ -168,14 +169,17 @@ def backward_error(e: BaseException, node: Any = None) -> BaseException:
 
 
 def _report(context_id: int, pass_id: tuple, initiator: int, exp: int, blocked: bool,
-            targets: set, err: BaseException | None) -> None:
+            targets: set, err: BaseException | None, held: bool = False) -> None:
+    """Return weight ``2**-exp`` to the initiator, with whether this worker still waits
+    (``blocked``) and whether it holds DDP gradients for the flush (``held``)."""
     me = CONTAINER.worker_id
     if initiator == me:
-        _returned(pass_id, me, exp, blocked, targets, err)
+        _returned(pass_id, me, exp, blocked, targets, err, held)
         return
     agent = _agent()
     blob = _pack_error(err, agent) if err is not None else None
-    agent.send_control(initiator, "ag_report", context_id, pass_id, exp, blocked, sorted(targets), blob)
+    agent.send_control(initiator, "ag_report", context_id, pass_id, exp, blocked, sorted(targets), blob,
+                       held)
 
 
 def _pack_error(err: BaseException, agent: Any) -> bytes:
@@ -202,14 +206,14 @@ def _unpack_error(blob: bytes) -> BaseException:
 
 
 def on_report(sender: int, context_id: int, pass_id: tuple, exp: int, blocked: bool,
-              targets: list, blob: bytes | None) -> None:
+              targets: list, blob: bytes | None, held: bool = False) -> None:
     """Control message (reading thread): a worker's run of one of our passes ended."""
     err = _unpack_error(blob) if blob is not None else None
-    _returned(tuple(pass_id), sender, int(exp), bool(blocked), set(targets), err)
+    _returned(tuple(pass_id), sender, int(exp), bool(blocked), set(targets), err, bool(held))
 
 
 def _returned(pass_id: tuple, worker: int, exp: int, blocked: bool, targets: set,
-              err: BaseException | None) -> None:
+              err: BaseException | None, held: bool = False) -> None:
     """Initiator: weight ``2**-exp`` came back from ``worker``."""
     state = ENGINE.initiated.get(pass_id)
     if state is None:
@@ -227,11 +231,21 @@ def _returned(pass_id: tuple, worker: int, exp: int, blocked: bool, targets: set
             state.weight += Fraction(1, 1 << exp)
             if blocked:
                 state.round_blocked.add(worker)
+            if held:
+                state.ddp_holders.add(worker)
             if state.weight != 1:
                 return
             waiting, state.round_blocked, state.weight = state.round_blocked, set(), Fraction(0)
+            holders = set() if waiting else state.ddp_holders
+            if holders:
+                state.ddp_holders = set()
         else:
             state.finished = True
+    if err is None and holders:
+        # quiet everywhere: the workers holding DDP gradients flush them (not on a
+        # reading thread: DDP's all-reduce waits for the other members of its group)
+        _agent().callbacks.submit(_flush_all, state, holders)
+        return
     state.on_round(err, waiting if err is None else set())
 
 
@@ -328,27 +342,49 @@ def _discover(context_id: int, pass_id: tuple, initiator: int, flags: int,
 
 def _resume(context_id: int, pass_id: tuple, exp: int) -> None:
     """One-way request: recount over what discovery reached and run what is complete."""
+    _run_round_step(context_id, pass_id, exp, PassState.resume)
+
+
+def _run_round_step(context_id: int, pass_id: tuple, exp: int, method: Callable) -> None:
+    """Run ``method`` of this worker's share of the pass for a round the initiator began."""
     try:
         state = ENGINE.get_or_create(context_id, pass_id, pass_id[0], RETAIN)
     except BaseException as e:  # noqa: BLE001
         _report(context_id, pass_id, pass_id[0], exp, False, set(), e)
         return
-    _run_here_or_inline(state, exp, state.resume)
+    _run_here_or_inline(state, exp, method, state)
 
 
 def _resume_all(state: PassState, blocked: set) -> None:
     """A new round: each waiting worker resumes with a share of weight 1."""
+    _round(state, blocked, _resume, state.resume)
+
+
+def _flush(context_id: int, pass_id: tuple, exp: int) -> None:
+    """One-way request: the pass is quiet; flush the DDP gradients held here."""
+    _run_round_step(context_id, pass_id, exp, PassState.flush_ddp)
+
+
+def _flush_all(state: PassState, holders: set) -> None:
+    """A flush round: each worker holding DDP gradients flushes them, with a share of
+    weight 1 (:meth:`PassState.flush_ddp`); the pass ends when they all reported."""
+    _round(state, holders, _flush, state.flush_ddp)
+
+
+def _round(state: PassState, workers: set, remote: Callable, local: Callable) -> None:
+    """Start a round in which each of ``workers`` runs ``remote`` (a one-way request;
+    ``local`` here), weight 1 split among them."""
     me, exp, mine = CONTAINER.worker_id, 0, None
     agent = _agent()
-    for w in sorted(blocked):
+    for w in sorted(workers):
         exp += 1
         if w == me:
             mine = exp
-        elif not agent.notify(w, _resume, (state.ctx.id, state.pass_id, exp)):
+        elif not agent.notify(w, remote, (state.ctx.id, state.pass_id, exp)):
             _fail(state, agent._lost_error(w))
             return
     if mine is not None:
-        _run_here_or_inline(state, mine, state.resume)
+        _run_here_or_inline(state, mine, local)
     _returned(state.pass_id, me, exp, False, set(), None)  # the rest of the round's weight
 
 

@@ -1,5 +1,7 @@
-"""Hooks registered on a leaf's ``AccumulateGrad`` node (``node.register_hook``,
-``node.register_prehook``), found and run by the distributed backward.
+"""Hooks that torch's engine runs and a distributed backward must run itself:
+those on a leaf's ``AccumulateGrad`` node (``node.register_hook``,
+``node.register_prehook``), and, where the node-by-node executor calls nodes by
+hand, every node's hooks and the hooks of the tensors it produced.
 
 A distributed backward captures leaf gradients without running their
 ``AccumulateGrad`` node (running it would write ``.grad``), and torch offers no
@@ -15,20 +17,42 @@ post-hooks around its capture of a leaf's gradient; :func:`run_pre` and
 :func:`run_post` do that with the same arguments torch passes
 (``pre(grad_outputs) -> grad_outputs | None``, ``post((), grad_outputs)``).
 
-Probing costs a few microseconds per leaf, so it is done only once some node
-hook was registered after :func:`install` (at ``import distgrad.autograd``);
-a node hook registered before that import is not seen.
+Probing costs about 6 us a node. The executor (already the slow path) probes
+every node it runs, so it also finds hooks registered before :func:`install`.
+Leaves of native regions are probed only once some node hook was registered
+after :func:`install` (at ``import distgrad``): a hook on a leaf's
+``AccumulateGrad`` node registered before that import, on a leaf whose
+gradient a native region captures, is not seen.
+
+Tensor hooks on intermediates (``y.register_hook``) live in a dict that torch
+hands to ``y.grad_fn`` without a Python call (``_register_hook_dict``), and
+``retain_grad`` works in C++ alone; :func:`install` wraps both
+``Tensor.register_hook`` and ``Tensor.retain_grad`` to note, in the node's
+``metadata``, which of its outputs has which hooks (:func:`tensor_pre_hooks`).
+The executor then runs them as torch's ``call_tensor_pre_hooks`` does: on the
+summed gradient of each slot, in registration order, before the node's own
+pre-hooks. (Such hooks registered before ``import distgrad`` are not seen.)
+
+Example::
+
+    >>> h = x.exp()
+    >>> h.register_hook(lambda g: g * 0.5)
+    >>> tensor_pre_hooks(h.grad_fn)      # [(0, {id: hook}, None)]
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
+import torch
 import torch.autograd.function as _function
 
 _tls = threading.local()
 _installed: list = []   # the wrapped original, once installed
 registered = [0]        # node hook registrations seen since install (not probes)
+post_acc_registered = [0]  # register_post_accumulate_grad_hook calls seen since install
+_KEY = "_distgrad_tensor_hooks"  # node.metadata key: [(output_nr, hooks dict | None, tensor ref)]
 
 
 class _Probe(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -50,15 +74,116 @@ def install() -> None:
 
     _installed.append(original)
     _function.Function._register_hook = staticmethod(_register_hook)
+    _wrap_tensor_hooks()
+
+
+def _wrap_tensor_hooks() -> None:
+    tensor = torch.Tensor
+    register, retain = tensor.register_hook, tensor.retain_grad
+    post_acc = tensor.register_post_accumulate_grad_hook
+
+    def register_hook(self, hook):
+        fn = self.grad_fn
+        fresh = fn is not None and self._backward_hooks is None
+        handle = register(self, hook)
+        if fresh and self._backward_hooks is not None:  # torch gave fn a new hook dict
+            fn.metadata.setdefault(_KEY, []).append((self.output_nr, self._backward_hooks, None))
+        return handle
+
+    def retain_grad(self):
+        fn = self.grad_fn
+        if fn is not None and not self.retains_grad and self.requires_grad:
+            fn.metadata.setdefault(_KEY, []).append((self.output_nr, None, weakref.ref(self)))
+        return retain(self)
+
+    def register_post_accumulate_grad_hook(self, hook):
+        post_acc_registered[0] += 1
+        return post_acc(self, hook)
+
+    register_hook.__doc__, retain_grad.__doc__ = register.__doc__, retain.__doc__
+    register_post_accumulate_grad_hook.__doc__ = post_acc.__doc__
+    tensor.register_hook = register_hook
+    tensor.retain_grad = retain_grad
+    tensor.register_post_accumulate_grad_hook = register_post_accumulate_grad_hook
+
+
+def tensor_pre_hooks(node: Any) -> list:
+    """``[(output_nr, hooks dict or None, retained tensor's weakref or None)]`` noted
+    for the tensors ``node`` produced, in registration order; usually empty."""
+    return node.metadata.get(_KEY) or []
+
+
+def run_tensor_pre_hooks(noted: list, grads: list) -> list:
+    """``grads`` (one per input slot of the node, ``None`` = absent) after its tensors'
+    hooks, as torch's ``call_tensor_pre_hooks``: the hooks of each slot in order,
+    then ``retain_grad``'s (the retained tensor's ``.grad`` gets the result)."""
+    grads = list(grads)
+    retained = []
+    for slot, hooks, ref in noted:
+        if hooks is None:
+            retained.append((slot, ref))
+            continue
+        for hook in list(hooks.values()):
+            g = grads[slot]
+            if g is None:
+                break
+            out = hook(g)
+            if out is not None:
+                grads[slot] = out
+    for slot, ref in retained:
+        t, g = ref(), grads[slot]
+        if t is not None and g is not None and t.retains_grad:
+            with torch.no_grad():
+                t.grad = g.clone() if t.grad is None else t.grad + g
+    return grads
+
+
+def run_node_pre(pre: list, grads: list) -> list:
+    """A node's inputs after its pre-hooks (``hook(grad_outputs) -> tuple | None``)."""
+    out = tuple(grads)
+    for hook in pre:
+        res = hook(out)
+        if res is not None:
+            out = tuple(res)
+    return list(out)
+
+
+def run_node_post(post: list, outs: list, grads: list) -> list:
+    """A node's outputs after its post-hooks (``hook(grad_inputs, grad_outputs)``,
+    which may return replacement grad_inputs)."""
+    res_outs, ins = tuple(outs), tuple(grads)
+    for hook in post:
+        res = hook(res_outs, ins)
+        if res is not None:
+            res_outs = tuple(res)
+    return list(res_outs)
+
+
+def run_post_accumulate(variable: Any, grad: Any) -> None:
+    """``register_post_accumulate_grad_hook`` hooks of ``variable``, called as torch's
+    AccumulateGrad calls them after accumulating; ``variable.grad`` is, while they
+    run, the gradient the context now holds for it (restored after)."""
+    hooks = getattr(variable, "_post_accumulate_grad_hooks", None)
+    if not hooks:
+        return
+    saved = variable.grad
+    try:
+        with torch.no_grad():
+            variable.grad = grad
+        for hook in list(hooks.values()):
+            hook(variable)
+    finally:
+        variable.grad = saved
 
 
 def _noop(*args: Any) -> None:
     return None
 
 
-def hooks_of(node: Any) -> tuple[list, list]:
-    """(pre-hooks, post-hooks) registered on ``node``, in registration order."""
-    if not _installed or not registered[0]:
+def hooks_of(node: Any, always: bool = False) -> tuple[list, list]:
+    """(pre-hooks, post-hooks) registered on ``node``, in registration order
+    (``always``: probe even when no registration was seen since :func:`install`)."""
+    if not _installed or not (always or registered[0]):
         return [], []
     out = []
     _tls.probing = True

@@ -31,12 +31,13 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from . import anomaly, ddp, node_hooks
+from . import checkpoint as _checkpoint  # noqa: F401  (reentrant checkpointing in a pass)
 from .context import CONTAINER, DistAutogradContext
 from .nodes import UNREACHED, accumulate, run_node, validate
 from .recording import _ANCHOR, _node_types
 
 _ACCUMULATE = None
-node_hooks.install()
+node_hooks.install()  # any `import distgrad...` gets here (distgrad/__init__ imports autograd)
 
 # A pass's flags (they travel with its gradients): keep the graph; record the backward;
 # check every node's outputs for NaN/Inf (detect_anomaly)
@@ -135,9 +136,11 @@ class PassState:
         self.discovered: set[int] = set()
         self.nodes_run = 0
         self.running = 0
+        self.ddp_held: dict = {}        # AccumulateGrad node of a DDP parameter -> gradient
         # initiator only: termination (see "execution and termination" below)
         self.weight = Fraction(0)       # returned in this round
         self.round_blocked: set = set()  # workers that reported waiting nodes in it
+        self.ddp_holders: set = set()   # workers that reported holding DDP gradients
         self.participants: set = {CONTAINER.worker_id}
         self.finished = False
         self.on_round: Callable[[BaseException | None, set], None] | None = None
@@ -276,27 +279,37 @@ class PassState:
             with fed_slots(fed):
                 res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
                             self.retain_graph, self.create_graph)
-            if ddp.active[0]:
-                res = ddp.synced(region.leaves, res)
-            hooked = _leaf_hooks(region.leaves, res)
-            if hooked:
-                res = list(res)  # (the tuple goes: the gradients' reference counts stay the same)
-                for i, pre, _ in hooked:
-                    res[i] = node_hooks.run_pre(pre, res[i])
-            if self.create_graph:
-                self.ctx.accumulate_graph(region.leaves, res)
-            else:
-                # gradients that came over the network belong to this pass: no defensive copy
-                self.ctx.accumulate_fresh(region.leaves, res, [g for _, g in pairs],
-                                          owned=key != "root")
-            for i, _, post in hooked:
-                node_hooks.run_post(post, res[i])
+            # gradients that came over the network belong to this pass: no defensive copy
+            self.take_leaves(region.leaves, res, [g for _, g in pairs], owned=key != "root")
         if len(pairs) < len(outputs) and region.recvs:
             # torch's engine runs a node even when all its gradients are absent, so a
             # recv function behind an absent gradient still sends (absent gradients):
             # the sender may be counting on that message
             from .engine import ship_absent  # (engine imports this module)
             ship_absent(region.recvs)
+
+    def take_leaves(self, leaves: list, res: Sequence, given: Sequence, owned: bool) -> None:
+        """An engine call's gradients ``res`` for ``leaves`` (AccumulateGrad nodes) into the
+        context, doing what their AccumulateGrad nodes would: DDP's held for the flush,
+        the nodes' pre-hooks, accumulation, post-accumulate-grad hooks, post-hooks.
+        ``given``: the gradients the call started from (:meth:`.DistAutogradContext.accumulate_fresh`)."""
+        if ddp.active[0]:
+            res = self._hold_ddp(leaves, res)
+        hooked = _leaf_hooks(leaves, res)
+        if hooked:
+            res = list(res)
+            for i, pre, _ in hooked:
+                res[i] = node_hooks.run_pre(pre, res[i])
+        if self.create_graph:
+            self.ctx.accumulate_graph(leaves, res)
+        else:
+            self.ctx.accumulate_fresh(leaves, res, given, owned=owned)
+        if node_hooks.post_acc_registered[0]:
+            for node, g in zip(leaves, res):
+                if g is not None:
+                    node_hooks.run_post_accumulate(node.variable, self.ctx.gradients.get(node))
+        for i, _, post in hooked:
+            node_hooks.run_post(post, res[i])
 
     def _fed_slots(self, starts: list) -> dict[int, set]:
         """Recv message id -> the slots fed by nodes reachable from edges ``starts``."""
@@ -397,32 +410,32 @@ class PassState:
         self.nodes_run += 1
         grads = [g if r else None for g, r in zip(grads, reached)]
         if t is _accumulate_type():
-            if grads[0] is not None:
-                g = grads[0]
-                for hook in (getattr(node.variable, "_backward_hooks", None) or {}).values():
-                    out = hook(g)
-                    if out is not None:
-                        g = out
-                pre, post = node_hooks.hooks_of(node)
-                if pre:
-                    g = node_hooks.run_pre(pre, g)
-                if ddp.active[0]:
-                    g = ddp.synced([node], [g])[0]
-                if self.create_graph:
-                    self.ctx.accumulate_graph([node], [g])
-                else:
-                    self.ctx.accumulate(node, g)
-                node_hooks.run_post(post, g)
+            self._accumulate_leaf(node, grads[0])
             return
+        if t is send_t:  # distgrad's own node: no user hooks; an identity per slot
+            outs = [g if r else UNREACHED for g, r in zip(validate(node, grads), reached)]
+            for (nxt, slot), g in zip(node.next_functions, outs):
+                if nxt is not None:
+                    self._add(nxt, slot, g, ready)
+            return
+        # what torch's engine does around a node (call_function): its tensors' hooks,
+        # its pre-hooks, the node, its post-hooks
+        noted = node_hooks.tensor_pre_hooks(node)
+        if noted:
+            grads = node_hooks.run_tensor_pre_hooks(noted, grads)
+        pre, post = node_hooks.hooks_of(node, always=True)
+        if pre:
+            grads = node_hooks.run_node_pre(pre, grads)
         if t is recv_t:
             from .engine import ship_gradients  # (engine imports this module)
             ship_gradients(node.dg_info, grads, reached)
+            if post:
+                node_hooks.run_node_post(post, [None] * len(node.next_functions), grads)
             return
         try:
-            if t is send_t:  # an identity per slot: unreached slots stay unreached
-                outs = [g if r else UNREACHED for g, r in zip(validate(node, grads), reached)]
-            else:
-                outs = run_node(node, grads, self.create_graph)
+            outs = run_node(node, grads, self.create_graph)
+            if post:
+                outs = node_hooks.run_node_post(post, outs, grads)
         except Exception as e:  # noqa: BLE001 - name the node, as torch's engine does
             from .engine import backward_error
             raise backward_error(e, node) from e
@@ -432,6 +445,64 @@ class PassState:
         for (nxt, slot), g in zip(node.next_functions, outs):
             if nxt is not None:
                 self._add(nxt, slot, g, ready)
+
+
+    def _accumulate_leaf(self, node: Any, g: Any) -> None:
+        """What AccumulateGrad does, into the context: the leaf's tensor hooks, the
+        node's pre-hooks, accumulation, post-accumulate-grad hooks, post-hooks."""
+        if g is None:
+            return
+        variable = node.variable
+        for hook in list((getattr(variable, "_backward_hooks", None) or {}).values()):
+            out = hook(g)
+            if out is not None:
+                g = out
+        if ddp.active[0] and self._hold_ddp([node], [g])[0] is None:
+            return  # its node's hooks run at the flush, natively
+        pre, post = node_hooks.hooks_of(node, always=True)
+        if pre:
+            g = node_hooks.run_pre(pre, g)
+        if self.create_graph:
+            self.ctx.accumulate_graph([node], [g])
+        else:
+            self.ctx.accumulate(node, g)
+        if node_hooks.post_acc_registered[0]:
+            node_hooks.run_post_accumulate(variable, self.ctx.gradients.get(node))
+        node_hooks.run_post(post, g)
+
+
+    # -- DDP: gradients held until the pass is quiet, then flushed together -----------
+    def _hold_ddp(self, leaves: list, grads: Sequence) -> Sequence:
+        """``grads`` without those of DDP's parameters, which are kept for the flush."""
+        idx = ddp.held(leaves, grads)
+        if not idx:
+            return grads
+        grads = list(grads)
+        with self.lock:
+            for i in idx:
+                old = self.ddp_held.get(leaves[i])
+                self.ddp_held[leaves[i]] = grads[i] if old is None else old + grads[i]
+                grads[i] = None
+        return grads
+
+    def holds_ddp(self) -> bool:
+        return bool(self.ddp_held)
+
+    def flush_ddp(self) -> None:
+        """The pass is quiet everywhere: DDP's parameters' gradients through their
+        AccumulateGrad nodes in one engine call (:func:`.ddp.synced`), into the context."""
+        with self.lock:
+            held, self.ddp_held = self.ddp_held, {}
+        if not held or self.aborted:
+            return
+        leaves = list(held)
+        res = ddp.synced(leaves, [held[n] for n in leaves])
+        if self.create_graph:
+            self.ctx.accumulate_graph(leaves, res)
+        else:
+            for node, g in zip(leaves, res):
+                if g is not None:
+                    self.ctx.accumulate(node, g, owned=True)
 
 
 class Engine:

@@ -30,15 +30,16 @@ As in torch:
   back to the CPU (distgrad carries CPU tensors only, so no device map is ever
   set: ``is_device_map_set`` is False).
 
-Differences: ``forward``/``forward_async`` are bound on access rather than
-kept in the instance's ``__dict__`` (no reference cycle, so a dropped
-RemoteModule releases its RRef at once); ``train()``/``eval()`` return the RemoteModule itself (torch
-returns a copy of the remote module, fetched over RPC); ``repr()`` names the
-worker and device (torch's raises, since ``extra_repr`` does); calling a
-received or :meth:`~RemoteModule.init_from_module_rref` instance as
-``rm(x)`` runs ``rm.forward(x)`` (those instances have no ``nn.Module`` state, so
-torch's ``__call__`` fails on them); a CUDA device on a worker without CUDA (or
-an ordinal it lacks) fails with a :class:`~distgrad.errors.DistgradError` naming
+Differences: ``forward``/``forward_async`` in the instance's ``__dict__`` are
+bound to a weak proxy of it (no reference cycle, so a dropped RemoteModule
+releases its RRef at once; ``rm.forward`` itself is bound to ``rm``);
+``train()``/``eval()`` return the RemoteModule itself (torch returns a copy of
+the remote module, fetched over RPC); ``repr()`` names the worker and device
+(torch's raises, since ``extra_repr`` does); calling a received or
+:meth:`~RemoteModule.init_from_module_rref` instance as ``rm(x)`` runs
+``rm.forward(x)`` (those instances have no ``nn.Module`` state, so torch's
+``__call__`` fails on them); a CUDA device on a worker without CUDA (or an
+ordinal it lacks) fails with a :class:`~distgrad.errors.DistgradError` naming
 the worker and device. TorchScript-ing the RemoteModule itself
 (``torch.jit.script(remote_module)``) is not supported.
 
@@ -63,6 +64,7 @@ import inspect
 import threading
 import types
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -212,9 +214,13 @@ def _typed_methods(interface_cls) -> list:
 
 class _GeneratedMethod:
     """``forward``/``forward_async`` of a RemoteModule: the instance's generated method of
-    that name, bound on access. torch stores the bound methods in the instance's
-    ``__dict__``; bound on access there is no reference cycle, so a dropped
-    RemoteModule (and its RRef fork) goes at once, not at the next garbage collection."""
+    that name. As in torch, the instance's ``__dict__`` holds them as bound methods
+    (set by :func:`_install_methods`, on the instance that was built, received over
+    RPC or made by ``init_from_module_rref``), so code that inspects or copies
+    ``__dict__`` finds them. Those are bound to a weak proxy of the instance (no
+    reference cycle: a dropped RemoteModule, and its RRef fork, goes at once, not at
+    the next garbage collection); reading the attribute gives a method bound to the
+    instance itself (this is a data descriptor, so it comes before ``__dict__``)."""
 
     def __init__(self, name: str, doc: str) -> None:
         self.name = name
@@ -227,6 +233,16 @@ class _GeneratedMethod:
             if method.__name__ == self.name:
                 return types.MethodType(method, obj)
         raise AttributeError(f"RemoteModule has no generated ``{self.name}``")
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.name] = value
+
+
+def _install_methods(m) -> None:
+    """Put the generated methods into ``m.__dict__``, as torch's RemoteModule does."""
+    me = weakref.proxy(m)
+    for method in m.__dict__["generated_methods"]:
+        m.__dict__[method.__name__] = types.MethodType(method, me)
 
 
 def _raise_not_supported(name: str):
@@ -265,6 +281,7 @@ class _RemoteModule(nn.Module):
         self.generated_methods = _methods_for(_module_interface_cls)
         create = _create_script_module if self.is_scriptable else _create_module
         self.module_rref = rpc.remote(self.on, create, (module_cls, args, kwargs, self.device))
+        _install_methods(self)
         self._check_attribute_picklability()
 
     forward = _GeneratedMethod("forward", "``forward(*args, **kwargs)`` of the remote module, run "
@@ -337,6 +354,7 @@ class _RemoteModule(nn.Module):
         remote_module.is_scriptable = _module_interface_cls is not None
         remote_module.generated_methods = _methods_for(_module_interface_cls)
         remote_module.module_rref = module_rref
+        _install_methods(remote_module)
         remote_module._check_attribute_picklability()
         return remote_module
 
@@ -434,4 +452,5 @@ def _remote_module_receiver(cls, attrs: dict):
     for k in _REMOTE_MODULE_PICKLED_ATTRIBUTES:
         value = attrs[k]
         object.__setattr__(m, k, _methods_for(value) if k == "generated_methods" else value)
+    _install_methods(m)
     return m
