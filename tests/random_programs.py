@@ -30,9 +30,27 @@ block only ever refers to its params and to registers it defines itself. Instruc
     ("remote", rref, block) + ("to_here", [out, ...], rref)   an RRef; to_here anywhere
     ("stash", name, in) / ("unstash", out, name)   a worker-level dict kept across calls
 
+What users combine with autograd (issue 18; each drawn per program with the probability
+in FEATURE_WEIGHTS, ``--features`` restricts or forces them)::
+
+    ("hook", reg, kind, attrs)        reg.register_hook: scale {c} | mask {mask} |
+                                      masked_fill {mask, value} (masks fixed by name)
+    ("nodehook", reg, kind, {"c"})    reg.grad_fn.register_prehook (pre) / register_hook
+                                      returning scaled grad_inputs (post) / the leaf's
+                                      AccumulateGrad.register_prehook (acc)
+    ("module", out, name, in, attrs)  a float64 nn.Linear of this worker fixed by name (its
+                                      parameters are leaves), with a full backward hook
+                                      scaling grad_input and/or a pre-hook scaling grad_output
+    ("ckpt", [out, ...], reentrant, block)   block (local ops only) under checkpoint()
+    ("inplace", reg, mul_|add_, [z], attrs)  on a fresh result whose op saves no output,
+                                             or on a clone
+    ("op", out, "compiled" | "ac_matmul" | "ac_linear" | "clone", ...)  torch.compile
+                                      (aot_eager), bfloat16 under autocast, clone
+
 CLI (see ``--help``)::
 
     python tests/random_programs.py --programs 500 --workers 2,3,4 [--seed S] [--shrink 2]
+    python tests/random_programs.py --programs 60 --features hooks,checkpoint   # only these
 """
 from __future__ import annotations
 
@@ -47,9 +65,13 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 import zlib
 
 import torch
+
+# a module whose input needs no grad: torch warns that its full backward hook sees grad_output
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 DTYPE = torch.float64
 RTOL, ATOL = 1e-9, 1e-10     # float64: only summation order may differ
@@ -2174,7 +2196,9 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     for w, seeds in sorted(plan.items()):
         t0 = time.monotonic()
-        budget = 60 + len(seeds) * 6 + args.shrink * 4 * args.shrink_budget
+        # torch.compile costs seconds per new shape and process (more under --anomaly)
+        per_program = 6 + 24 * weights.get("compile", 0.0)
+        budget = 60 + len(seeds) * per_program + args.shrink * 4 * args.shrink_budget
         res = run_seeds(w, seeds, cfg, timeout=budget)
         bad = sum(not r["ok"] for r in res["records"])
         print(f"world {w}: {len(seeds)} programs, {bad} failed, {time.monotonic() - t0:.0f} s; "
