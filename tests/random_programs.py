@@ -684,6 +684,7 @@ class Generator:
         draw = random.Random(f"features{seed}")       # its own stream: see FEATURE_WEIGHTS
         self.on = {f for f in FEATURE_WEIGHTS if draw.random() < weights.get(f, 0.0)}
         self.modules = {w: [] for w in range(world)}   # worker -> [(name, attrs)] reusable
+        self.compiled = False                          # a torch.compile op was drawn
         self.meta: dict = {}                  # reg -> ("t", shape, rg) | ("rref"/"fut", rets)
         self.n = 0
         self.stashes = {w: [] for w in range(world)}   # worker -> [(name, shape, rg)]
@@ -1152,6 +1153,7 @@ class Generator:
             same = [t for t in self.tensors(b) if self.shape(t) == self.shape(x)]
             ins.append(r.choice(same) if r.random() < 0.5 else self.g_leaf(b, self.shape(x)))
         self.op(b, "compiled", ins, {"fn": fn}, self.shape(x))
+        self.compiled = True
 
     def g_autocast(self, b):
         """matmul or linear in bfloat16 under autocast, the result cast back to float64."""
@@ -1214,7 +1216,9 @@ class Generator:
         for fut in list(main.pending):
             self.g_wait(main, fut)
         roots = self.gen_roots(main)
-        return {"seed": self.seed, "world": self.world, "retain": r.random() < 0.3,
+        # torch refuses retain_graph=True through a compiled backward with donated buffers
+        retain = r.random() < 0.3 and not self.compiled
+        return {"seed": self.seed, "world": self.world, "retain": retain,
                 "roots": roots, "main": {"worker": 0, "params": [], "body": main.body, "returns": roots}}
 
     def gen_roots(self, b: _BlockGen) -> list:
