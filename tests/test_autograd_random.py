@@ -103,6 +103,63 @@ def test_shrink_candidates_stay_valid():
             assert rp.size(cand) <= rp.size(prog)
 
 
+def _fake_cluster(record: int, error: str):
+    """A run_workers stand-in for run_seeds: worker0 records the first ``record``
+    programs (all passing), then the cluster fails with ``error``."""
+    import json
+
+    def run_workers(fn, world_size, timeout, args, options):
+        todo, cfg = args
+        with open(cfg["out"], "a") as f:
+            for seed in todo[:record]:
+                f.write(json.dumps({"seed": seed, "world": world_size, "ok": True, "size": 1}) + "\n")
+        raise RuntimeError(error)
+    return run_workers
+
+
+def test_run_seeds_fails_when_the_cluster_dies_after_the_last_program(monkeypatch):
+    """A crash once every program is recorded (the engine-stats calls, rpc.shutdown,
+    another rank, the timeout) is no program's fault, and still a failure."""
+    import mp_utils
+    monkeypatch.setattr(mp_utils, "run_workers", _fake_cluster(3, "worker(s) [1] died with exit codes [1]"))
+    with pytest.raises(RuntimeError, match=r"(?s)exit codes \[1\].*after all 3 programs were recorded"):
+        rp.run_seeds(2, [0, 1, 2], {}, timeout=1, log=lambda *a: None)
+    # dying mid-way blames the program that was running (and the rest run again)
+    monkeypatch.setattr(mp_utils, "run_workers", _fake_cluster(1, "boom"))
+    res = rp.run_seeds(2, [0, 1], {}, timeout=1, log=lambda *a: None)
+    assert [(r["seed"], r["ok"]) for r in res["records"]] == [(0, True), (1, False)]
+    crashed = res["records"][1]
+    assert crashed["group"] == "cluster crashed or timed out" and "boom" in crashed["detail"]
+
+
+def test_gradient_lookup_errors_are_not_absent_gradients(monkeypatch):
+    """Only "no context here" reads as no gradients; any other error propagates (and
+    becomes the program's error record), never agreement with an oracle that has none."""
+    import distgrad.autograd as dist_autograd
+    assert rp._collect_grads(987654321) == ({}, [])  # no such context on this worker
+
+    def broken(cid):
+        raise RuntimeError("gradient lookup failed")
+    monkeypatch.setattr(dist_autograd, "get_gradients", broken)
+    with pytest.raises(RuntimeError, match="gradient lookup failed"):
+        rp._collect_grads(1)
+
+
+def test_poison_candidates_let_unexpected_errors_through(monkeypatch):
+    """poisoned() expects anomaly mode to name PoisonBackward or nothing to go wrong; an
+    error of any other kind propagates instead of silently trying the next op."""
+    import random
+    prog = rp.generate(ANOMALY_SEEDS[2][0], 2)
+    bad, worker = rp.poisoned(rp._copy(prog), random.Random(prog["seed"]))
+    assert bad is not None and worker is not None
+    for exc in (RuntimeError("broken backward"), ValueError("broken backward")):
+        def backward(ctx, g, exc=exc):
+            raise exc
+        monkeypatch.setattr(rp.Poison, "backward", staticmethod(backward))
+        with pytest.raises(type(exc), match="broken backward"):
+            rp.poisoned(rp._copy(prog), random.Random(prog["seed"]))
+
+
 def _run_checked(world: int, seeds: list, cfg: dict, what: str, flags: str = "") -> dict:
     """Run ``seeds`` on a ``world``-worker cluster; fail with the report if any differs."""
     res = rp.run_seeds(world, seeds, {"shrink": 0, **cfg}, timeout=200, log=lambda *a: None)
@@ -122,9 +179,8 @@ def _run_checked(world: int, seeds: list, cfg: dict, what: str, flags: str = "")
 def test_random_programs(world):
     res = _run_checked(world, SEEDS[world], {"features": CLASSIC}, "programs differ from local autograd",
                        " --features none")
-    stats = res["engine_stats"]
-    if stats:  # both ways of running a worker's share were exercised
-        assert stats["passes_native"] > 0 and stats["passes_shared"] > 0, stats
+    stats = res["engine_stats"]  # both ways of running a worker's share were exercised
+    assert stats.get("passes_native", 0) > 0 and stats.get("passes_shared", 0) > 0, stats
 
 
 @pytest.mark.parametrize("world", sorted(FEATURE_SEEDS))

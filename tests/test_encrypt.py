@@ -9,9 +9,11 @@ import pytest
 import torch
 from mp_utils import run_workers
 
+# cryptography is a hard dependency: an ImportError here is a failure, not a skip
+from distgrad.transport import crypto
+
 pytestmark = pytest.mark.timeout(180)
 
-crypto = pytest.importorskip("distgrad.transport.crypto", reason="needs the cryptography package")
 
 
 # -- FrameCipher -------------------------------------------------------------------

@@ -25,7 +25,8 @@ def slow():
 
 
 def _cases(rpc, dist_autograd):
-    """(case, callable) pairs; each callable raises."""
+    """(case, callable) pairs; each callable raises, but for the last few: torch
+    succeeds there, and distgrad must too."""
     return [
         ("unpicklable argument", lambda: rpc.rpc_sync("worker1", print, args=(threading.Lock(),))),
         ("local function argument", lambda: rpc.rpc_sync("worker1", print, args=(lambda x: x,))),
@@ -41,7 +42,17 @@ def _cases(rpc, dist_autograd):
         ("backward in an unknown context", lambda: dist_autograd.backward(12345, [torch.ones(1)])),
         ("gradients of an unknown context", lambda: dist_autograd.get_gradients(12345)),
         ("root without grad", lambda: _backward_no_grad(dist_autograd)),
+        # these succeed in torch
+        ("builtin with a tensor", lambda: rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))),
+        ("own worker info", lambda: rpc.get_worker_info()),
+        ("remote() and to_here", lambda: rpc.remote("worker1", len, args=([1, 2],)).to_here()),
+        ("gradients of a fresh context", lambda: _fresh_context_gradients(dist_autograd)),
     ]
+
+
+def _fresh_context_gradients(dist_autograd):
+    with dist_autograd.context() as cid:
+        return dist_autograd.get_gradients(cid)
 
 
 def _backward_no_grad(dist_autograd):
@@ -77,11 +88,14 @@ def test_error_types_match_torch():
                             args=("torch", free_port()))[0]
     ours = run_workers(_collect, world_size=2, timeout=90, args=("distgrad", 0))[0]
     assert sum(v is not None for v in torch_out.values()) >= 12, torch_out  # torch raises: a real spec
+    assert sum(v is None for v in torch_out.values()) >= 4, torch_out  # and succeeds: the other side
     problems = []
     for case, want in torch_out.items():
         got = ours[case]
         if want is None:
-            continue  # torch does not raise here (distgrad may: nothing to compare)
+            if got is not None:  # torch succeeds here: so must distgrad
+                problems.append(f"{case}: torch does not raise, distgrad raises {got[0][0]} ({got[1]!r})")
+            continue
         if got is None:
             problems.append(f"{case}: torch raises {want[0][0]}, distgrad does not raise")
             continue

@@ -178,14 +178,13 @@ def _post_acc(rank, world):
             log = seen[dist] = []
             x.register_post_accumulate_grad_hook(lambda p, log=log: log.append(p.grad.clone()))
             y = x * 2
-            # an AccumulateGrad hook and an intermediate node hook; in the shared case
-            # registered while the wrapper does not count them (as before `import
-            # distgrad`): the executor probes every node it runs
+            # an AccumulateGrad hook and an intermediate node hook, registered while
+            # the wrapper does not count them (as before `import distgrad`): the
+            # executor probes every node it runs, a native region each new leaf
             count = node_hooks.registered[0]
             y.grad_fn.next_functions[0][0].register_prehook(lambda gos: (gos[0] * 5,))
             y.grad_fn.register_prehook(lambda gos: (gos[0] * 3,))
-            if shared:
-                node_hooks.registered[0] = count
+            node_hooks.registered[0] = count
             if not dist:
                 z = y * 3.0
                 (z.sum() + (y.sum() if shared else 0)).backward()
@@ -203,5 +202,5 @@ def _post_acc(rank, world):
 def test_post_accumulate_grad_hooks_and_unseen_node_hooks():
     """register_post_accumulate_grad_hook runs once the context holds the gradient (and
     reads it as ``p.grad``), in native and shared regions; node hooks whose
-    registration distgrad did not see run too where nodes run by hand (shared)."""
+    registration distgrad did not see run too, in both."""
     assert run_workers(_post_acc, world_size=2, timeout=120)[0] == {False: True, True: True}

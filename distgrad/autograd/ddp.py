@@ -84,9 +84,10 @@ def _wrap_reducer() -> None:
 
     def prepare_for_backward(self, outputs):
         from .context import CONTAINER
-        if outputs and CONTAINER.current() is not None:
-            # find_unused_parameters inside a distributed autograd context: the local
-            # graph ends at recv functions, so the search waits for the flush
+        ctx = CONTAINER.current() if outputs else None
+        if ctx is not None and (ctx.send_functions or ctx.recv_functions):
+            # find_unused_parameters after RPCs inside a distributed autograd context:
+            # the local graph ends at recv functions, so the search waits for the flush
             _deferred[id(self)] = self
             return None
         return orig(self, outputs)

@@ -18,11 +18,9 @@ post-hooks around its capture of a leaf's gradient; :func:`run_pre` and
 (``pre(grad_outputs) -> grad_outputs | None``, ``post((), grad_outputs)``).
 
 Probing costs about 6 us a node. The executor (already the slow path) probes
-every node it runs, so it also finds hooks registered before :func:`install`.
-Leaves of native regions are probed only once some node hook was registered
-after :func:`install` (at ``import distgrad``): a hook on a leaf's
-``AccumulateGrad`` node registered before that import, on a leaf whose
-gradient a native region captures, is not seen.
+every node it runs; a leaf of a native region is probed once and again only
+after a registration was seen since (:func:`leaf_hooks` keeps the live dicts in
+the node's ``metadata``). Both find hooks registered before :func:`install`.
 
 Tensor hooks on intermediates (``y.register_hook``) live in a dict that torch
 hands to ``y.grad_fn`` without a Python call (``_register_hook_dict``), and
@@ -185,6 +183,16 @@ def hooks_of(node: Any, always: bool = False) -> tuple[list, list]:
     (``always``: probe even when no registration was seen since :func:`install`)."""
     if not _installed or not (always or registered[0]):
         return [], []
+    dicts = _probe_dicts(node)
+    if dicts is None:  # not our wrapper (someone replaced it): nothing to learn
+        return [], []
+    pre_d, post_d = dicts
+    return (list(pre_d.values()) if pre_d else [], list(post_d.values()) if post_d else [])
+
+
+def _probe_dicts(node: Any) -> tuple[Any, Any] | None:
+    """The live (pre-hook dict, post-hook dict) of ``node`` (``None`` where it has
+    none yet), or None when the wrapper is not in place."""
     out = []
     _tls.probing = True
     try:
@@ -192,12 +200,38 @@ def hooks_of(node: Any, always: bool = False) -> tuple[list, list]:
             try:
                 register(_noop)
             except _Probe as p:
-                out.append(list(p.hooks.values()) if p.hooks else [])
-            else:  # not our wrapper (someone replaced it): nothing to learn
-                return [], []
+                out.append(p.hooks)
+            else:
+                return None
     finally:
         _tls.probing = False
     return out[0], out[1]
+
+
+_LEAF_KEY = "_distgrad_leaf_hooks"
+
+
+def leaf_hooks(node: Any) -> tuple[list, list, bool]:
+    """(pre-hooks, post-hooks, has post-accumulate-grad hooks) of a leaf's
+    AccumulateGrad ``node``. A node is probed once, and again only after a
+    registration was seen since: the probe keeps the node's live hook dicts in
+    its ``metadata`` (a removed hook is gone from them; a node's first hook makes
+    a new dict, and that registration is seen), so hooks registered before
+    :func:`install` are found too, at the cost of a dictionary look-up a leaf."""
+    md = node.metadata
+    seen = md.get(_LEAF_KEY)
+    if seen is None or seen[0] != registered[0] or seen[1] != post_acc_registered[0]:
+        dicts = _probe_dicts(node) if _installed else None
+        pre_d, post_d = dicts if dicts is not None else (None, None)
+        post_acc = bool(getattr(node.variable, "_post_accumulate_grad_hooks", None))
+        md[_LEAF_KEY] = seen = (registered[0], post_acc_registered[0], pre_d, post_d, post_acc)
+    _, _, pre_d, post_d, post_acc = seen
+    if not (pre_d or post_d or post_acc):
+        return _NONE
+    return (list(pre_d.values()) if pre_d else [], list(post_d.values()) if post_d else [], post_acc)
+
+
+_NONE: tuple = ([], [], False)
 
 
 def run_pre(pre: list, grad: Any) -> Any:

@@ -62,16 +62,15 @@ except ImportError:  # older torch
 
 
 def _leaf_hooks(leaves: list, grads: Sequence) -> list:
-    """(index, pre-hooks, post-hooks) of each leaf with a gradient whose
-    AccumulateGrad node has hooks (:mod:`.node_hooks`); usually empty."""
-    if not node_hooks.registered[0]:
-        return []
+    """(index, pre-hooks, post-hooks, post-accumulate-grad?) of each leaf with a
+    gradient whose AccumulateGrad node has hooks (:func:`.node_hooks.leaf_hooks`);
+    usually empty."""
     out = []
     for i, node in enumerate(leaves):
         if grads[i] is not None:
-            pre, post = node_hooks.hooks_of(node)
-            if pre or post:
-                out.append((i, pre, post))
+            pre, post, post_acc = node_hooks.leaf_hooks(node)
+            if pre or post or post_acc:
+                out.append((i, pre, post, post_acc))
     return out
 
 
@@ -298,17 +297,16 @@ class PassState:
         hooked = _leaf_hooks(leaves, res)
         if hooked:
             res = list(res)
-            for i, pre, _ in hooked:
-                res[i] = node_hooks.run_pre(pre, res[i])
+            for i, pre, _, _ in hooked:
+                if pre:
+                    res[i] = node_hooks.run_pre(pre, res[i])
         if self.create_graph:
             self.ctx.accumulate_graph(leaves, res)
         else:
             self.ctx.accumulate_fresh(leaves, res, given, owned=owned)
-        if node_hooks.post_acc_registered[0]:
-            for node, g in zip(leaves, res):
-                if g is not None:
-                    node_hooks.run_post_accumulate(node.variable, self.ctx.gradients.get(node))
-        for i, _, post in hooked:
+        for i, _, post, post_acc in hooked:
+            if post_acc:
+                node_hooks.run_post_accumulate(leaves[i].variable, self.ctx.gradients.get(leaves[i]))
             node_hooks.run_post(post, res[i])
 
     def _fed_slots(self, starts: list) -> dict[int, set]:
@@ -459,14 +457,14 @@ class PassState:
                 g = out
         if ddp.active[0] and self._hold_ddp([node], [g])[0] is None:
             return  # its node's hooks run at the flush, natively
-        pre, post = node_hooks.hooks_of(node, always=True)
+        pre, post, post_acc = node_hooks.leaf_hooks(node)
         if pre:
             g = node_hooks.run_pre(pre, g)
         if self.create_graph:
             self.ctx.accumulate_graph([node], [g])
         else:
             self.ctx.accumulate(node, g)
-        if node_hooks.post_acc_registered[0]:
+        if post_acc:
             node_hooks.run_post_accumulate(variable, self.ctx.gradients.get(node))
         node_hooks.run_post(post, g)
 
@@ -501,8 +499,8 @@ class PassState:
             self.ctx.accumulate_graph(leaves, res)
         else:
             for node, g in zip(leaves, res):
-                if g is not None:
-                    self.ctx.accumulate(node, g, owned=True)
+                if g is not None:  # copied: with gradient_as_bucket_view it is DDP's bucket
+                    self.ctx.accumulate(node, g)
 
 
 class Engine:
