@@ -30,9 +30,27 @@ block only ever refers to its params and to registers it defines itself. Instruc
     ("remote", rref, block) + ("to_here", [out, ...], rref)   an RRef; to_here anywhere
     ("stash", name, in) / ("unstash", out, name)   a worker-level dict kept across calls
 
+What users combine with autograd (issue 18; each drawn per program with the probability
+in FEATURE_WEIGHTS, ``--features`` restricts or forces them)::
+
+    ("hook", reg, kind, attrs)        reg.register_hook: scale {c} | mask {mask} |
+                                      masked_fill {mask, value} (masks fixed by name)
+    ("nodehook", reg, kind, {"c"})    reg.grad_fn.register_prehook (pre) / register_hook
+                                      returning scaled grad_inputs (post) / the leaf's
+                                      AccumulateGrad.register_prehook (acc)
+    ("module", out, name, in, attrs)  a float64 nn.Linear of this worker fixed by name (its
+                                      parameters are leaves), with a full backward hook
+                                      scaling grad_input and/or a pre-hook scaling grad_output
+    ("ckpt", [out, ...], reentrant, block)   block (local ops only) under checkpoint()
+    ("inplace", reg, mul_|add_, [z], attrs)  on a fresh result whose op saves no output,
+                                             or on a clone
+    ("op", out, "compiled" | "ac_matmul" | "ac_linear" | "clone", ...)  torch.compile
+                                      (aot_eager), bfloat16 under autocast, clone
+
 CLI (see ``--help``)::
 
     python tests/random_programs.py --programs 500 --workers 2,3,4 [--seed S] [--shrink 2]
+    python tests/random_programs.py --programs 60 --features hooks,checkpoint   # only these
 """
 from __future__ import annotations
 
@@ -47,9 +65,13 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 import zlib
 
 import torch
+
+# a module whose input needs no grad: torch warns that its full backward hook sees grad_output
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 DTYPE = torch.float64
 RTOL, ATOL = 1e-9, 1e-10     # float64: only summation order may differ
@@ -174,6 +196,15 @@ def _apply_op(name: str, xs: list, a: dict, counter) -> torch.Tensor:
         return Count.apply(x, a["tag"], counter)
     if name == "dot":             # fixed random weights: a wrong slot or permutation shows
         return (x * _named_randn(a["w"], tuple(x.shape))).sum()
+    if name == "clone":
+        return x.clone()
+    if name == "compiled":        # torch.compile(backend="aot_eager"), once per process
+        return (_compiled(a["fn"]) if torch.is_grad_enabled() else COMPILE_FNS[a["fn"]])(*xs)
+    if name in ("ac_matmul", "ac_linear"):   # bfloat16 compute (autocast leaves float64 alone)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fs = [t.to(torch.float32) for t in xs]
+            y = torch.matmul(*fs) if name == "ac_matmul" else torch.nn.functional.linear(*fs)
+        return y.to(DTYPE)
     raise ValueError(f"unknown op {name}")
 
 
@@ -186,6 +217,111 @@ def apply_multi(name: str, x: torch.Tensor, a: dict) -> tuple:
     if name == "unbind":
         return x.unbind(a["dim"])
     raise ValueError(f"unknown multi op {name}")
+
+
+# -- what users combine with autograd (issue 18): hooks, modules, checkpoint, compile,
+# autocast, in-place ops. Programs stay plain data: the closures are built here.
+def _c_sin_mul(x):
+    return torch.sin(x) * x + 0.5 * x
+
+
+def _c_tanh_mix(x, y):
+    return torch.tanh(x) * y - x
+
+
+COMPILE_FNS = {"sin_mul": _c_sin_mul, "tanh_mix": _c_tanh_mix}   # name -> eager function
+_COMPILED: dict = {}
+_COMPILE_LOCK = threading.Lock()
+
+
+def _compiled(name: str):
+    """COMPILE_FNS[name] under torch.compile(backend="aot_eager"), made once per process
+    (dynamo recompiles per new shape itself)."""
+    with _COMPILE_LOCK:
+        fn = _COMPILED.get(name)
+        if fn is None:
+            fn = _COMPILED[name] = torch.compile(COMPILE_FNS[name], backend="aot_eager")
+        return fn
+
+
+def _named_mask(name: str, shape: tuple) -> torch.Tensor:
+    """A fixed boolean mask for ``name`` (about half True), the same in every process."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.rand(shape, generator=gen, dtype=DTYPE) < 0.5
+
+
+def _scaled(gs, c: float) -> tuple:
+    """Every present gradient of ``gs`` times ``c`` (absent ones stay absent)."""
+    return tuple(g * c if g is not None else None for g in gs)
+
+
+def grad_hook(kind: str, a: dict):
+    """The tensor hook of a ("hook", reg, kind, attrs) instruction (an absent gradient,
+    None, as behind FirstOnly, stays absent)."""
+    if kind == "scale":
+        def fn(g):
+            return g * a["c"]
+    elif kind == "mask":
+        def fn(g):
+            return g * _named_mask(a["mask"], tuple(g.shape)).to(g.dtype)
+    elif kind == "masked_fill":
+        def fn(g):
+            return g.masked_fill(_named_mask(a["mask"], tuple(g.shape)), a["value"])
+    else:
+        raise ValueError(f"unknown hook {kind}")
+    return lambda g: None if g is None else fn(g)
+
+
+def register_node_hook(t: torch.Tensor, kind: str, a: dict, keep: list) -> None:
+    """("nodehook", reg, kind, attrs): a pre-hook ("pre") or post-hook ("post", it
+    returns new grad_inputs) on ``t.grad_fn``, or a pre-hook on the AccumulateGrad node
+    of leaf ``t`` ("acc"; the node is kept alive in ``keep``); each scales by a["c"]."""
+    c = a["c"]
+    if kind == "acc":
+        node = torch.autograd.graph.get_gradient_edge(t).node
+        keep.append(node)
+        node.register_prehook(lambda gos: _scaled(gos, c))
+    elif kind == "pre":
+        t.grad_fn.register_prehook(lambda gos: _scaled(gos, c))
+    elif kind == "post":
+        t.grad_fn.register_hook(lambda gis, gos: _scaled(gis, c))
+    else:
+        raise ValueError(f"unknown node hook {kind}")
+
+
+def make_linear(name: str, a: dict) -> torch.nn.Module:
+    """nn.Linear(a["in"], a["out"]) in float64 with weights fixed by ``name``, and full
+    backward hooks (a["hook"]: "full" scales grad_input, "pre" grad_output, "both")."""
+    lin = torch.nn.utils.skip_init(torch.nn.Linear, a["in"], a["out"], dtype=DTYPE)
+    lin.weight = torch.nn.Parameter(_named_randn(name + ".weight", (a["out"], a["in"])))
+    lin.bias = torch.nn.Parameter(_named_randn(name + ".bias", (a["out"],)))
+    c = a["c"]
+    if a["hook"] in ("full", "both"):
+        lin.register_full_backward_hook(lambda m, gin, gout: _scaled(gin, c))
+    if a["hook"] in ("pre", "both"):
+        lin.register_full_backward_pre_hook(lambda m, gout: _scaled(gout, c))
+    return lin
+
+
+def apply_inplace(x: torch.Tensor, kind: str, zs: list, a: dict) -> None:
+    """("inplace", reg, kind, [z], attrs): x.mul_(c) or x.add_(z)."""
+    if kind == "mul_":
+        x.mul_(a["c"])
+    elif kind == "add_":
+        x.add_(zs[0])
+    else:
+        raise ValueError(f"unknown in-place op {kind}")
+
+
+def run_checkpoint(sub: dict, xs: list, reentrant: bool, rt) -> tuple:
+    """("ckpt", outs, reentrant, block): ``block`` (local ops only) under
+    torch.utils.checkpoint; run plainly without grad mode (shape-only runs)."""
+    def fn(*args):
+        return run_block(sub, args, rt)
+    if not torch.is_grad_enabled():
+        return fn(*xs)
+    from torch.utils.checkpoint import checkpoint
+    return tuple(checkpoint(fn, *xs, use_reentrant=reentrant))
 
 
 # ---------------------------------------------------------------------------------------
@@ -201,6 +337,8 @@ class WorkerState:
 
     def clear(self) -> None:
         self.leaves: dict = {}
+        self.modules: dict = {}
+        self.keep: list = []          # AccumulateGrad nodes that carry hooks
         self.stash: dict = {}
         self.counts: collections.Counter = collections.Counter()
         self.remote_issued = 0
@@ -214,6 +352,15 @@ class WorkerState:
             if t is None:
                 t = self.leaves[name] = _named_randn(name, shape).requires_grad_(requires_grad)
             return t
+
+    def module(self, name: str, attrs: dict) -> torch.nn.Module:
+        """Get-or-create the Linear ``name``; its parameters are leaves like the others."""
+        with self.lock:
+            m = self.modules.get(name)
+            if m is None:
+                m = self.modules[name] = make_linear(name, attrs)
+                self.leaves[name + ".weight"], self.leaves[name + ".bias"] = m.weight, m.bias
+            return m
 
     def count(self, tag: str) -> None:
         with self.lock:
@@ -256,6 +403,23 @@ def run_block(block: dict, values, rt) -> tuple:
         elif op == "unstash":
             _, out, name = ins
             env[out] = state.stash[name]
+        elif op == "hook":        # a value without grad (shape-only runs; shrunk variants
+            _, x, kind, attrs = ins   # that bypassed an op) has nothing to hook
+            if env[x].requires_grad:
+                env[x].register_hook(grad_hook(kind, attrs))
+        elif op == "nodehook":
+            _, x, kind, attrs = ins
+            if env[x].requires_grad and (kind == "acc" or env[x].grad_fn is not None):
+                register_node_hook(env[x], kind, attrs, state.keep)
+        elif op == "module":
+            _, out, name, x, attrs = ins
+            env[out] = state.module(name, attrs)(env[x])
+        elif op == "ckpt":
+            _, outs, reentrant, sub = ins
+            env.update(zip(outs, run_checkpoint(sub, [env[r] for r in sub["params"]], reentrant, rt)))
+        elif op == "inplace":
+            _, x, kind, zs, attrs = ins
+            apply_inplace(env[x], kind, [env[z] for z in zs], attrs)
         else:
             raise ValueError(f"unknown instruction {ins!r}")
         if isinstance(rt, LocalRuntime):
@@ -439,6 +603,59 @@ def reduce_shape(shape: tuple, dims, keepdim: bool) -> tuple:
     return tuple(1 if i in dims else s for i, s in enumerate(shape) if keepdim or i not in dims)
 
 
+# The features of issue 18, each drawn per program (on its own random stream) with
+# this probability; a program that draws none is exactly what the generator made before
+# them. The CLI's --features restricts or forces them; order 2 leaves out the ones
+# torch cannot differentiate twice.
+FEATURE_WEIGHTS = {
+    "hook": 0.3,            # ("hook", reg, scale|mask|masked_fill, attrs) on an intermediate
+    "nodehook": 0.25,       # ("nodehook", reg, pre|post|acc, {"c"}): grad_fn / AccumulateGrad
+    "module": 0.2,          # ("module", out, name, in, attrs): Linear + full backward (pre-)hook
+    "ckpt": 0.2,            # ("ckpt", outs, False, block): checkpoint(use_reentrant=False)
+    "ckpt_reentrant": 0.1,  # ("ckpt", outs, True, block): checkpoint(use_reentrant=True)
+    "compile": 0.05,        # ("op", out, "compiled", ins, {"fn"}) on a callee (costs compiles)
+    "autocast": 0.15,       # ("op", out, "ac_matmul"|"ac_linear", ins, {}) on a callee
+    "inplace": 0.25,        # ("inplace", reg, mul_|add_, [z], attrs) on a fresh result or a clone
+}
+FEATURE_GROUPS = {"hooks": ("hook", "nodehook", "module"), "checkpoint": ("ckpt", "ckpt_reentrant"),
+                  "all": tuple(FEATURE_WEIGHTS), "none": ()}
+NOT_TWICE_DIFFERENTIABLE = ("compile", "ckpt_reentrant")
+STEP_WEIGHTS = {"hook": 0.7, "nodehook": 0.5, "module": 0.5, "ckpt": 0.4, "ckpt_reentrant": 0.3,
+                "compile": 0.5, "autocast": 0.5, "inplace": 0.5}
+# ops whose backward does not save their output: a fresh result may be modified in place
+INPLACE_SAFE = {"scale", "add", "sub", "mul", "div", "square", "sin", "sum", "mean", "index",
+                "index_select", "cat", "stack", "matmul", "first_only", "count", "dot", "clone"}
+
+
+def parse_features(spec) -> dict:
+    """``--features``: comma-separated feature or group names (FEATURE_WEIGHTS,
+    FEATURE_GROUPS), each ``name`` (in every program) or ``name=p``; the others are off;
+    ``default`` starts from FEATURE_WEIGHTS. None: FEATURE_WEIGHTS."""
+    if spec is None:
+        return dict(FEATURE_WEIGHTS)
+    out = {f: 0.0 for f in FEATURE_WEIGHTS}
+    for tok in filter(None, (t.strip() for t in spec.split(","))):
+        name, _, p = tok.partition("=")
+        if name == "default":
+            out.update(FEATURE_WEIGHTS)
+            continue
+        for n in FEATURE_GROUPS.get(name, (name,)):
+            if n not in FEATURE_WEIGHTS:
+                known = ", ".join([*FEATURE_WEIGHTS, *FEATURE_GROUPS])
+                raise ValueError(f"unknown feature {n!r} (known: {known})")
+            out[n] = float(p) if p else 1.0
+    return out
+
+
+def weights_for(cfg: dict) -> dict:
+    """The feature weights a run uses: ``cfg["features"]`` or FEATURE_WEIGHTS, less
+    what a second-order run cannot differentiate twice."""
+    w = dict(FEATURE_WEIGHTS if cfg.get("features") is None else cfg["features"])
+    if cfg.get("order", 1) == 2:
+        w.update(dict.fromkeys(NOT_TWICE_DIFFERENTIABLE, 0.0))
+    return w
+
+
 class _BlockGen:
     """A block being generated: its worker, visible registers and body."""
 
@@ -449,6 +666,8 @@ class _BlockGen:
         self.body: list = []
         self.pending: list = []       # futures of rpc_async calls not waited yet
         self.sent: list = []          # registers already passed to some call
+        self.own: list = []           # results of this block's ops (hook / in-place targets)
+        self.leaves: list = []        # grad-requiring leaves this block fetched
 
 
 class Generator:
@@ -460,9 +679,14 @@ class Generator:
     program's meaning does not depend on timing.
     """
 
-    def __init__(self, seed: int, world: int) -> None:
+    def __init__(self, seed: int, world: int, weights=None) -> None:
         self.rnd = random.Random(seed)
         self.seed, self.world = seed, world
+        weights = FEATURE_WEIGHTS if weights is None else weights
+        draw = random.Random(f"features{seed}")       # its own stream: see FEATURE_WEIGHTS
+        self.on = {f for f in FEATURE_WEIGHTS if draw.random() < weights.get(f, 0.0)}
+        self.modules = {w: [] for w in range(world)}   # worker -> [(name, attrs)] reusable
+        self.compiled = False                          # a torch.compile op was drawn
         self.meta: dict = {}                  # reg -> ("t", shape, rg) | ("rref"/"fut", rets)
         self.n = 0
         self.stashes = {w: [] for w in range(world)}   # worker -> [(name, shape, rg)]
@@ -542,12 +766,15 @@ class Generator:
             name = self.name(f"w{b.worker}.{kind}")
         out = self.tensor(shape, kind != "const")
         self.emit(b, ("leaf", out, name, shape, kind != "const"), out)
+        if kind != "const":
+            b.leaves.append(out)
         return out
 
     def op(self, b: _BlockGen, name: str, ins: list, attrs: dict, shape: tuple, rg=None) -> int:
         rg = any(self.rg(r) for r in ins) if rg is None else rg
         out = self.tensor(shape, rg)
         self.emit(b, ("op", out, name, list(ins), attrs), out)
+        b.own.append(out)
         return out
 
     def g_unary(self, b):
@@ -667,6 +894,7 @@ class Generator:
             attrs, sizes = {"dim": d}, [None] * s[d]
         outs = [self.tensor(s[:d] + ((k,) if k is not None else ()) + s[d + 1:], self.rg(x)) for k in sizes]
         self.emit(b, ("multi", outs, name, x, attrs), *outs)
+        b.own.extend(outs)
 
     def g_catstack(self, b):
         """cat along a dim (partners of matching shape, or new leaves) or stack."""
@@ -833,8 +1061,134 @@ class Generator:
             kinds["stash"] = 0.5
             if self.stashes[b.worker]:
                 kinds["unstash"] = 1.0
+        kinds.update((f, STEP_WEIGHTS[f]) for f in self.feature_kinds(b))
         kind = self.rnd.choices(list(kinds), list(kinds.values()))[0]
         getattr(self, "g_" + kind)(b)
+
+    # -- what users combine (issue 18; drawn only for the features this program has) ----
+    def own_rg(self, b: _BlockGen) -> list:
+        """This block's op results that require grad (tensor / node hook targets)."""
+        return [r for r in b.own if self.rg(r)]
+
+    def feature_kinds(self, b: _BlockGen) -> list:
+        """The feature instructions of self.on that fit block ``b`` now."""
+        ok = {"hook": bool(self.own_rg(b)), "nodehook": bool(self.own_rg(b) or b.leaves),
+              "module": bool(self.tensors(b, len)), "ckpt": True,
+              "ckpt_reentrant": any(self.rg(t) for t in self.tensors(b)),
+              "compile": b.depth >= 1, "autocast": b.depth >= 1 and bool(self.tensors(b, len)),
+              "inplace": True}
+        return [f for f in FEATURE_WEIGHTS if f in self.on and ok[f]]
+
+    def g_hook(self, b):
+        """A tensor hook on an intermediate (often one already sent to another worker):
+        scale, a fixed 0/1 mask, or masked_fill."""
+        r = self.rnd
+        cands = self.own_rg(b)
+        sent = [x for x in cands if x in b.sent]
+        x = r.choice(sent if sent and r.random() < 0.4 else cands[-4:] if r.random() < 0.6 else cands)
+        kind = r.choice(["scale", "scale", "mask", "masked_fill"])
+        if kind == "scale":
+            attrs = {"c": r.choice([0.5, -2.0, 3.0])}
+        else:
+            attrs = {"mask": self.name("mask")}
+            if kind == "masked_fill":
+                attrs["value"] = r.choice([0.0, 0.0, 0.25])
+        self.emit(b, ("hook", x, kind, attrs))
+
+    def g_nodehook(self, b):
+        """A pre- or post-hook on an intermediate's grad_fn, or a pre-hook on a leaf's
+        AccumulateGrad node, scaling the gradients."""
+        r = self.rnd
+        x = r.choice(self.own_rg(b) + b.leaves)
+        kind = "acc" if x in b.leaves else r.choice(["pre", "post"])
+        self.emit(b, ("nodehook", x, kind, {"c": r.choice([0.5, 2.0, -1.5])}))
+
+    def g_module(self, b):
+        """A (maybe reused) Linear of this worker with full backward hooks."""
+        r = self.rnd
+        x = self.pick(b, len)
+        s = self.shape(x)
+        same = [(n, a) for n, a in self.modules[b.worker] if a["in"] == s[-1]]
+        if same and r.random() < 0.5:
+            name, attrs = r.choice(same)
+        else:
+            attrs = {"in": s[-1], "out": r.randint(1, 4), "hook": r.choice(["full", "pre", "both"]),
+                     "c": r.choice([0.5, 2.0, -1.0])}
+            name = self.name(f"w{b.worker}.lin")
+            self.modules[b.worker].append((name, attrs))
+        out = self.tensor(s[:-1] + (attrs["out"],), True)
+        self.emit(b, ("module", out, name, x, attrs), out)
+        b.own.append(out)
+
+    def g_ckpt(self, b, reentrant=False):
+        """A few local ops under torch.utils.checkpoint (reentrant: at least one input and
+        one result require grad, as torch needs)."""
+        r = self.rnd
+        ts = self.tensors(b)
+        ins = r.sample(ts[-4:] if r.random() < 0.6 else ts, min(len(ts), r.randint(1, 2)))
+        if reentrant and not any(self.rg(x) for x in ins):
+            ins.append(r.choice([t for t in ts if self.rg(t)]))
+        child = _BlockGen(b.worker, ins, b.depth, False, b.caller)
+        kinds = {"unary": 1.0, "binary": 1.2, "reduce": 0.5, "view": 0.5, "matmul": 0.5, "count": 0.4}
+        for _ in range(r.randint(1, 4)):
+            getattr(self, "g_" + r.choices(list(kinds), list(kinds.values()))[0])(child)
+        own = child.own
+        rets = r.sample(own[-3:], min(len(own[-3:]), r.randint(1, 2)))
+        if reentrant and not any(self.rg(x) for x in rets):
+            x = next(t for t in ins if self.rg(t))
+            rets.append(self.op(child, "sin", [x], {}, self.shape(x)))
+        outs = [self.tensor(self.shape(x), reentrant or self.rg(x)) for x in rets]
+        block = {"worker": b.worker, "params": ins, "body": child.body, "returns": rets}
+        self.emit(b, ("ckpt", outs, reentrant, block), *outs)
+        b.own.extend(outs)
+
+    def g_ckpt_reentrant(self, b):
+        self.g_ckpt(b, reentrant=True)
+
+    def g_compile(self, b):
+        """A small function under torch.compile(backend="aot_eager")."""
+        r = self.rnd
+        fn = r.choice(sorted(COMPILE_FNS))
+        x = self.pick(b)
+        ins = [x]
+        if fn == "tanh_mix":
+            same = [t for t in self.tensors(b) if self.shape(t) == self.shape(x)]
+            ins.append(r.choice(same) if r.random() < 0.5 else self.g_leaf(b, self.shape(x)))
+        self.op(b, "compiled", ins, {"fn": fn}, self.shape(x))
+        self.compiled = True
+
+    def g_autocast(self, b):
+        """matmul or linear in bfloat16 under autocast, the result cast back to float64."""
+        r = self.rnd
+        x = self.pick(b, len)
+        s, m = self.shape(x), r.randint(1, 4)
+        if r.random() < 0.5:
+            w = self.g_leaf(b, (s[-1], m))
+            self.op(b, "ac_matmul", [x, w], {}, matmul_shape(s, (s[-1], m)))
+        else:
+            ins = [x, self.g_leaf(b, (m, s[-1]))]
+            if r.random() < 0.7:
+                ins.append(self.g_leaf(b, (m,)))          # the bias
+            self.op(b, "ac_linear", ins, {}, s[:-1] + (m,))
+
+    def g_inplace(self, b):
+        """x.mul_(c) or x.add_(z) on the result of the op just emitted when its backward
+        does not need it (nothing used it yet), else on a fresh clone."""
+        r = self.rnd
+        last = b.body[-1] if b.body else None
+        if last is not None and last[0] == "op" and last[2] in INPLACE_SAFE and r.random() < 0.65:
+            x = last[1]
+        else:
+            src = self.pick(b)
+            x = self.op(b, "clone", [src], {}, self.shape(src))
+        s = self.shape(x)
+        fits = [z for z in self.tensors(b) if z != x and broadcast_shape(s, self.shape(z)) == s]
+        if fits and r.random() < 0.5:
+            z = r.choice(fits)
+            self.emit(b, ("inplace", x, "add_", [z], {}))
+            self.meta[x] = ("t", s, self.rg(x) or self.rg(z))
+        else:
+            self.emit(b, ("inplace", x, "mul_", [], {"c": r.choice([2.0, -0.5, 3.0])}))
 
     def gen_block(self, worker, params, depth, seq, caller, steps) -> _BlockGen:
         """A block of ``steps`` instructions on ``worker``; waits its rpc_asyncs at the end."""
@@ -864,7 +1218,9 @@ class Generator:
         for fut in list(main.pending):
             self.g_wait(main, fut)
         roots = self.gen_roots(main)
-        return {"seed": self.seed, "world": self.world, "retain": r.random() < 0.3,
+        # torch refuses retain_graph=True through a compiled backward with donated buffers
+        retain = r.random() < 0.3 and not self.compiled
+        return {"seed": self.seed, "world": self.world, "retain": retain,
                 "roots": roots, "main": {"worker": 0, "params": [], "body": main.body, "returns": roots}}
 
     def gen_roots(self, b: _BlockGen) -> list:
@@ -889,18 +1245,19 @@ class Generator:
         return roots
 
 
-def generate(seed: int, world: int) -> dict:
-    """The program for ``seed`` on ``world`` workers (deterministic)."""
-    return Generator(seed, world).program()
+def generate(seed: int, world: int, weights=None) -> dict:
+    """The program for ``seed`` on ``world`` workers (deterministic; ``weights``: the
+    features' probabilities, FEATURE_WEIGHTS when None)."""
+    return Generator(seed, world, weights).program()
 
 
 # ---------------------------------------------------------------------------------------
 # program walking: dump, size, features
 # ---------------------------------------------------------------------------------------
 def _sub_block(ins):
-    """The block a call / async / remote instruction runs, else None."""
-    if ins[0] in ("call", "async", "remote"):
-        return ins[3] if ins[0] == "call" else ins[2]
+    """The block a call / async / remote / ckpt instruction runs, else None."""
+    if ins[0] in ("call", "async", "remote", "ckpt"):
+        return ins[3] if ins[0] in ("call", "ckpt") else ins[2]
     return None
 
 
@@ -967,9 +1324,38 @@ def dump(prog: dict) -> str:
                 lines.append(f"{pad}STASH[{ins[1]!r}] = r{ins[2]}")
             elif op == "unstash":
                 lines.append(f"{pad}r{ins[1]} = STASH[{ins[2]!r}]")
+            elif op == "ckpt":
+                lines.append(f"{pad}{_r(ins[1])} = checkpoint(use_reentrant={ins[2]}):")
+                block_lines(ins[3], indent + 2)
+                lines.append(f"{pad}    return {_r(ins[3]['returns'])}")
+            else:
+                lines.append(pad + _feature_line(ins))
 
     block_lines(prog["main"], 1)
     return "\n".join(lines)
+
+
+def _feature_line(ins) -> str:
+    """dump()'s line for a hook, module or in-place instruction (issue 18)."""
+    op = ins[0]
+    if op == "hook":
+        _, x, kind, a = ins
+        what = f"g * {a['c']}" if kind == "scale" else f"g * mask {a['mask']}" if kind == "mask" \
+            else f"g.masked_fill(mask {a['mask']}, {a['value']})"
+        return f"r{x}.register_hook(lambda g: {what})"
+    if op == "nodehook":
+        _, x, kind, a = ins
+        where = {"pre": "grad_fn.register_prehook", "post": "grad_fn.register_hook (grad_inputs)",
+                 "acc": "AccumulateGrad.register_prehook"}[kind]
+        return f"r{x}.{where}(scale {a['c']})"
+    if op == "module":
+        _, out, name, x, a = ins
+        return (f"r{out} = Linear {name.split('.', 1)[1]}({a['in']}->{a['out']}, "
+                f"full backward {a['hook']} hook x{a['c']})(r{x})")
+    if op == "inplace":
+        _, x, kind, zs, a = ins
+        return f"r{x}.{kind}({_r(zs) if zs else a['c']})"
+    raise ValueError(f"unknown instruction {ins!r}")
 
 
 FEATURES = [
@@ -983,7 +1369,51 @@ FEATURES = [
     "call result unused", "call output without grad", "value sent to 2 workers + used locally",
     "stash reused by a later call", "leaf/param on worker>0", "param reused across calls",
     "several roots", "root inside another root", "backward twice (retain_graph)",
+    # issue 18: what users combine with autograd
+    "tensor hook: scale", "tensor hook: mask", "tensor hook: masked_fill", "tensor hook in a call block",
+    "tensor hook on a value sent to another worker", "tensor hook on a value with several uses",
+    "grad_fn pre-hook", "grad_fn post-hook", "AccumulateGrad pre-hook", "module full backward hook",
+    "module full backward pre-hook", "module reused", "checkpoint (use_reentrant=False)",
+    "checkpoint (use_reentrant=True)", "torch.compile (aot_eager)", "autocast bf16 matmul/linear",
+    "in-place on a fresh result", "in-place on a clone",
 ]
+
+
+def _company_features(block: dict, ins, depth: int, module_uses: collections.Counter) -> set:
+    """features() for the instructions of issue 18 (hooks, modules, checkpoint, compile,
+    autocast, in-place)."""
+    f: set = set()
+    op, body = ins[0], block["body"]
+    if op == "hook":
+        x = ins[1]
+        f.add("tensor hook: " + ins[2])
+        if depth >= 1:
+            f.add("tensor hook in a call block")
+        if any(_sub_block(i) is not None and i[0] != "ckpt" and x in _sub_block(i)["params"]
+               and _sub_block(i)["worker"] != block["worker"] for i in body):
+            f.add("tensor hook on a value sent to another worker")
+        n = sum(_uses(i).count(x) for i in body if i[0] not in ("hook", "nodehook", "inplace"))
+        if n + block["returns"].count(x) >= 2:
+            f.add("tensor hook on a value with several uses")
+    elif op == "nodehook":
+        f.add({"pre": "grad_fn pre-hook", "post": "grad_fn post-hook",
+               "acc": "AccumulateGrad pre-hook"}[ins[2]])
+    elif op == "module":
+        module_uses[ins[2]] += 1
+        if ins[4]["hook"] in ("full", "both"):
+            f.add("module full backward hook")
+        if ins[4]["hook"] in ("pre", "both"):
+            f.add("module full backward pre-hook")
+    elif op == "ckpt":
+        f.add(f"checkpoint (use_reentrant={ins[2]})")
+    elif op == "op" and ins[2] == "compiled":
+        f.add("torch.compile (aot_eager)")
+    elif op == "op" and ins[2] in ("ac_matmul", "ac_linear"):
+        f.add("autocast bf16 matmul/linear")
+    elif op == "inplace":
+        clones = {i[1] for i in body if i[0] == "op" and i[2] == "clone"}
+        f.add("in-place on a clone" if ins[1] in clones else "in-place on a fresh result")
+    return f
 
 
 def features(prog: dict) -> set:
@@ -995,9 +1425,11 @@ def features(prog: dict) -> set:
         run_block(prog["main"], [], rt)
     shapes = rt.shapes
     param_uses = collections.Counter()
+    module_uses: collections.Counter = collections.Counter()
     rref_home: dict = {}
     for block, ins, depth, caller in walk(prog["main"]):
         op, w = ins[0], block["worker"]
+        f |= _company_features(block, ins, depth, module_uses)
         if op == "leaf":
             if ins[4] and w != 0:
                 f.add("leaf/param on worker>0")
@@ -1058,6 +1490,8 @@ def features(prog: dict) -> set:
             uses[ins[2]] += 1
         elif op == "unstash":
             f.add("stash reused by a later call")
+        elif op in ("module", "ckpt"):
+            uses.update(_uses(ins))
     # second pass: uses are known now
     for block, ins, _depth, _caller in walk(prog["main"]):
         op = ins[0]
@@ -1084,6 +1518,8 @@ def features(prog: dict) -> set:
                     f.add("value sent to 2 workers + used locally")
     if any(n > 1 for n in param_uses.values()):
         f.add("param reused across calls")
+    if any(n > 1 for n in module_uses.values()):
+        f.add("module reused")
     if len(prog["roots"]) > 1:
         f.add("several roots")
     if prog["retain"]:
@@ -1369,9 +1805,9 @@ def check_program(prog: dict, backward_timeout: float = BACKWARD_TIMEOUT) -> dic
 def _defs(ins) -> list:
     """Registers an instruction defines (a stash defines the pseudo-register 'stash:NAME')."""
     op = ins[0]
-    if op in ("leaf", "op", "async", "remote", "unstash"):
+    if op in ("leaf", "op", "async", "remote", "unstash", "module"):
         return [ins[1]]
-    if op in ("multi", "call", "wait", "to_here"):
+    if op in ("multi", "call", "wait", "to_here", "ckpt"):
         return list(ins[1])
     if op == "stash":
         return ["stash:" + ins[1]]
@@ -1383,10 +1819,14 @@ def _uses(ins) -> list:
     op = ins[0]
     if op == "op":
         return list(ins[3])
-    if op == "multi":
+    if op in ("multi", "module"):
         return [ins[3]]
-    if op in ("call", "async", "remote"):
+    if op in ("call", "async", "remote", "ckpt"):
         return list(_sub_block(ins)["params"])
+    if op in ("hook", "nodehook"):
+        return [ins[1]]
+    if op == "inplace":
+        return [ins[1], *ins[3]]
     if op in ("wait", "to_here", "stash"):
         return [ins[2]]
     if op == "unstash":
@@ -1446,6 +1886,12 @@ def _rename(prog: dict, old: int, new: int) -> dict:
                 ins = ins[:3] + ([sub(x) for x in ins[3]],) + ins[4:]
             elif ins[0] == "multi" or ins[0] in ("wait", "to_here", "stash"):
                 ins = ins[:3] + (sub(ins[3]),) + ins[4:] if ins[0] == "multi" else ins[:2] + (sub(ins[2]),)
+            elif ins[0] == "module":
+                ins = ins[:3] + (sub(ins[3]),) + ins[4:]
+            elif ins[0] in ("hook", "nodehook"):
+                ins = (ins[0], sub(ins[1])) + ins[2:]
+            elif ins[0] == "inplace":
+                ins = (ins[0], sub(ins[1]), ins[2], [sub(z) for z in ins[3]], ins[4])
             body.append(ins)
         block["body"] = body
     prog["roots"] = prog["main"]["returns"]
@@ -1560,8 +2006,16 @@ def shrink(prog: dict, group: str, budget_s: float = 60.0, max_tries: int = 300,
 # ---------------------------------------------------------------------------------------
 # the cluster side and the CLI
 # ---------------------------------------------------------------------------------------
+def _with_features(prog: dict, cfg: dict) -> dict:
+    """``prog`` regenerated with the run's feature weights (see :func:`weights_for`)
+    when they are not the defaults the cluster generated it with."""
+    w = weights_for(cfg)
+    return prog if w == FEATURE_WEIGHTS else generate(prog["seed"], prog["world"], w)
+
+
 def _check_one(prog: dict, cfg: dict, shrunk_per_group: collections.Counter) -> dict:
     """Check ``prog`` (second order with ``cfg["order"] == 2``), shrinking a failure."""
+    prog = _with_features(prog, cfg)
     if cfg.get("order", 1) == 2:
         prog["order"] = 2
     rec = check_program(prog, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
@@ -1581,6 +2035,7 @@ def _check_one(prog: dict, cfg: dict, shrunk_per_group: collections.Counter) -> 
 
 def _check_poisoned(prog: dict, seed: int, world: int, cfg: dict) -> dict:
     """``--anomaly``: poison one op of ``prog`` and check what detect_anomaly reports."""
+    prog = _with_features(prog, cfg)
     bad, worker = poisoned(prog, random.Random(seed))
     if bad is None:  # no op of this program is reached by its backward
         return {"seed": seed, "world": world, "size": size(prog), "ok": True, "skipped": True}
@@ -1691,6 +2146,16 @@ def report(records: list, per_group: int = 3, out=sys.stdout) -> None:
     print(file=out)
 
 
+def feature_table(records: list, out=sys.stdout) -> None:
+    """Per feature: how many programs used it, and how many of those were exact."""
+    used = collections.Counter(f for r in records for f in r.get("features", []))
+    exact = collections.Counter(f for r in records if r["ok"] for f in r.get("features", []))
+    width = max(map(len, FEATURES))
+    print(f"\n{'feature':<{width}}  programs  exact", file=out)
+    for f in FEATURES:
+        print(f"{f:<{width}}  {used[f]:>8}  {exact[f]:>5}{'' if used[f] == exact[f] else '  <-'}", file=out)
+
+
 def main(argv=None) -> int:
     """The CLI; exit status 1 when any program failed."""
     ap = argparse.ArgumentParser(description="Random distributed autograd programs vs local autograd.")
@@ -1710,26 +2175,41 @@ def main(argv=None) -> int:
     ap.add_argument("--order", type=int, choices=(1, 2), default=1,
                     help="2: second derivatives (backward with create_graph=True, then a backward "
                          "over the sum of squared gradients)")
+    ap.add_argument("--features", default=None,
+                    help="only these features, in every program: comma-separated names of "
+                         f"{', '.join(FEATURE_WEIGHTS)} or groups {', '.join(FEATURE_GROUPS)}, each "
+                         "NAME or NAME=probability; 'default' starts from the defaults "
+                         f"({', '.join(f'{k}={v}' for k, v in FEATURE_WEIGHTS.items())})")
     args = ap.parse_args(argv)
+    try:
+        weights = parse_features(args.features)
+    except ValueError as e:
+        ap.error(str(e))
     worlds = [int(w) for w in args.workers.split(",")]
     base = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
-    print(f"base seed {base}: {args.programs} programs on {worlds} workers "
-          f"(rerun with --seed {base})", flush=True)
+    cfg = {"shrink": args.shrink, "shrink_budget_s": args.shrink_budget,
+           "backward_timeout": args.backward_timeout, "verbose": True, "order": args.order,
+           "anomaly": args.anomaly, "features": weights}
+    weights = weights_for(cfg)
+    FEATURE_WEIGHTS.update(weights)   # this process's own generate() calls (dumps of crashes)
+    print(f"base seed {base}: {args.programs} programs on {worlds} workers, features "
+          f"{', '.join(f'{k}={v:g}' for k, v in weights.items())} (rerun with --seed {base}"
+          f"{' --features ' + args.features if args.features else ''})", flush=True)
     plan: dict = collections.defaultdict(list)
     for i in range(args.programs):
         plan[worlds[i % len(worlds)]].append(base + i)
     if args.dump:
         for w, seeds in plan.items():
             for s in seeds:
-                print(dump(generate(s, w)), "\n")
+                print(dump(generate(s, w, weights)), "\n")
         return 0
-    cfg = {"shrink": args.shrink, "shrink_budget_s": args.shrink_budget,
-           "backward_timeout": args.backward_timeout, "verbose": True, "order": args.order,
-           "anomaly": args.anomaly}
     records: list = []
+    t_start = time.monotonic()
     for w, seeds in sorted(plan.items()):
         t0 = time.monotonic()
-        budget = 60 + len(seeds) * 6 + args.shrink * 4 * args.shrink_budget
+        # torch.compile costs seconds per new shape and process (more under --anomaly)
+        per_program = 6 + 24 * weights.get("compile", 0.0)
+        budget = 60 + len(seeds) * per_program + args.shrink * 4 * args.shrink_budget
         res = run_seeds(w, seeds, cfg, timeout=budget)
         bad = sum(not r["ok"] for r in res["records"])
         print(f"world {w}: {len(seeds)} programs, {bad} failed, {time.monotonic() - t0:.0f} s; "
@@ -1739,8 +2219,10 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
-    covered = collections.Counter(f for r in records for f in r.get("features", []))
-    print("features covered (programs): " + ", ".join(f"{f} {covered[f]}" for f in FEATURES))
+    elapsed = time.monotonic() - t_start
+    print(f"{len(records)} programs in {elapsed:.0f} s ({elapsed / max(1, len(records)):.2f} s per "
+          f"program, shrinking included)")
+    feature_table(records)
     report(records, args.show)
     return 1 if any(not r["ok"] for r in records) else 0
 
