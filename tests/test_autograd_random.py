@@ -40,11 +40,13 @@ SEEDS = {
 FEATURE_SEEDS = {
     2: [1157, 1265, 1280, 1298],
     3: [1406, 1463],
-    4: [1560, 1610],
+    4: [1560, 1610, 5038],
 }
 # (chosen in a greedy cover; on torch 2.13 / distgrad of issue 18's start, 1157/2,
 # 1280/2 and 1560/4 failed: hooks in a region shared by two entries were skipped;
-# 1610/4: checkpoint(use_reentrant=True) raised "incompatible with .grad()")
+# 1610/4: checkpoint(use_reentrant=True) raised "incompatible with .grad()"; 5038/4:
+# a torch.compile'd node run by the executor refused to run: "compiled with non-empty
+# donated buffers", as outside an engine call torch says the graph is kept)
 
 
 def _programs():
@@ -232,3 +234,12 @@ def test_random_programs_anomaly(world):
                        "poisoned programs misreported", " --anomaly --features none")
     checked = [r for r in res["records"] if not r.get("skipped")]
     assert len(checked) >= 8, f"only {len(checked)} programs had an op to poison"
+
+
+def test_random_programs_anomaly_in_company():
+    """The poison inside a reentrant checkpoint's block (30021/2, every feature on): the
+    nested engine call checks for NaN as the executor does, and names PoisonBackward
+    (it named CheckpointFunctionBackward)."""
+    res = _run_checked(2, [30021], {"anomaly": True, "features": rp.parse_features("all")},
+                       "poisoned programs misreported", " --anomaly --features all")
+    assert [r for r in res["records"] if not r.get("skipped")]

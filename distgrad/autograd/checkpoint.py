@@ -28,6 +28,7 @@ Example::
 """
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -113,8 +114,11 @@ def _recomputed_backward(frame: dict, outputs: list, grads: list) -> None:
         stack.extend(nxt for nxt, _ in n.next_functions if nxt is not None)
     if not leaves:
         return
-    res = _grad(tuple(outputs), tuple(grads), tuple(n.variable for n in leaves), state.retain_graph,
-                state.create_graph)
+    if state.anomaly:
+        res = _anomaly_checked(state, seen, outputs, grads, leaves)
+    else:
+        res = _grad(tuple(outputs), tuple(grads), tuple(n.variable for n in leaves), state.retain_graph,
+                    state.create_graph)
     inputs = {id(t) for t in frame["inputs"]}
     mine, theirs = [], []
     for node, g in zip(leaves, res):
@@ -127,6 +131,33 @@ def _recomputed_backward(frame: dict, outputs: list, grads: list) -> None:
             theirs.append(g)
     if mine:
         state.take_leaves(mine, theirs, grads, owned=False)
+
+
+_NAN = re.compile(r"Function '([^']+)' returned (nan|inf) values in its (\d+)th output")
+
+
+def _anomaly_checked(state: Any, nodes: set, outputs: list, grads: list, leaves: list) -> tuple:
+    """The nested engine call under detect_anomaly(): torch's own NaN/Inf check runs
+    inside it (the pass's executor checks only the nodes it runs itself), and a node
+    of the recomputed block that produced one is reported as the executor reports."""
+    from .share import _grad
+    was = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    torch.set_anomaly_enabled(True, True)
+    try:
+        return _grad(tuple(outputs), tuple(grads), tuple(n.variable for n in leaves), state.retain_graph,
+                     state.create_graph)
+    except RuntimeError as e:
+        m = _NAN.search(str(e))
+        node = next((n for n in nodes if m and n.name() == m.group(1)), None)
+        if node is None:
+            raise
+        from . import anomaly
+        from .share import CONTAINER
+        outs = [None] * int(m.group(3)) + [torch.tensor(float(m.group(2)))]
+        anomaly.check(node, outs, CONTAINER.worker_id, _worker_name())
+        raise
+    finally:
+        torch.set_anomaly_enabled(*was)
 
 
 def _worker_name() -> str:

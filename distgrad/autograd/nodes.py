@@ -27,6 +27,7 @@ Example::
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,15 +137,39 @@ def _python_node(node: Any, grads: list) -> list:
     return [next(wanted, None) if nxt is not None else None for nxt, _ in node.next_functions]
 
 
-def run_node(node: Any, grads: list, create_graph: bool = False) -> list:
+def run_node(node: Any, grads: list, create_graph: bool = False, retain_graph: bool = True) -> list:
     """Run ``node``'s backward on ``grads`` (one per input slot, ``None`` = absent);
     returns validated gradients, one per next edge. No hooks run here.
-    ``create_graph``: the backward is recorded (its results carry a graph)."""
+    ``create_graph``: the backward is recorded (its results carry a graph).
+    ``retain_graph``: what the node sees as its graph task's keep_graph (see
+    :func:`_keep_graph`)."""
     with torch.set_grad_enabled(create_graph):
         if hasattr(node, "_forward_cls"):  # a Python autograd.Function
-            outs = _python_node(node, grads)
+            prev = getattr(_tls, "keep_graph", None)
+            _tls.keep_graph = retain_graph
+            try:
+                outs = _python_node(node, grads)
+            finally:
+                _tls.keep_graph = prev
         else:
             outs = node(*grads)
             if not isinstance(outs, (tuple, list)):
                 outs = (outs,)
     return validate(node, outs)
+
+
+# A Python Function's backward may ask whether its graph task keeps the graph
+# (torch.compile's: a backward compiled with donated buffers refuses to run where
+# the graph is kept). Outside any engine call torch answers True; a node this
+# module runs is part of a pass whose retain_graph is known, so that is the answer.
+_tls = threading.local()
+_orig_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _keep_graph() -> bool:
+    keep = getattr(_tls, "keep_graph", None)
+    return _orig_keep_graph() if keep is None else keep
+
+
+if _orig_keep_graph is not None and getattr(_orig_keep_graph, "__name__", "") != "_keep_graph":
+    torch._C._autograd._get_current_graph_task_keep_graph = _keep_graph

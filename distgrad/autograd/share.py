@@ -431,7 +431,7 @@ class PassState:
                 node_hooks.run_node_post(post, [None] * len(node.next_functions), grads)
             return
         try:
-            outs = run_node(node, grads, self.create_graph)
+            outs = run_node(node, grads, self.create_graph, self.retain_graph)
             if post:
                 outs = node_hooks.run_node_post(post, outs, grads)
         except Exception as e:  # noqa: BLE001 - name the node, as torch's engine does
