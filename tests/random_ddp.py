@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import random
 import sys
@@ -323,7 +324,7 @@ def run_program(prog: dict, rank: int) -> list:
     local.load_state_dict(model.state_dict())
     diffs = []
     my_steps, n_max = prog["steps"][rank], max(prog["steps"].values())
-    ctx = ddp.join() if prog["join"] else _Nothing()
+    ctx = ddp.join() if prog["join"] else contextlib.nullcontext()
     rows = []
     served_compared = 0
     with ctx:
@@ -384,13 +385,6 @@ def run_program(prog: dict, rank: int) -> list:
         del MODS[key]
     return diffs
 
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def cluster_main(rank: int, world: int, seeds: list, pg_port: int):

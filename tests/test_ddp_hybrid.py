@@ -10,6 +10,8 @@ server's net gets each trainer's own gradient in that trainer's context. Also wi
 ``find_unused_parameters=True`` (an unused layer stays without gradient) and with
 ``ddp.join()`` over uneven inputs (a joined trainer counts as a zero gradient).
 """
+import contextlib
+
 import pytest
 import torch
 from mp_utils import free_port, run_workers
@@ -77,7 +79,7 @@ def _trainer(rank, mode):
     local.load_state_dict(model.module.state_dict(), strict=False)
     steps = {"plain": 2, "unused": 2, "join": 2 if rank == 1 else 3}[mode]
     out = []
-    with model.join() if mode == "join" else _nothing():
+    with model.join() if mode == "join" else contextlib.nullcontext():
         for i in range(steps):
             x = _batch(rank, i)
             with dist_autograd.context() as cid:
@@ -94,13 +96,6 @@ def _trainer(rank, mode):
             out.append((got, want, server, want_server))
     return out
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _main(rank, world, pg_port, modes):
