@@ -114,11 +114,10 @@ def _recomputed_backward(frame: dict, outputs: list, grads: list) -> None:
         stack.extend(nxt for nxt, _ in n.next_functions if nxt is not None)
     if not leaves:
         return
-    if state.anomaly:
-        res = _anomaly_checked(state, seen, outputs, grads, leaves)
-    else:
-        res = _grad(tuple(outputs), tuple(grads), tuple(n.variable for n in leaves), state.retain_graph,
-                    state.create_graph)
+    def run() -> tuple:
+        return _grad(tuple(outputs), tuple(grads), tuple(n.variable for n in leaves),
+                     state.retain_graph, state.create_graph)
+    res = _anomaly_checked(seen, run) if state.anomaly else run()
     inputs = {id(t) for t in frame["inputs"]}
     mine, theirs = [], []
     for node, g in zip(leaves, res):
@@ -136,16 +135,15 @@ def _recomputed_backward(frame: dict, outputs: list, grads: list) -> None:
 _NAN = re.compile(r"Function '([^']+)' returned (nan|inf) values in its (\d+)th output")
 
 
-def _anomaly_checked(state: Any, nodes: set, outputs: list, grads: list, leaves: list) -> tuple:
-    """The nested engine call under detect_anomaly(): torch's own NaN/Inf check runs
-    inside it (the pass's executor checks only the nodes it runs itself), and a node
-    of the recomputed block that produced one is reported as the executor reports."""
-    from .share import _grad
+def _anomaly_checked(nodes: set, run: Any) -> tuple:
+    """``run()`` (the nested engine call) under detect_anomaly(): torch's own NaN/Inf
+    check runs inside it (the pass's executor checks only the nodes it runs itself),
+    and a node of the recomputed block (``nodes``) that produced one is reported as
+    the executor reports."""
     was = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
     torch.set_anomaly_enabled(True, True)
     try:
-        return _grad(tuple(outputs), tuple(grads), tuple(n.variable for n in leaves), state.retain_graph,
-                     state.create_graph)
+        return run()
     except RuntimeError as e:
         m = _NAN.search(str(e))
         node = next((n for n in nodes if m and n.name() == m.group(1)), None)

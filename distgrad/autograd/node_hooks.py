@@ -232,15 +232,12 @@ _NONE: tuple = ([], [], False)
 
 
 def run_pre(pre: list, grad: Any) -> Any:
-    """``grad`` after the pre-hooks (each may return a replacement tuple)."""
-    grads = (grad,)
-    for hook in pre:
-        out = hook(grads)
-        if out is not None:
-            grads = tuple(out)
-    return grads[0]
+    """A leaf's ``grad`` after its AccumulateGrad node's pre-hooks (:func:`run_node_pre`
+    with its one input)."""
+    return run_node_pre(pre, [grad])[0]
 
 
 def run_post(post: list, grad: Any) -> None:
-    for hook in post:
-        hook((), (grad,))
+    """A leaf's AccumulateGrad post-hooks: no outputs, its gradient as the input
+    (:func:`run_node_post`; what they return is ignored, as torch's engine does)."""
+    run_node_post(post, [], [grad])
