@@ -129,7 +129,7 @@ def _recomputed_backward(frame: dict, outputs: list, grads: list) -> None:
             mine.append(node)
             theirs.append(g)
     if mine:
-        state.take_leaves(mine, theirs, grads, owned=False)
+        state.take_leaves(mine, theirs, grads, owned=False, lazy=False)  # inside a running call
 
 
 _NAN = re.compile(r"Function '([^']+)' returned (nan|inf) values in its (\d+)th output")

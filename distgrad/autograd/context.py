@@ -46,6 +46,9 @@ class DistAutogradContext:
         # else holds): later gradients are added into it in place, as torch does; the
         # others (a received buffer kept as is) are never written to
         self.grads_mine: set = set()
+        # engine results not yet taken into ``gradients`` (see accumulate_fresh): taken in
+        # order, before anything reads or adds to ``gradients``
+        self._pending: list = []
         self.passes: dict[tuple, Any] = {}         # backward passes' state on this worker
         self.released = False
 
@@ -71,7 +74,21 @@ class DistAutogradContext:
     def leaf_gradients(self) -> dict[torch.Tensor, torch.Tensor]:
         """Leaf tensor -> its accumulated gradient."""
         with self.lock:
+            self._settle()
             return {node.variable: g for node, g in self.gradients.items()}
+
+    def gradient_of(self, leaf: Any) -> torch.Tensor | None:
+        """The gradient held for ``leaf`` (its AccumulateGrad node), or None."""
+        with self.lock:
+            self._settle()
+            return self.gradients.get(leaf)
+
+    def _settle(self) -> None:
+        """Take the pending engine results in (caller holds the lock)."""
+        while self._pending:
+            pending, self._pending = self._pending, []
+            for batch in pending:
+                self._take(*batch)
 
     def accumulate(self, leaf: Any, grad: torch.Tensor, owned: bool = False) -> None:
         """Add ``grad`` to the gradient of ``leaf`` (its AccumulateGrad node) in this
@@ -82,6 +99,7 @@ class DistAutogradContext:
         gradient is copied (sparse stays sparse; dense takes the leaf's strides).
         """
         with self.lock:
+            self._settle()
             old = self.gradients.get(leaf)
             if old is not None:
                 self.gradients[leaf] = _combine(self.grads_mine, leaf, old, grad)
@@ -93,7 +111,7 @@ class DistAutogradContext:
                 self.grads_mine.add(leaf)
 
     def accumulate_fresh(self, leaves: list, grads: Sequence, given: Sequence,
-                         owned: bool = False) -> None:
+                         owned: bool = False, lazy: bool = False) -> None:
         """Accumulate an engine call's results ``grads`` for ``leaves``
         (AccumulateGrad nodes), with torch's no-copy rule: a first gradient is
         kept as it is only when nobody else holds it and its layout is the one
@@ -103,43 +121,59 @@ class DistAutogradContext:
         two leaves, as x + y does), or memory shared with an earlier result or
         with a ``given`` gradient (passed through views). ``owned``: the given
         gradients are this pass's own (received from the network) and may be
-        kept as they are; they are never written to."""
+        kept as they are; they are never written to.
+
+        ``lazy``: nobody but this pass can reach ``given`` (so a copy of a result
+        that shares its memory may be made later): only what can change, the
+        references to each result, is read now; the rest waits in ``_pending``
+        until the gradients are read or added to (the common path then costs no
+        Python work per leaf)."""
+        refs = list(map(sys.getrefcount, grads))  # the shape _calibrate() measures
         given_keys = {_memory_key(g) for g in given}
+        with self.lock:
+            if lazy:
+                self._pending.append((leaves, grads, refs, given_keys, owned))
+            else:
+                self._settle()
+                self._take(leaves, grads, refs, given_keys, owned)
+
+    def _take(self, leaves: list, grads: Sequence, refs: list, given_keys: set,
+              owned: bool) -> None:
+        """:meth:`accumulate_fresh`'s rule, applied (caller holds the lock); ``refs``:
+        each result's reference count when the engine returned it."""
         seen: set = set()
         grads_of, mine = self.gradients, self.grads_mine
-        with self.lock:
-            # this loop's shape (zip, g, _refs(g)) must stay that of _calibrate()
-            for leaf, g in zip(leaves, grads):
-                if g is None:
-                    continue
-                refs = _refs(g)
-                key = _memory_key(g)
-                old = grads_of.get(leaf)
-                if old is not None:
-                    grads_of[leaf] = _combine(mine, leaf, old, g)
-                elif key in seen or not _keepable(g, leaf):
+        for leaf, g, r in zip(leaves, grads, refs):
+            if g is None:
+                continue
+            key = _memory_key(g)
+            old = grads_of.get(leaf)
+            if old is not None:
+                grads_of[leaf] = _combine(mine, leaf, old, g)
+            elif key in seen or not _keepable(g, leaf):
+                grads_of[leaf] = _copy(g, leaf)
+                mine.add(leaf)
+            elif key in given_keys:
+                if owned:  # a received buffer, kept without a copy; never written to
+                    grads_of[leaf] = g
+                    mine.discard(leaf)
+                else:  # a caller's tensor (grad_tensors) must not become ours
                     grads_of[leaf] = _copy(g, leaf)
                     mine.add(leaf)
-                elif key in given_keys:
-                    if owned:  # a received buffer, kept without a copy; never written to
-                        grads_of[leaf] = g
-                        mine.discard(leaf)
-                    else:  # a caller's tensor (grad_tensors) must not become ours
-                        grads_of[leaf] = _copy(g, leaf)
-                        mine.add(leaf)
-                elif refs > _BASE_REFS:  # another holder: a copy, as torch's use count rule
-                    grads_of[leaf] = _copy(g, leaf)
-                    mine.add(leaf)
-                else:
-                    grads_of[leaf] = g.detach() if g.requires_grad else g
-                    mine.add(leaf)
-                seen.add(key)
+            elif r > _BASE_REFS:  # another holder: a copy, as torch's use count rule
+                grads_of[leaf] = _copy(g, leaf)
+                mine.add(leaf)
+            else:
+                grads_of[leaf] = g.detach() if g.requires_grad else g
+                mine.add(leaf)
+            seen.add(key)
 
     def accumulate_graph(self, leaves: Sequence, grads: Sequence) -> None:
         """Accumulate gradients of a ``create_graph=True`` pass: recorded, as torch's
         AccumulateGrad does in grad mode (a first gradient is copied, later ones
         summed out of place), so the stored gradients carry their graph."""
         with self.lock, torch.enable_grad():
+            self._settle()
             for leaf, g in zip(leaves, grads):
                 if g is None:
                     continue
@@ -151,16 +185,10 @@ class DistAutogradContext:
         return f"DistAutogradContext(id={self.id})"
 
 
-def _refs(t: torch.Tensor) -> int:
-    return sys.getrefcount(t)
-
-
 def _calibrate() -> int:
-    """What :func:`_refs` says of a result nobody else holds, in accumulate_fresh's loop."""
-    leaves, grads = [None], (torch.empty(0),)
-    for _leaf, g in zip(leaves, grads):
-        return _refs(g)
-    raise AssertionError("unreachable")
+    """What accumulate_fresh's count of references says of a result nobody else holds."""
+    grads = (torch.empty(0),)
+    return list(map(sys.getrefcount, grads))[0]
 
 
 _BASE_REFS = _calibrate()

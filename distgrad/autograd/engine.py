@@ -407,6 +407,7 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
              | (ANOMALY if anomaly_mode.enabled() else 0))
     state = ENGINE.new_pass(ctx, flags, roots)
     state.inline = inline
+    state.user_grads = grad_tensors is not None
     rounds = [0]
 
     def finish(exc: BaseException | None) -> None:

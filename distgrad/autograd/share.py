@@ -61,10 +61,18 @@ except ImportError:  # older torch
     _engine_run_backward = None
 
 
-def _leaf_hooks(leaves: list, grads: Sequence) -> list:
+def _leaf_hooks(leaves: list, grads: Sequence, variables: Sequence | None = None) -> list:
     """(index, pre-hooks, post-hooks, post-accumulate-grad?) of each leaf with a
     gradient whose AccumulateGrad node has hooks (:func:`.node_hooks.leaf_hooks`);
-    usually empty."""
+    usually empty, and then found without a call per leaf: a leaf's node is made
+    anew for every forward, so its hooks were registered through the wrapper
+    (counted) unless they came before ``import distgrad``, on a node still alive;
+    only tensors' post-accumulate-grad hooks are looked for on every leaf."""
+    if not (node_hooks.registered[0] or node_hooks.post_acc_registered[0]):
+        if variables is None:
+            variables = [n.variable for n in leaves]
+        if not any([v._post_accumulate_grad_hooks for v in variables]):
+            return []
     out = []
     for i, node in enumerate(leaves):
         if grads[i] is not None:
@@ -119,6 +127,7 @@ class PassState:
         self.anomaly = bool(flags & ANOMALY)
         self.aborted = False            # the pass failed elsewhere: run nothing more
         self.roots = list(roots)
+        self.user_grads = False         # the roots' gradients are the caller's grad_tensors
         self.lock = threading.RLock()
         self.nodes: set = set()         # every node some entry reaches
         self.deps: collections.Counter = collections.Counter()
@@ -279,7 +288,8 @@ class PassState:
                 res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
                             self.retain_graph, self.create_graph)
             # gradients that came over the network belong to this pass: no defensive copy
-            self.take_leaves(region.leaves, res, [g for _, g in pairs], owned=key != "root")
+            self.take_leaves(region.leaves, res, [g for _, g in pairs], owned=key != "root",
+                             variables=inputs)
         if len(pairs) < len(outputs) and region.recvs:
             # torch's engine runs a node even when all its gradients are absent, so a
             # recv function behind an absent gradient still sends (absent gradients):
@@ -287,14 +297,18 @@ class PassState:
             from .engine import ship_absent  # (engine imports this module)
             ship_absent(region.recvs)
 
-    def take_leaves(self, leaves: list, res: Sequence, given: Sequence, owned: bool) -> None:
+    def take_leaves(self, leaves: list, res: Sequence, given: Sequence, owned: bool,
+                    variables: Sequence | None = None, lazy: bool = True) -> None:
         """An engine call's gradients ``res`` for ``leaves`` (AccumulateGrad nodes) into the
         context, doing what their AccumulateGrad nodes would: DDP's held for the flush,
         the nodes' pre-hooks, accumulation, post-accumulate-grad hooks, post-hooks.
-        ``given``: the gradients the call started from (:meth:`.DistAutogradContext.accumulate_fresh`)."""
+        ``given``: the gradients the call started from (:meth:`.DistAutogradContext.accumulate_fresh`);
+        ``variables``: the leaves' tensors, where the caller has them; ``lazy``: the results
+        and ``given`` are the pass's alone once the call returned (so the context may take
+        them in later: :meth:`.DistAutogradContext.accumulate_fresh`)."""
         if ddp.active[0]:
             res = self._hold_ddp(leaves, res)
-        hooked = _leaf_hooks(leaves, res)
+        hooked = _leaf_hooks(leaves, res, variables)
         if hooked:
             res = list(res)
             for i, pre, _, _ in hooked:
@@ -303,10 +317,12 @@ class PassState:
         if self.create_graph:
             self.ctx.accumulate_graph(leaves, res)
         else:
-            self.ctx.accumulate_fresh(leaves, res, given, owned=owned)
+            # not lazily when the caller's grad_tensors are among ``given``
+            self.ctx.accumulate_fresh(leaves, res, given, owned=owned,
+                                      lazy=lazy and (owned or not self.user_grads))
         for i, _, post, post_acc in hooked:
             if post_acc:
-                node_hooks.run_post_accumulate(leaves[i].variable, self.ctx.gradients.get(leaves[i]))
+                node_hooks.run_post_accumulate(leaves[i].variable, self.ctx.gradient_of(leaves[i]))
             node_hooks.run_post(post, res[i])
 
     def _fed_slots(self, starts: list) -> dict[int, set]:
@@ -465,7 +481,7 @@ class PassState:
         else:
             self.ctx.accumulate(node, g)
         if post_acc:
-            node_hooks.run_post_accumulate(variable, self.ctx.gradients.get(node))
+            node_hooks.run_post_accumulate(variable, self.ctx.gradient_of(node))
         node_hooks.run_post(post, g)
 
 
