@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 import autograd_bench
 import fanout_bench
+import graph_bench
 import mesh_bench
 import ps_bench
 import rpc_bench
+import transformer_bench
 
 
 @dataclass
@@ -87,6 +89,25 @@ WORKLOADS = [
         Row("local_dist_ms", "local graph: dist_autograd.backward median", "ms", "lower",
             None, ".2f"),
     ], 300, 150, about="autograd_bench.local_workload"),
+    Workload("graph_size", 1, lambda q: functools.partial(graph_bench.graph_size_workload, quick=q),
+             [Row(f"gs{d}_ratio", f"graph size {d}x(Linear(16,16)+Tanh) (~{5 * d} nodes): "
+                  "dist_autograd.backward / loss.backward()", "x", "lower", "distgrad<=1.05", ".3f")
+              for d in graph_bench.DEPTHS]
+             + [Row(f"gs{d}_dist_ms", f"graph size {d}x(Linear+Tanh): dist_autograd.backward median",
+                    "ms", "lower", None, ".2f") for d in graph_bench.DEPTHS],
+             300, 150, about="graph_bench.graph_size_workload"),
+    Workload("tf_local", 1, lambda q: functools.partial(transformer_bench.tf_local_workload, quick=q), [
+        Row("tf_local_ratio", "12 transformer layers, local: dist_autograd.backward / loss.backward()",
+            "x", "lower", "distgrad<=1.05", ".3f"),
+        Row("tf_local_dist_ms", "12 transformer layers, local: dist_autograd.backward median", "ms",
+            "lower", None, ".2f"),
+    ], 300, 150, about="transformer_bench.tf_local_workload"),
+    Workload("tf_split", 2, lambda q: functools.partial(transformer_bench.tf_split_workload, quick=q), [
+        Row("tf_split_steps_per_s", "12 transformer layers split 6+6 over 2 workers "
+            "(fwd+bwd+DistributedOptimizer)", "steps/s", "higher", "ratio>=1.2"),
+        Row("tf_split_bwd_ms", "12 transformer layers split: dist_autograd.backward median", "ms",
+            "lower", None, ".2f"),
+    ], 300, 150, about="transformer_bench.tf_split_workload"),
     Workload("mesh32", 32, lambda q: functools.partial(
         mesh_bench.mesh_workload, world_size=32, quick=q), [
         Row("mesh_init_s", "32 workers: init_rpc", "s", "lower", "ratio<=0.5", ".2f"),

@@ -1,4 +1,4 @@
-"""distgrad.autograd.graph_export on a real 3-process cluster.
+"""distgrad.graph (export, draw) on a real 3-process cluster.
 
 worker0 -> worker1 -> worker2 (worker2 is known to worker0 only through
 worker1, so the gather must be transitive), results flow back the same way.
@@ -37,13 +37,14 @@ def _export(rank, world_size, out_dir):
         return None
     import distgrad.autograd as dist_autograd
     from distgrad import rpc
-    from distgrad.autograd import graph_export
+    from distgrad.graph import export as graph_export
     t = torch.rand(4, 4, requires_grad=True)
     s = torch.rand(3, dtype=torch.float64, requires_grad=True)
     with dist_autograd.context() as cid:
         out = rpc.rpc_sync("worker1", _on_worker1, args=(t, s))
         loss = out.sum()
-        desc = graph_export.export_graph(cid, os.path.join(out_dir, "g.json"), roots=[loss])
+        # the name users reach through dist_autograd (a lazy re-export of distgrad.graph's)
+        desc = dist_autograd.export_graph(cid, os.path.join(out_dir, "g.json"), roots=[loss])
         graph_export.export_graph(cid, os.path.join(out_dir, "g.dot"), roots=[loss])
         dist_autograd.backward(cid, [loss], retain_graph=True)
         # still drawable after a backward that kept the graph; matplotlib needs no system binary
@@ -108,8 +109,21 @@ def test_export_graph_three_workers():
     _check_layout(desc)
 
 
+def test_autograd_reexports_export_graph_lazily():
+    import subprocess
+    import sys
+    code = ("import sys, distgrad, distgrad.autograd as da\n"
+            "assert 'distgrad.graph' not in sys.modules, 'autograd imported the drawing'\n"
+            "import distgrad.graph\n"
+            "assert da.export_graph is distgrad.graph.export_graph\n"
+            "assert 'export_graph' in dir(da) and 'export_graph' in da.__all__\n"
+            "from distgrad.autograd import export_graph\n"
+            "assert export_graph is distgrad.graph.export.export_graph\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_to_dot_escapes_labels():
-    from distgrad.autograd.graph_export import to_dot
+    from distgrad.graph import to_dot
     desc = {"context_id": 7, "cross_edges": [],
             "workers": {0: {"name": 'we"ird', "nodes": [{"id": "w0n0", "name": "A\\B", "kind": "op"}],
                             "edges": []}}}
@@ -185,7 +199,7 @@ def _demo_like():
 def _check_layout(desc):
     """Nodes never overlap, each sits inside its worker's box, boxes are disjoint,
     every edge points down (forward data flow, layered)."""
-    from distgrad.autograd.graph_draw import layout
+    from distgrad.graph.draw import layout
     lay = layout(desc)
     real = [it for it in lay.items.values() if not it.dummy]
     assert len(real) == sum(max(1, len(w["nodes"])) for w in desc["workers"].values())
@@ -207,7 +221,7 @@ def _check_layout(desc):
 
 @pytest.mark.parametrize("make", [_two_workers, _demo_like], ids=["two_workers", "demo_like"])
 def test_fallback_draws_png_and_svg(make, tmp_path, monkeypatch):
-    from distgrad.autograd import graph_export
+    from distgrad.graph import export as graph_export
     monkeypatch.setenv("DISTGRAD_NO_DOT", "1")
     assert graph_export.dot_program() is None
     desc = make()
@@ -227,8 +241,8 @@ def test_fallback_draws_png_and_svg(make, tmp_path, monkeypatch):
 def test_fallback_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     import sys
 
-    from distgrad.autograd import graph_export
     from distgrad.errors import DistgradError
+    from distgrad.graph import export as graph_export
     monkeypatch.setenv("DISTGRAD_NO_DOT", "1")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(DistgradError, match="pip install matplotlib"):
@@ -241,7 +255,7 @@ def test_fallback_without_matplotlib_says_what_to_install(tmp_path, monkeypatch)
 @pytest.mark.skipif(NO_DOT, reason="Graphviz's 'dot' is not on PATH: the dot path cannot run here "
                                    "(the matplotlib fallback is tested above)")
 def test_dot_renders_png_and_svg(tmp_path, monkeypatch):
-    from distgrad.autograd import graph_export
+    from distgrad.graph import export as graph_export
     monkeypatch.delenv("DISTGRAD_NO_DOT", raising=False)
     desc = _demo_like()
     assert graph_export.render(desc, str(tmp_path / "g.png")) == "dot"

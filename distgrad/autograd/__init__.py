@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -24,7 +25,6 @@ from .context import CONTAINER, DistAutogradContext
 from .engine import ENGINE
 from .engine import backward_async as _backward_async
 from .engine import backward_sync as _backward_sync
-from .graph_export import export_graph
 
 __all__ = [
     "DistAutogradContext",
@@ -37,6 +37,19 @@ __all__ = [
     "get_gradients",
     "is_available",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``export_graph`` lives in :mod:`distgrad.graph`, which depends on this
+    package; it is imported on first use only (see :func:`distgrad.graph.export_graph`)."""
+    if name == "export_graph":
+        from ..graph import export_graph
+        return export_graph
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"export_graph"})
 
 
 def is_available() -> bool:

@@ -212,7 +212,7 @@ class Driver:
         import torch.nn.functional as F
 
         import distgrad.autograd as dist_autograd
-        from distgrad.autograd.graph_export import describe_graph
+        from distgrad.graph import describe_graph
 
         from .model import build_module
 
@@ -360,7 +360,7 @@ class Driver:
 def write_graph(desc: dict, base: str) -> tuple[list[str], str]:
     """The graph as ``base``.png and .svg (Graphviz's dot where installed, else
     matplotlib), .dot source and .json description; returns (paths, engine)."""
-    from distgrad.autograd.graph_export import render, to_dot
+    from distgrad.graph import render, to_dot
     paths = [base + ".png", base + ".svg"]
     engine = render(desc, paths[0])
     render(desc, paths[1], engine=engine)

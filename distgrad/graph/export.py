@@ -21,7 +21,7 @@ Example (inside a context, after the forward)::
 
 Pictures (``.svg``, ``.png``, ``.pdf``) are drawn by Graphviz's ``dot``
 where it is on PATH, otherwise by matplotlib with a layered layout of its own
-(``graph_draw``): the same boxes per worker and labelled cross-worker edges,
+(``distgrad.graph.draw``): the same boxes per worker and labelled cross-worker edges,
 no system package needed. ``DISTGRAD_NO_DOT=1`` forces the matplotlib path.
 A ``.dot``/``.gv`` path (DOT source) or ``.json`` needs neither.
 """
@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
+from ..autograd.context import CONTAINER
+from ..autograd.recording import _ANCHOR, _node_types
 from ..errors import DistgradError
 from ..rpc import api as rpc_api
 from ..rpc.agent import agent_or_none
-from . import graph_labels as labels
-from .context import CONTAINER
-from .recording import _ANCHOR, _node_types
+from . import labels
 
 __all__ = ["describe_graph", "dot_program", "export_graph", "render", "to_dot"]
 
@@ -256,7 +256,7 @@ def render(desc: dict, path: str, engine: str = "auto") -> str:
     The format follows the extension: ``.svg``, ``.png`` or ``.pdf``.
     ``engine="auto"`` uses Graphviz's ``dot`` where it is installed (see
     :func:`dot_program`) and otherwise draws the same picture with matplotlib
-    (``graph_draw``: layered layout, one box per worker); ``"dot"`` or
+    (``distgrad.graph.draw``: layered layout, one box per worker); ``"dot"`` or
     ``"matplotlib"`` insists on one. When the engine is missing, the DOT
     source is written next to ``path`` (``.dot``) and DistgradError says what
     to install.
@@ -293,13 +293,13 @@ def render(desc: dict, path: str, engine: str = "auto") -> str:
     try:
         import matplotlib  # noqa: F401
 
-        from . import graph_draw
+        from . import draw
     except ImportError as e:
         _write(dot_path, to_dot(desc))
         raise DistgradError(f"render: cannot draw {path!r}: Graphviz's 'dot' is not on PATH and "
                             f"matplotlib is not installed ({e}); pip install matplotlib (or "
                             f"'distgrad[demo]'). The DOT source is in {dot_path!r}") from e
-    graph_draw.draw(desc, path)
+    draw.draw(desc, path)
     return "matplotlib"
 
 

@@ -1,6 +1,6 @@
 """Draw a distributed autograd graph with matplotlib alone (no Graphviz).
 
-The fallback of :func:`distgrad.autograd.graph_export.export_graph` where
+The fallback of :func:`distgrad.graph.export.export_graph` where
 Graphviz's ``dot`` is not installed; it draws what ``dot`` draws (a box per
 worker, cross-worker edges labelled with their bytes and tensor shapes)
 from a description made by ``describe_graph``.
@@ -30,7 +30,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .graph_labels import COLORS, CROSS_COLOR, edge_label, node_label, title
+from .labels import COLORS, CROSS_COLOR, edge_label, node_label, title
 
 __all__ = ["draw", "layout"]
 
@@ -192,7 +192,7 @@ def layout(desc: dict, ruler: _Ruler | None = None) -> Layout:
     ruler = ruler or _Ruler()
     items, edges = _graph(desc)
     if not items:
-        raise ValueError("graph_draw.layout: the description has no workers")
+        raise ValueError("distgrad.graph.draw.layout: the description has no workers")
     ids = list(items)
     dag = _acyclic(ids, edges)
     layer = _layers(ids, dag)

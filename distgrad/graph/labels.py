@@ -1,5 +1,5 @@
 """Texts and colours of a distributed autograd graph picture, shared by the
-Graphviz path (``graph_export.to_dot``) and the matplotlib one (``graph_draw``).
+Graphviz path (``export.to_dot``) and the matplotlib one (``draw``).
 
 Example::
 
