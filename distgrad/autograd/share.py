@@ -37,6 +37,7 @@ from .nodes import UNREACHED, accumulate, run_node, validate
 from .recording import _ANCHOR, _node_types
 
 _ACCUMULATE = None
+_GRAD_LOCK = threading.Lock()   # one pass at a time runs its region through .grad
 node_hooks.install()  # any `import distgrad...` gets here (distgrad/__init__ imports autograd)
 
 # A pass's flags (they travel with its gradients): keep the graph; record the backward;
@@ -280,22 +281,69 @@ class PassState:
             fed = None
         if pairs and (region.leaves or region.recvs):
             # the leaf tensors, not GradientEdges: the same edges to the engine, ~8x cheaper
-            inputs = [n.variable for n in region.leaves]
-            if region.recvs:
-                inputs.append(_ANCHOR)
+            variables = [n.variable for n in region.leaves]
+            outs, given = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
             from .engine import fed_slots  # (engine imports this module)
             with fed_slots(fed):
-                res = _grad(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), tuple(inputs),
-                            self.retain_graph, self.create_graph)
-            # gradients that came over the network belong to this pass: no defensive copy
-            self.take_leaves(region.leaves, res, [g for _, g in pairs], owned=key != "root",
-                             variables=inputs)
+                res = self._through_grad(variables, outs, given, region)
+                if res is not None:  # the leaves' nodes ran, hooks and all
+                    self.ctx.accumulate_fresh(region.leaves, res, given, owned=key != "root",
+                                              lazy=key != "root" or not self.user_grads)
+                    res = None
+                else:
+                    inputs = variables + [_ANCHOR] if region.recvs else variables
+                    res = _grad(outs, given, tuple(inputs), self.retain_graph, self.create_graph)
+            if res is not None:
+                # gradients that came over the network belong to this pass: no defensive copy
+                self.take_leaves(region.leaves, res, given, owned=key != "root",
+                                 variables=variables)
         if len(pairs) < len(outputs) and region.recvs:
             # torch's engine runs a node even when all its gradients are absent, so a
             # recv function behind an absent gradient still sends (absent gradients):
             # the sender may be counting on that message
             from .engine import ship_absent  # (engine imports this module)
             ship_absent(region.recvs)
+
+    def _through_grad(self, variables: list, outs: tuple, given: tuple,
+                      region: _Region) -> list | None:
+        """A native region as the plain ``backward()`` torch's users time: every
+        AccumulateGrad node runs and writes ``.grad``, which is read and put back
+        at once. An engine call that captures its inputs instead (``inputs=``)
+        costs torch 7 % more at 150 nodes and 28 % more at 9,000. The gradients
+        are the ones torch's context would store (its AccumulateGrad rule is the
+        one the context applies); the leaves' nodes run their own hooks.
+
+        Only where nothing can tell: no graph recorded, no DDP (its hooks are on
+        those nodes), no post-accumulate-grad hook (it would see this pass's
+        gradient, not the context's sum), and one such call at a time in this
+        process (others capture; they never touch ``.grad``). Returns None where
+        it does not apply."""
+        if (self.create_graph or ddp.active[0] or _engine_run_backward is None
+                or node_hooks.post_acc_registered[0]
+                or any([v._post_accumulate_grad_hooks for v in variables])
+                or not _GRAD_LOCK.acquire(blocking=False)):
+            return None
+        try:
+            saved = [v.grad for v in variables]
+            kept = [(v, g) for v, g in zip(variables, saved) if g is not None]
+            for v, _ in kept:
+                v.grad = None
+            res = None
+            try:
+                _engine_run_backward(outs, given, self.retain_graph, False, (), True,
+                                     accumulate_grad=True)
+                res = [v.grad for v in variables]
+            finally:
+                for v, g in zip(variables, res if res is not None else variables):
+                    if g is not None:
+                        v.grad = None
+                for v, g in kept:
+                    v.grad = g
+                if region.recvs:
+                    _ANCHOR.grad = None
+            return res
+        finally:
+            _GRAD_LOCK.release()
 
     def take_leaves(self, leaves: list, res: Sequence, given: Sequence, owned: bool,
                     variables: Sequence | None = None, lazy: bool = True) -> None:
