@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distgrad.autograd.context import CONTAINER, DistAutogradContext
-from distgrad.autograd.share import PassState
+from distgrad.autograd.share import PassState, _below
 
 
 class FirstOnly(torch.autograd.Function):
@@ -147,7 +147,8 @@ def _executor_grads(roots: list) -> dict:
     ctx = DistAutogradContext(7)
     state = PassState(ctx, (0, 0), 0, True, roots)
     if not state.shared:  # force the node-by-node executor onto this local graph
-        state.shared = True
+        state.shared = True  # (a native pass keeps no node set: walk it again)
+        state.nodes = _below([r.grad_fn for r in roots])
         state.count_inputs([r.grad_fn for r in roots], state.nodes)
     state.run_entry("root", list(roots), [torch.ones_like(r) for r in roots])
     assert not state.waiting, "nodes left waiting with every input in"

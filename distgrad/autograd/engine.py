@@ -408,6 +408,9 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
     state = ENGINE.new_pass(ctx, flags, roots)
     state.inline = inline
     state.user_grads = grad_tensors is not None
+    if inline is None and state.alone():
+        _run_alone(state, roots, grads, deliver)
+        return
     rounds = [0]
 
     def finish(exc: BaseException | None) -> None:
@@ -452,6 +455,28 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
 
     state.on_round = on_round
     _run(state, 0, state.run_entry, "root", list(roots), grads)
+
+
+def _run_alone(state: PassState, roots: list, grads: list,
+               deliver: Callable[[BaseException | None], None]) -> None:
+    """A pass nobody else takes part in (:meth:`.PassState.alone`): its one region runs
+    here and the pass ends, without the weights that count other workers' runs."""
+    err = None
+    prev = (getattr(_tls, "state", None), getattr(_tls, "exp", 0), getattr(_tls, "targets", None),
+            getattr(_tls, "shipped", None))
+    _tls.state, _tls.exp, _tls.targets, _tls.shipped = state, 0, set(), set()
+    state.running += 1
+    try:
+        with torch.set_grad_enabled(False):
+            state.run_entry("root", roots, grads)
+    except BaseException as e:  # noqa: BLE001 - the pass's error
+        err = backward_error(e)
+    finally:
+        state.running -= 1
+        _tls.state, _tls.exp, _tls.targets, _tls.shipped = prev
+        state.finished = True
+        ENGINE.finish(state)
+    deliver(err)
 
 
 def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,

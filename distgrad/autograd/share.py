@@ -21,6 +21,7 @@ How gradients travel between shares and how a pass ends is :mod:`.engine`'s.
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -158,6 +159,19 @@ class PassState:
 
     # -- the walk ---------------------------------------------------------------
     def _prepare(self) -> None:
+        # The walk makes a few Python objects a node (torch's node objects, edge tuples),
+        # all alive until it ends: a collection in the middle only scans them again and
+        # again (at 150 nodes it doubled the walk). The collector waits till it is done.
+        collect = gc.isenabled()
+        if collect:
+            gc.disable()
+        try:
+            self._walk_all()
+        finally:
+            if collect:
+                gc.enable()
+
+    def _walk_all(self) -> None:
         with self.ctx.lock:
             sends = dict(self.ctx.send_functions)
         seen = 0
@@ -174,6 +188,8 @@ class PassState:
         self.shared = seen > len(self.nodes) or self.anomaly
         if self.shared:  # the executor needs every node's count of inputs
             self.count_inputs([r.grad_fn for r in self.roots] + list(sends.values()), self.nodes)
+        else:  # nothing needs them again: their Python objects go before a collection sees them
+            self.nodes = set()
 
     def count_inputs(self, entries: Sequence[Any], nodes: set) -> None:
         """The executor's dependency counts: one per entry (a root's node, a send
@@ -244,6 +260,14 @@ class PassState:
                     stack.append(nxt)
         return recvs
 
+    def alone(self) -> bool:
+        """Whether this pass (its initiator's share) is local: no RPC in the context,
+        no recv function in the roots' region, nothing shared, no DDP, no graph
+        recorded, no anomaly check."""
+        region = self.regions.get("root")
+        return (not self.shared and not self.create_graph and not ddp.active[0]
+                and not self.ctx.send_functions and region is not None and not region.recvs)
+
     def blocked(self) -> bool:
         return bool(self.waiting)
 
@@ -256,7 +280,7 @@ class PassState:
             with self.lock:
                 self._feed(outputs, grads)
             return
-        region = self.regions.get(key)
+        region = self.regions.get(key) if key != "root" else self.regions.pop(key, None)
         if region is None:
             return
         pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(g, torch.Tensor)]
