@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from distgrad.autograd.context import CONTAINER, DistAutogradContext
-from distgrad.autograd.share import PassState, _below
+from distgrad.autograd.share import PassState
+from distgrad.autograd.walk import below as _below
 
 
 class FirstOnly(torch.autograd.Function):
@@ -224,14 +225,14 @@ def test_error_in_node_names_it():
 
 
 def _executor_grads_with_agent_name(roots):
-    import distgrad.autograd.engine as engine
+    import distgrad.autograd.gradients as gradients
 
     class _Agent:
         name = "worker0"
 
-    orig = engine._agent
-    engine._agent = lambda: _Agent()
+    orig = gradients.current_agent
+    gradients.current_agent = lambda: _Agent()
     try:
         return _executor_grads(roots)
     finally:
-        engine._agent = orig
+        gradients.current_agent = orig

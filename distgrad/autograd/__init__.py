@@ -18,13 +18,12 @@ from typing import Any
 
 import torch
 
-from ..rpc.agent import agent_or_none
-from . import recording as _recording  # noqa: F401  (registers the agent extension)
 from .anomaly import detect_anomaly
 from .context import CONTAINER, DistAutogradContext
-from .engine import ENGINE
+from .engine import ENGINE, debug_info
 from .engine import backward_async as _backward_async
 from .engine import backward_sync as _backward_sync
+from .recording import spread_release  # (importing it registers the agent extension)
 
 __all__ = [
     "DistAutogradContext",
@@ -98,25 +97,7 @@ def _release_context(context_id: int) -> None:
     ctx = CONTAINER.release(context_id)
     if ctx is None:
         raise RuntimeError(f"Could not find autograd context with id: {context_id}")
-    _spread_release(ctx, exclude=None)
-
-
-def _spread_release(ctx: DistAutogradContext, exclude: int | None) -> None:
-    """Tell every worker this context reached to release it (one-way control
-    messages; each receiver passes it on to the workers it reached)."""
-    agent = agent_or_none()
-    if agent is None:
-        return
-    for w in ctx._known_worker_ids():
-        if w != exclude and w != agent.rank:
-            agent.send_control(w, "ag_release", ctx.id)
-
-
-def _release_remote(sender: int, context_id: int) -> None:
-    """Control handler (reading thread): release a context another worker left."""
-    ctx = CONTAINER.release(context_id)
-    if ctx is not None:
-        _spread_release(ctx, exclude=sender)
+    spread_release(ctx, exclude=None)
 
 
 @contextlib.contextmanager
@@ -137,7 +118,7 @@ def context() -> Iterator[int]:
         yield ctx.id
     finally:
         if CONTAINER.release(ctx.id) is not None:
-            _spread_release(ctx, exclude=None)
+            spread_release(ctx, exclude=None)
 
 
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,
@@ -216,7 +197,4 @@ def get_engine_stats() -> dict[str, int]:
 
 def _get_debug_info() -> dict[str, int]:
     """torch's two counters: ``num_current_backward_passes`` and ``num_autograd_contexts``."""
-    passes = ENGINE.current_passes()
-    with CONTAINER.lock:
-        contexts = len(CONTAINER.contexts)
-    return {"num_current_backward_passes": passes, "num_autograd_contexts": contexts}
+    return debug_info()

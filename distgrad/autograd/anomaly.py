@@ -33,6 +33,11 @@ from typing import Any
 import torch
 
 from ..errors import AnomalyError
+from ..rpc import api as rpc_api
+from ..rpc.agent import current_agent
+from .context import CONTAINER
+from .rpc_functions import _node_types
+from .walk import below
 
 _lock = threading.Lock()
 _users = [0, None]  # threads inside an anomaly scope here; torch's mode before the first
@@ -97,10 +102,8 @@ def check(node: Any, outs: Sequence, rank: int, worker: str) -> None:
     if bad is None:
         return
     i, what = bad
-    from .recording import _node_types
-    from .share import _below
     _, recv_t = _node_types()
-    hops = sorted({(r.dg_info[2], r.dg_info[1]) for r in _below([node]) if type(r) is recv_t})
+    hops = sorted({(r.dg_info[2], r.dg_info[1]) for r in below([node]) if type(r) is recv_t})
     stack = _user_frames(node.metadata.get("traceback_", []) or [])
     raise AnomalyError(f"Error on Node {rank}: Function '{node.name()}' returned {what} values in its "
                        f"{i}th output (on worker {worker})", worker, node.name(), "", stack, hops)
@@ -118,24 +121,19 @@ def _user_frames(frames: list) -> str:
 def _hops(context_id: int, msg_ids: list[int]) -> dict[int, list]:
     """RPC target: for each send function, the (sender, message id) of the recv
     functions its region reaches here (where the gradient would go next)."""
-    from .context import CONTAINER
-    from .recording import _node_types
-    from .share import _below
     _, recv_t = _node_types()
     ctx = CONTAINER.retrieve(context_id)
     out = {}
     for m in msg_ids:
         node = ctx.send_functions.get(m)
         if node is not None:
-            out[m] = sorted({(r.dg_info[2], r.dg_info[1]) for r in _below([node]) if type(r) is recv_t})
+            out[m] = sorted({(r.dg_info[2], r.dg_info[1]) for r in below([node]) if type(r) is recv_t})
     return out
 
 
 def complete(err: AnomalyError, context_id: int, limit: int = 64) -> AnomalyError:
     """Follow the poisoned gradient's way from worker to worker (RPCs to each worker
     on it; call on a thread that may block) and fill ``err.chains``."""
-    from ..rpc import api as rpc_api
-    from ..rpc.agent import current_agent
     agent = current_agent()
     name = {w.id: w.name for w in agent.workers}
     start = err.worker_name or "?"

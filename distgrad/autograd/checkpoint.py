@@ -35,12 +35,18 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _ckpt
 
+from . import anomaly
+from .context import CONTAINER
+from .gradients import _agent, current_pass
+from .nodes import grad_call
+from .rpc_functions import _node_types
+from .walk import accumulate_type
+
 _tls = threading.local()
 
 
 def _current_pass() -> Any:
-    from . import engine
-    return getattr(engine._tls, "state", None)
+    return current_pass()
 
 
 def _install() -> None:
@@ -91,11 +97,9 @@ def _install() -> None:
 
 def _recomputed_backward(frame: dict, outputs: list, grads: list) -> None:
     """The checkpoint's nested backward, for the distributed pass ``frame["state"]``."""
-    from .recording import _node_types
-    from .share import _accumulate_type, _grad
     state = frame["state"]
     _, recv_t = _node_types()
-    acc_t = _accumulate_type()
+    acc_t = accumulate_type()
     leaves, seen = [], set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
@@ -115,7 +119,7 @@ def _recomputed_backward(frame: dict, outputs: list, grads: list) -> None:
     if not leaves:
         return
     def run() -> tuple:
-        return _grad(tuple(outputs), tuple(grads), tuple(n.variable for n in leaves),
+        return grad_call(tuple(outputs), tuple(grads), tuple(n.variable for n in leaves),
                      state.retain_graph, state.create_graph)
     res = _anomaly_checked(seen, run) if state.anomaly else run()
     inputs = {id(t) for t in frame["inputs"]}
@@ -149,8 +153,6 @@ def _anomaly_checked(nodes: set, run: Any) -> tuple:
         node = next((n for n in nodes if m and n.name() == m.group(1)), None)
         if node is None:
             raise
-        from . import anomaly
-        from .share import CONTAINER
         outs = [None] * int(m.group(3)) + [torch.tensor(float(m.group(2)))]
         anomaly.check(node, outs, CONTAINER.worker_id, _worker_name())
         raise
@@ -160,7 +162,6 @@ def _anomaly_checked(nodes: set, run: Any) -> tuple:
 
 def _worker_name() -> str:
     try:
-        from .engine import _agent
         return _agent().name
     except Exception:  # noqa: BLE001 - only for the message
         return "?"

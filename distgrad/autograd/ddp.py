@@ -42,6 +42,9 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from .context import CONTAINER
+from .nodes import _engine_run_backward
+
 _params: dict[int, weakref.ref] = {}            # id -> parameter some DDP instance syncs
 _owner: dict[int, weakref.ref] = {}             # id of a parameter -> its DDP instance
 _deferred: dict[int, Any] = {}                  # id(reducer) -> reducer whose unused-search waits
@@ -83,7 +86,6 @@ def _wrap_reducer() -> None:
         return
 
     def prepare_for_backward(self, outputs):
-        from .context import CONTAINER
         ctx = CONTAINER.current() if outputs else None
         if ctx is not None and (ctx.send_functions or ctx.recv_functions):
             # find_unused_parameters after RPCs inside a distributed autograd context:
@@ -140,7 +142,6 @@ def synced(leaves: Sequence[Any], grads: Sequence) -> Sequence:
     idx = held(leaves, grads)
     if not idx:
         return grads
-    from .share import _engine_run_backward
     out = list(grads)
     variables = [leaves[i].variable for i in idx]
     with _lock:

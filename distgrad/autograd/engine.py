@@ -22,19 +22,18 @@ state lives in the context and goes with it.
 from __future__ import annotations
 
 import collections
-import contextlib
 import pickle
 import queue
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ..errors import AnomalyError, BackwardError, DistgradError
+from ..errors import AnomalyError, BackwardError
 from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
 from ..rpc.remote_exc import pack_exception, unpack_exception
@@ -43,10 +42,13 @@ from .checks import check_roots as _check_roots
 from .context import CONTAINER
 from .futures import all_of as _all
 from .futures import done as _done
+from .gradients import RECEIVER, _agent, _tls, backward_error
+from .gradients import fed_slots as fed_slots  # noqa: F401  (its old home)
+from .gradients import ship_absent as ship_absent  # noqa: F401
+from .gradients import ship_gradients as ship_gradients  # noqa: F401
 from .nodes import UNREACHED
 from .share import ANOMALY, CREATE_GRAPH, ENGINE, RETAIN, PassState
 
-_tls = threading.local()
 _MAX_RESUMES = 8
 
 
@@ -61,66 +63,6 @@ _MAX_RESUMES = 8
 # again: no gradient is in flight and no run is active anywhere. One message
 # per worker run reaches the initiator directly, instead of a reply climbing
 # back through every hop of the chain.
-def _agent():
-    from ..rpc.agent import current_agent
-    return current_agent()
-
-
-def ship_gradients(dg_info: tuple, grads: Sequence, reached: Sequence[bool] | None = None) -> None:
-    """Send a recv function's gradients to the worker that sent its tensors.
-
-    ``reached[i]`` False: no path from the roots reaches slot ``i`` (the sender then
-    runs nothing behind it); by default the slots the walk found fed."""
-    context_id, msg_id, sender = dg_info
-    state: PassState | None = getattr(_tls, "state", None)
-    if state is None or state.ctx.id != context_id:
-        raise RuntimeError(f"recv function of context {context_id} ran outside a distributed "
-                           "backward pass (use distgrad.autograd.backward)")
-    if reached is None:
-        run_fed = getattr(_tls, "fed", None)
-        fed = (state.recv_slots if run_fed is None else run_fed).get(msg_id)
-        unreached = [] if fed is None else [i for i in range(len(grads)) if i not in fed]
-    else:
-        unreached = [i for i, r in enumerate(reached) if not r]
-    _tls.exp += 1
-    _tls.targets.add(sender)
-    _tls.shipped.add(msg_id)
-    args = (context_id, state.pass_id, state.initiator, state.flags, msg_id, list(grads), _tls.exp,
-            unreached)
-    if state.create_graph:
-        # Gradients that carry a graph travel as an RPC of the context: the send and
-        # recv functions recorded here and there let a later pass through them.
-        prev = CONTAINER.set_current(state.ctx)
-        try:
-            _agent().notify(sender, _propagate, args)
-        finally:
-            CONTAINER.set_current(prev)
-    else:
-        _agent().notify(sender, _propagate, args)
-
-
-@contextlib.contextmanager
-def fed_slots(fed: dict | None) -> Iterator[None]:
-    """Within: recv functions that run on this thread take their reached slots from
-    ``fed`` (a native run that starts past a send function reaches fewer of them than
-    the walk found)."""
-    prev = getattr(_tls, "fed", None)
-    _tls.fed = fed
-    try:
-        yield
-    finally:
-        _tls.fed = prev
-
-
-def ship_absent(recvs: Sequence) -> None:
-    """Tell the senders of the recv functions that sent nothing in this run that no
-    path reached them (the senders may be counting on a message)."""
-    for r in recvs:
-        if r.dg_info[1] not in _tls.shipped:
-            n = len(r._input_metadata)
-            ship_gradients(r.dg_info, [None] * n, [False] * n)
-
-
 def _run_here_or_inline(state: PassState, exp: int, fn, *args) -> None:
     """:func:`_run`, or hand it to the initiator's thread where that thread asked to
     run its pass's work itself (it is profiling: torch's profiler sees one thread)."""
@@ -150,22 +92,6 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
         _tls.state, _tls.exp, _tls.targets, _tls.shipped = prev
     _report(state.ctx.id, state.pass_id, state.initiator, exp, state.blocked(), targets, err,
             state.holds_ddp())
-
-
-def backward_error(e: BaseException, node: Any = None) -> BaseException:
-    """The error a pass ends with when ``e`` was raised on this worker (inside
-    ``node`` when known): torch's ``RuntimeError("Error on Node <rank>: <message>")``
-    as a :class:`~distgrad.errors.BackwardError` naming the node and the worker.
-    distgrad's own errors (a lost worker, a timeout) keep their type."""
-    if isinstance(e, DistgradError):
-        return e
-    agent = _agent()
-    name = node.name() if node is not None else ""
-    where = f" (in {name} on worker {agent.name})" if name else f" (on worker {agent.name})"
-    cause = f"{type(e).__module__}.{type(e).__qualname__}"
-    err = BackwardError(f"Error on Node {CONTAINER.worker_id}: {e}{where}", agent.name, name, cause)
-    err.__cause__ = e
-    return err
 
 
 def _report(context_id: int, pass_id: tuple, initiator: int, exp: int, blocked: bool,
@@ -301,6 +227,9 @@ def _propagate(context_id: int, pass_id: tuple, initiator: int, flags: int,
         return
     outputs = [GradientEdge(node, i) for i in range(len(grads))]
     _run_here_or_inline(state, exp, state.run_entry, msg_id, outputs, grads)
+
+
+RECEIVER[0] = _propagate  # gradients shipped here arrive there
 
 
 def _send_function(state: PassState, msg_id: int) -> Any:
@@ -546,3 +475,11 @@ def _backward_inline(context_id: int, roots: Sequence[torch.Tensor], retain_grap
             return
         exp, fn, args = task
         _run(state, exp, fn, *args)
+
+
+def debug_info() -> dict[str, int]:
+    """torch's two counters: ``num_current_backward_passes`` and ``num_autograd_contexts``."""
+    passes = ENGINE.current_passes()
+    with CONTAINER.lock:
+        contexts = len(CONTAINER.contexts)
+    return {"num_current_backward_passes": passes, "num_autograd_contexts": contexts}

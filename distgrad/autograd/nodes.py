@@ -173,3 +173,20 @@ def _keep_graph() -> bool:
 
 if _orig_keep_graph is not None and getattr(_orig_keep_graph, "__name__", "") != "_keep_graph":
     torch._C._autograd._get_current_graph_task_keep_graph = _keep_graph
+
+
+def grad_call(outputs: tuple, grads: tuple, inputs: tuple, retain_graph: bool,
+          create_graph: bool = False) -> tuple:
+    """``torch.autograd.grad(..., allow_unused=True)`` minus its per-input Python checks
+    (we built every argument ourselves); falls back to the public call."""
+    if _engine_run_backward is None:
+        return torch.autograd.grad(outputs, inputs, grad_outputs=grads, retain_graph=retain_graph,
+                                   create_graph=create_graph, allow_unused=True)
+    return _engine_run_backward(outputs, grads, retain_graph, create_graph, inputs, True,
+                                accumulate_grad=False)
+
+
+try:
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # older torch
+    _engine_run_backward = None

@@ -1,11 +1,8 @@
-"""Recording RPCs in the autograd graph: a send function on the sender, a recv
-function on the receiver, paired by one globally unique autograd message id.
-
-``SendRpc``'s node has the sent tensors' gradient edges as its next edges
-(torch's graph shape); the distributed engine starts local backward there
-when gradients for the sent tensors come back. ``RecvRpc``'s node is the
-``grad_fn`` of the received tensors; when the engine reaches it, it ships the
-incoming gradients to the sender.
+"""Recording RPCs in the autograd graph, as the agent extension: a send function
+on the sender, a recv function on the receiver (:mod:`.rpc_functions`), paired by
+one globally unique autograd message id; requests run inside the caller's
+context; contexts released everywhere they reached; the engine's control
+messages and a lost peer's passes and contexts.
 """
 from __future__ import annotations
 
@@ -13,70 +10,12 @@ from typing import Any
 
 import torch
 
+from ..rpc.agent import agent_or_none
 from ..rpc.extensions import AgentExtension, register_extension
 from . import anomaly as anomaly_mode
 from .context import CONTAINER, DistAutogradContext
-
-# One leaf that every recv function hangs from, so that received tensors
-# require grad and native engine calls can capture "recv nodes ran" (see engine).
-_ANCHOR = torch.zeros((), requires_grad=True)
-
-
-def _send_forward(ctx, *tensors):
-    ctx.set_materialize_grads(False)
-    # Outputs are placeholders with the sent tensors' metadata (never read): one
-    # element each, zero strides; a single op per tensor (this runs on every call).
-    return tuple(torch.empty_strided(t.shape, (0,) * t.dim(), dtype=t.dtype) for t in tensors)
-
-
-def _send_backward(ctx, *grads):
-    return grads
-
-
-def _recv_forward(ctx, anchor, context_id, message_id, sender, received):
-    ctx.set_materialize_grads(False)
-    ctx.dg_info = (context_id, message_id, sender)
-    # The received tensors come in a list, not as inputs: an input returned (or a view
-    # of one) would be a view made in a custom Function, which torch forbids to modify
-    # in place. detach() gives a fresh alias (no copy, sparse too) that takes this node
-    # as its grad_fn and, like torch's received tensors, can be changed in place.
-    return tuple(t.detach() for t in received)
-
-
-def _recv_backward(ctx, *grads):
-    from .engine import ship_gradients
-    ship_gradients(ctx.dg_info, grads)
-    return None, None, None, None, None
-
-
-def _function(name: str, forward, backward, doc: str) -> type:
-    # The class name makes the node's name(): torch's C++ nodes are named
-    # "torch::distributed::autograd::SendRpcBackward" / "...RecvRpcBackward", and
-    # code (torch's own tests, graph printers, the profiler) matches on it.
-    return type(f"torch::distributed::autograd::{name}", (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(backward),
-                 "__doc__": doc, "__module__": __name__})
-
-
-SendRpc = _function("SendRpc", _send_forward, _send_backward,
-                    "Autograd node for tensors sent in an RPC "
-                    "(``grad_fn.name()``: ``torch::distributed::autograd::SendRpcBackward``).")
-RecvRpc = _function("RecvRpc", _recv_forward, _recv_backward,
-                    "Autograd node of tensors received in an RPC "
-                    "(``grad_fn.name()``: ``torch::distributed::autograd::RecvRpcBackward``).")
-
-
-SEND_NODE_TYPE = None
-RECV_NODE_TYPE = None
-
-
-def _node_types() -> tuple[type, type]:
-    global SEND_NODE_TYPE, RECV_NODE_TYPE
-    if SEND_NODE_TYPE is None:
-        a = torch.zeros(1, requires_grad=True)
-        SEND_NODE_TYPE = type(SendRpc.apply(a)[0].grad_fn)
-        RECV_NODE_TYPE = type(RecvRpc.apply(_ANCHOR, 0, 0, 0, [torch.zeros(1)])[0].grad_fn)
-    return SEND_NODE_TYPE, RECV_NODE_TYPE
+from .engine import debug_info, fail_passes, on_abort, on_report
+from .rpc_functions import _ANCHOR, RecvRpc, SendRpc, _node_types
 
 
 class _Scope:
@@ -109,8 +48,6 @@ class AutogradExtension(AgentExtension):
         self.agent = agent
         CONTAINER.init(agent.rank)
         _node_types()
-        from . import _release_remote
-        from .engine import on_abort, on_report
         agent.control_handlers["ag_release"] = _release_remote
         agent.control_handlers["ag_report"] = on_report
         agent.control_handlers["ag_abort"] = on_abort
@@ -166,7 +103,6 @@ class AutogradExtension(AgentExtension):
         creator's own copy goes when that block ends), so nothing lingers when a
         worker in the middle of a chain dies (pytorch issue 26379); and fail the
         backward passes started here that ``peer`` took part in."""
-        from .engine import fail_passes
         fail_passes(peer, self.agent._lost_error)
         with CONTAINER.lock:
             doomed = [c for c in CONTAINER.contexts.values()
@@ -175,11 +111,28 @@ class AutogradExtension(AgentExtension):
             CONTAINER.release(ctx.id)
 
     def debug_info(self) -> dict[str, int]:
-        from . import _get_debug_info
-        return _get_debug_info()
+        return debug_info()
 
     def on_shutdown(self) -> None:
         CONTAINER.clear()
+
+
+def spread_release(ctx: DistAutogradContext, exclude: int | None) -> None:
+    """Tell every worker this context reached to release it (one-way control
+    messages; each receiver passes it on to the workers it reached)."""
+    agent = agent_or_none()
+    if agent is None:
+        return
+    for w in ctx._known_worker_ids():
+        if w != exclude and w != agent.rank:
+            agent.send_control(w, "ag_release", ctx.id)
+
+
+def _release_remote(sender: int, context_id: int) -> None:
+    """Control handler (reading thread): release a context another worker left."""
+    ctx = CONTAINER.release(context_id)
+    if ctx is not None:
+        spread_release(ctx, exclude=sender)
 
 
 register_extension(AutogradExtension)

@@ -1,22 +1,26 @@
-"""One worker's share of a distributed backward pass: the walk and the executor.
+"""One worker's share of a distributed backward pass (:class:`PassState`).
 
-A share (a :class:`PassState`, kept in the context) has *entries*: the roots
-(initiator only) and every send function of the context, whose gradients
-arrive over the network in any order. On first contact a worker walks its
-local graph from all its entries, noting each entry's leaves and whether two
-entries' regions share nodes.
+A share (kept in the context) has *entries*: the roots (initiator only) and
+every send function of the context, whose gradients arrive over the network in
+any order. On first contact a worker walks its local graph from all its entries
+(:mod:`.walk`), noting each entry's leaves and whether two entries' regions share
+nodes.
 
 * **Disjoint regions** (the common case): each entry runs as soon as its
-  gradient arrives, as one native ``torch.autograd.grad`` call capturing the
-  region's leaves (hooks run) and the recv anchor (so recv functions run and
-  ship their gradients). Nothing ever waits, so an RPC whose result never
-  reaches the loss costs nothing (torch's FAST mode hangs there).
-* **Shared regions**: a node-by-node executor runs each node once, when all
-  its counted inputs arrived. A shared node may then wait for a send function
-  that will never receive a gradient (an unused RPC); :mod:`.engine` resolves
-  that at quiescence (discovery, then :meth:`PassState.resume`).
+  gradient arrives, as one native engine call: a plain ``backward()`` whose
+  AccumulateGrad nodes write ``.grad``, read and put back at once
+  (:meth:`PassState._through_grad`), or, where that could be seen, one that
+  captures the region's leaves; the recv functions run and ship their
+  gradients. Nothing ever waits, so an RPC whose result never reaches the loss
+  costs nothing (torch's FAST mode hangs there).
+* **Shared regions**: the node-by-node executor (:mod:`.executor`) runs each
+  node once, when all its counted inputs arrived. A shared node may then wait
+  for a send function that will never receive a gradient (an unused RPC);
+  :mod:`.engine` resolves that at quiescence (discovery, then
+  :meth:`PassState.resume`).
 
-How gradients travel between shares and how a pass ends is :mod:`.engine`'s.
+How gradients travel between shares is :mod:`.gradients`' (sending) and
+:mod:`.engine`'s (receiving); how a pass ends is :mod:`.engine`'s.
 """
 from __future__ import annotations
 
@@ -31,36 +35,21 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from . import anomaly, ddp, node_hooks
 from . import checkpoint as _checkpoint  # noqa: F401  (reentrant checkpointing in a pass)
+from . import ddp, node_hooks
 from .context import CONTAINER, DistAutogradContext
-from .nodes import UNREACHED, accumulate, run_node, validate
-from .recording import _ANCHOR, _node_types
+from .executor import Executor
+from .gradients import fed_slots, ship_absent
+from .nodes import UNREACHED, _engine_run_backward, grad_call, validate
+from .rpc_functions import _ANCHOR, _node_types
+from .walk import Region, fed_slots_below, recv_slot, walk_reach, walk_region
 
-_ACCUMULATE = None
 _GRAD_LOCK = threading.Lock()   # one pass at a time runs its region through .grad
 node_hooks.install()  # any `import distgrad...` gets here (distgrad/__init__ imports autograd)
 
 # A pass's flags (they travel with its gradients): keep the graph; record the backward;
 # check every node's outputs for NaN/Inf (detect_anomaly)
 RETAIN, CREATE_GRAPH, ANOMALY = 1, 2, 4
-
-
-def _grad(outputs: tuple, grads: tuple, inputs: tuple, retain_graph: bool,
-          create_graph: bool = False) -> tuple:
-    """``torch.autograd.grad(..., allow_unused=True)`` minus its per-input Python checks
-    (we built every argument ourselves); falls back to the public call."""
-    if _engine_run_backward is None:
-        return torch.autograd.grad(outputs, inputs, grad_outputs=grads, retain_graph=retain_graph,
-                                   create_graph=create_graph, allow_unused=True)
-    return _engine_run_backward(outputs, grads, retain_graph, create_graph, inputs, True,
-                                accumulate_grad=False)
-
-
-try:
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # older torch
-    _engine_run_backward = None
 
 
 def _leaf_hooks(leaves: list, grads: Sequence, variables: Sequence | None = None) -> list:
@@ -84,40 +73,7 @@ def _leaf_hooks(leaves: list, grads: Sequence, variables: Sequence | None = None
     return out
 
 
-def _accumulate_type() -> type:
-    global _ACCUMULATE
-    if _ACCUMULATE is None:
-        a = torch.zeros(1, requires_grad=True)
-        _ACCUMULATE = type((a * 1).grad_fn.next_functions[0][0])
-    return _ACCUMULATE
-
-
-def _below(starts: Sequence[Any]) -> set:
-    """The nodes reachable from ``starts``, without going past recv functions and
-    leaves (they are included)."""
-    _, recv_t = _node_types()
-    acc_t = _accumulate_type()
-    nodes, stack = set(starts), list(starts)
-    while stack:
-        n = stack.pop()
-        if type(n) is recv_t or type(n) is acc_t:
-            continue
-        for nxt, _ in n.next_functions:
-            if nxt is not None and nxt not in nodes:
-                nodes.add(nxt)
-                stack.append(nxt)
-    return nodes
-
-
-class _Region:
-    __slots__ = ("leaves", "recvs")
-
-    def __init__(self) -> None:
-        self.leaves: list[torch.Tensor] = []
-        self.recvs: list = []  # recv functions met (the walk stops there)
-
-
-class PassState:
+class PassState(Executor):
     """One worker's share of one backward pass."""
 
     def __init__(self, ctx: DistAutogradContext, pass_id: tuple, initiator: int,
@@ -131,23 +87,18 @@ class PassState:
         self.roots = list(roots)
         self.user_grads = False         # the roots' gradients are the caller's grad_tensors
         self.lock = threading.RLock()
-        self.nodes: set = set()         # every node some entry reaches
-        self.deps: collections.Counter = collections.Counter()
-        self.regions: dict[Any, _Region] = {}
+        self.nodes: set = set()         # every node some entry reaches (shared passes)
+        self.regions: dict[Any, Region] = {}
         # recv message id -> its input slots some walked node feeds (the others are
         # unreached: the sender must not run what lies behind them)
         self.recv_slots: dict[int, set] = {}
         self.shared = False
-        self.buffers: dict[Any, list] = {}
-        self.waiting: set = set()       # nodes holding some but not all inputs
-        self.received: collections.Counter = collections.Counter()  # inputs arrived per node
-        self.done: set = set()          # nodes the executor ran
+        self.init_executor()
         self.reach: set | None = None   # discovery's reachable nodes (fallback only)
         self.discovered: set[int] = set()
-        self.nodes_run = 0
         self.running = 0
         self.ddp_held: dict = {}        # AccumulateGrad node of a DDP parameter -> gradient
-        # initiator only: termination (see "execution and termination" below)
+        # initiator only: termination (see "execution and termination" in .engine)
         self.weight = Fraction(0)       # returned in this round
         self.round_blocked: set = set()  # workers that reported waiting nodes in it
         self.ddp_holders: set = set()   # workers that reported holding DDP gradients
@@ -179,7 +130,7 @@ class PassState:
             _, recv_t = _node_types()
             for r in self.roots:
                 if type(r.grad_fn) is recv_t:
-                    self._recv_slot(r.grad_fn, r.output_nr)
+                    recv_slot(self.recv_slots, r.grad_fn, r.output_nr)
             seen += self._walk("root", [r.grad_fn for r in self.roots])
         for msg_id, node in sends.items():
             seen += self._walk(msg_id, [node])
@@ -191,74 +142,17 @@ class PassState:
         else:  # nothing needs them again: their Python objects go before a collection sees them
             self.nodes = set()
 
-    def count_inputs(self, entries: Sequence[Any], nodes: set) -> None:
-        """The executor's dependency counts: one per entry (a root's node, a send
-        function: its gradient comes over the network) and per edge between ``nodes``."""
-        _, recv_t = _node_types()
-        acc_t = _accumulate_type()
-        deps = self.deps
-        for node in entries:
-            deps[node] += 1
-        for n in nodes:
-            t = type(n)
-            if t is recv_t or t is acc_t:
-                continue
-            for nxt, _ in n.next_functions:
-                if nxt is not None:
-                    deps[nxt] += 1
-
     def _walk(self, key: Any, starts: Sequence[Any]) -> int:
-        """Collect ``key``'s region (its leaves, whether it holds recv functions);
-        returns how many nodes it has. Kept minimal: it runs on every backward."""
-        _, recv_t = _node_types()
-        acc_t = _accumulate_type()
-        region = self.regions.setdefault(key, _Region())
-        leaves = region.leaves
-        seen = set(starts)
-        stack = list(seen)
-        while stack:
-            n = stack.pop()
-            t = type(n)
-            if t is acc_t:
-                leaves.append(n)  # its .variable costs a tensor wrapper: only on demand
-                continue
-            if t is recv_t:
-                region.recvs.append(n)
-                continue
-            for nxt, slot in n.next_functions:
-                if nxt is not None:
-                    if type(nxt) is recv_t:
-                        self._recv_slot(nxt, slot)
-                    if nxt not in seen:
-                        seen.add(nxt)
-                        stack.append(nxt)
+        """Collect ``key``'s region; returns how many nodes it has."""
+        seen = walk_region(starts, self.regions.setdefault(key, Region()), self.recv_slots)
         self.nodes |= seen
         return len(seen)
 
-    def _recv_slot(self, recv: Any, slot: int) -> None:
-        slots = self.recv_slots.get(recv.dg_info[1])
-        if slots is None:
-            slots = self.recv_slots[recv.dg_info[1]] = set()
-        slots.add(slot)
-
     def walk_reach(self, starts: Sequence[Any]) -> list:
         """Discovery: mark what ``starts`` reach; returns the recv functions met."""
-        _, recv_t = _node_types()
         if self.reach is None:
             self.reach = set()
-        reach, recvs = self.reach, []
-        stack = [n for n in starts if n not in reach]
-        reach.update(stack)
-        while stack:
-            n = stack.pop()
-            if type(n) is recv_t:
-                recvs.append(n)
-                continue
-            for nxt, _ in n.next_functions:
-                if nxt is not None and nxt not in reach:
-                    reach.add(nxt)
-                    stack.append(nxt)
-        return recvs
+        return walk_reach(self.reach, starts)
 
     def alone(self) -> bool:
         """Whether this pass (its initiator's share) is local: no RPC in the context,
@@ -267,9 +161,6 @@ class PassState:
         region = self.regions.get("root")
         return (not self.shared and not self.create_graph and not ddp.active[0]
                 and not self.ctx.send_functions and region is not None and not region.recvs)
-
-    def blocked(self) -> bool:
-        return bool(self.waiting)
 
     # -- execution ----------------------------------------------------------------
     def run_entry(self, key: Any, outputs: list, grads: list) -> None:
@@ -300,14 +191,13 @@ class PassState:
             fit = validate(node, [g if isinstance(g, torch.Tensor) else None for g in grads])
             pairs = [(GradientEdge(*node.next_functions[i]), fit[i])
                      for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
-            fed = self._fed_slots([o for o, _ in pairs])  # the walk's slots are too many now
+            fed = fed_slots_below([o for o, _ in pairs])  # the walk's slots are too many now
         else:
             fed = None
         if pairs and (region.leaves or region.recvs):
             # the leaf tensors, not GradientEdges: the same edges to the engine, ~8x cheaper
             variables = [n.variable for n in region.leaves]
             outs, given = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
-            from .engine import fed_slots  # (engine imports this module)
             with fed_slots(fed):
                 res = self._through_grad(variables, outs, given, region)
                 if res is not None:  # the leaves' nodes ran, hooks and all
@@ -316,7 +206,7 @@ class PassState:
                     res = None
                 else:
                     inputs = variables + [_ANCHOR] if region.recvs else variables
-                    res = _grad(outs, given, tuple(inputs), self.retain_graph, self.create_graph)
+                    res = grad_call(outs, given, tuple(inputs), self.retain_graph, self.create_graph)
             if res is not None:
                 # gradients that came over the network belong to this pass: no defensive copy
                 self.take_leaves(region.leaves, res, given, owned=key != "root",
@@ -325,11 +215,10 @@ class PassState:
             # torch's engine runs a node even when all its gradients are absent, so a
             # recv function behind an absent gradient still sends (absent gradients):
             # the sender may be counting on that message
-            from .engine import ship_absent  # (engine imports this module)
             ship_absent(region.recvs)
 
     def _through_grad(self, variables: list, outs: tuple, given: tuple,
-                      region: _Region) -> list | None:
+                      region: Region) -> list | None:
         """A native region as the plain ``backward()`` torch's users time: every
         AccumulateGrad node runs and writes ``.grad``, which is read and put back
         at once. An engine call that captures its inputs instead (``inputs=``)
@@ -396,166 +285,6 @@ class PassState:
             if post_acc:
                 node_hooks.run_post_accumulate(leaves[i].variable, self.ctx.gradient_of(leaves[i]))
             node_hooks.run_post(post, res[i])
-
-    def _fed_slots(self, starts: list) -> dict[int, set]:
-        """Recv message id -> the slots fed by nodes reachable from edges ``starts``."""
-        _, recv_t = _node_types()
-        fed: dict[int, set] = {}
-        edges = [(e.node, e.output_nr) for e in starts]
-        for n in _below([e.node for e in starts]):
-            if type(n) is not recv_t:
-                edges.extend(n.next_functions)
-        for nxt, slot in edges:
-            if type(nxt) is recv_t:
-                fed.setdefault(nxt.dg_info[1], set()).add(slot)
-        return fed
-
-    def _run_by_hand(self, outputs: list, grads: list) -> None:
-        """Run a send function's (disjoint) region with the node-by-node executor."""
-        start = outputs[0].node
-        with self.lock:
-            self.count_inputs([start], _below([start]))
-            self._feed(outputs, grads)
-
-    def resume(self) -> None:
-        """After discovery: count only reachable inputs and run what is complete."""
-        with self.lock:
-            reach = self.reach or set()
-            counted: collections.Counter = collections.Counter()
-            for r in self.roots:
-                counted[r.grad_fn] += 1
-            for node in self.ctx.send_functions.values():
-                if node in reach:
-                    counted[node] += 1
-            _, recv_t = _node_types()
-            for n in reach:
-                if type(n) is recv_t:
-                    continue
-                for nxt, _ in n.next_functions:
-                    if nxt is not None:
-                        counted[nxt] += 1
-            ready = []
-            for n in list(self.deps):
-                if n in self.done or n not in reach:
-                    continue
-                self.deps[n] = counted[n] - self.received[n]
-                if self.deps[n] == 0 and self.received[n]:
-                    ready.append(n)
-            self.waiting.difference_update(ready)
-            while ready:
-                self._execute(ready.pop(), ready)
-
-    def _feed(self, outputs: list, grads: list) -> None:
-        ready: list = []
-        if outputs and isinstance(outputs[0], GradientEdge):
-            # a send function: all its slots arrive in one message, one dependency
-            node = outputs[0].node
-            self.buffers[node] = list(grads)
-            self._arrived(node, ready)
-        else:
-            for o, g in zip(outputs, grads):  # roots: one dependency each
-                self._add(o.grad_fn, o.output_nr, g, ready)
-        while ready and not self.aborted:
-            self._execute(ready.pop(), ready)
-
-    def _arrived(self, node: Any, ready: list) -> None:
-        self.received[node] += 1
-        self.deps[node] -= 1
-        if self.deps[node] == 0:
-            self.waiting.discard(node)
-            ready.append(node)
-        else:
-            self.waiting.add(node)
-
-    def _add(self, node: Any, slot: int, g: Any, ready: list) -> None:
-        if g is not UNREACHED:
-            buf = self.buffers.get(node)
-            if buf is None:
-                buf = self.buffers[node] = [UNREACHED] * len(node._input_metadata)
-            buf[slot] = accumulate(buf[slot], g)
-        self._arrived(node, ready)
-
-    def _execute(self, node: Any, ready: list) -> None:
-        """Run ``node`` once, all its counted inputs in (absent ones stay ``None``,
-        as in torch's engine), and route its outputs to the next nodes."""
-        send_t, recv_t = _node_types()
-        grads = self.buffers.pop(node, None) or [UNREACHED] * len(node._input_metadata)
-        self.done.add(node)
-        t = type(node)
-        reached = [g is not UNREACHED for g in grads]
-        if not any(reached):
-            # no path from the roots reached it: local autograd would not run it
-            if t is recv_t:
-                from .engine import ship_gradients  # (engine imports this module)
-                ship_gradients(node.dg_info, [None] * len(grads), reached)
-            elif t is not _accumulate_type():
-                for nxt, slot in node.next_functions:
-                    if nxt is not None:
-                        self._add(nxt, slot, UNREACHED, ready)
-            return
-        self.nodes_run += 1
-        grads = [g if r else None for g, r in zip(grads, reached)]
-        if t is _accumulate_type():
-            self._accumulate_leaf(node, grads[0])
-            return
-        if t is send_t:  # distgrad's own node: no user hooks; an identity per slot
-            outs = [g if r else UNREACHED for g, r in zip(validate(node, grads), reached)]
-            for (nxt, slot), g in zip(node.next_functions, outs):
-                if nxt is not None:
-                    self._add(nxt, slot, g, ready)
-            return
-        # what torch's engine does around a node (call_function): its tensors' hooks,
-        # its pre-hooks, the node, its post-hooks
-        noted = node_hooks.tensor_pre_hooks(node)
-        if noted:
-            grads = node_hooks.run_tensor_pre_hooks(noted, grads)
-        pre, post = node_hooks.hooks_of(node, always=True)
-        if pre:
-            grads = node_hooks.run_node_pre(pre, grads)
-        if t is recv_t:
-            from .engine import ship_gradients  # (engine imports this module)
-            ship_gradients(node.dg_info, grads, reached)
-            if post:
-                node_hooks.run_node_post(post, [None] * len(node.next_functions), grads)
-            return
-        try:
-            outs = run_node(node, grads, self.create_graph, self.retain_graph)
-            if post:
-                outs = node_hooks.run_node_post(post, outs, grads)
-        except Exception as e:  # noqa: BLE001 - name the node, as torch's engine does
-            from .engine import backward_error
-            raise backward_error(e, node) from e
-        if self.anomaly:
-            from .engine import _agent
-            anomaly.check(node, outs, CONTAINER.worker_id, _agent().name)
-        for (nxt, slot), g in zip(node.next_functions, outs):
-            if nxt is not None:
-                self._add(nxt, slot, g, ready)
-
-
-    def _accumulate_leaf(self, node: Any, g: Any) -> None:
-        """What AccumulateGrad does, into the context: the leaf's tensor hooks, the
-        node's pre-hooks, accumulation, post-accumulate-grad hooks, post-hooks."""
-        if g is None:
-            return
-        variable = node.variable
-        for hook in list((getattr(variable, "_backward_hooks", None) or {}).values()):
-            out = hook(g)
-            if out is not None:
-                g = out
-        if ddp.active[0] and self._hold_ddp([node], [g])[0] is None:
-            return  # its node's hooks run at the flush, natively
-        pre, post, post_acc = node_hooks.leaf_hooks(node)
-        if pre:
-            g = node_hooks.run_pre(pre, g)
-        if self.create_graph:
-            self.ctx.accumulate_graph([node], [g])
-        else:
-            self.ctx.accumulate(node, g)
-        if post_acc:
-            node_hooks.run_post_accumulate(variable, self.ctx.gradient_of(node))
-        node_hooks.run_post(post, g)
-
 
     # -- DDP: gradients held until the pass is quiet, then flushed together -----------
     def _hold_ddp(self, leaves: list, grads: Sequence) -> Sequence:

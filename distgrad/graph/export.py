@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..autograd.context import CONTAINER
-from ..autograd.recording import _ANCHOR, _node_types
+from ..autograd.rpc_functions import _ANCHOR, _node_types
 from ..errors import DistgradError
 from ..rpc import api as rpc_api
 from ..rpc.agent import agent_or_none
