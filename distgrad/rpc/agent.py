@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ import torch
 
 from ..errors import DistgradError, ProtocolError, RPCTimeoutError, SerializationError, WorkerLostError
 from ..transport import Transport
-from ..wire import Kind, decode, dumps, encode, loads
+from ..wire import Kind, decode, dumps, encode, encode_fast, loads
 from ..wire.messages import peek_header, request_id
 from . import profiling, script
 from .extensions import EXTENSION_TYPES, NULL_SCOPE, AgentExtension
@@ -118,6 +119,12 @@ class RpcAgent:
         self.pre_dispatch: Callable[[int, Any], bool] | None = None
         self._tls = threading.local()
         self.extensions: list[AgentExtension] = [f(self) for f in EXTENSION_TYPES]
+        # decided once: the extensions that can put the calling thread in a context
+        # (the others' ``current`` is the base class's None)
+        self._ctx_exts = [e for e in self.extensions if type(e).current is not AgentExtension.current]
+        # the fast layout for the common message (wire.fast_header); DISTGRAD_FAST_PATH=0
+        # sends everything in the general one (the receiver reads both)
+        self.fast = os.environ.get("DISTGRAD_FAST_PATH", "1") != "0"
         self.shutting_down = False
         self._seen_rids: dict[int, tuple[set, collections.deque]] = {}
         self.gil_wait: list | None = None  # [seconds, requests] while GIL profiling is on
@@ -193,6 +200,10 @@ class RpcAgent:
         payload, tensors = dumps(payload_obj, dest=dest, pins=pins)
         if pins:  # RRefs going back to their owner: this request keeps their values alive
             extra = {**(extra or {}), "pins": pins}
+        elif ctx is None and extra is None and self.fast and kind != Kind.REMOTE:
+            frames = encode_fast(kind, rid, what, payload, tensors)
+            if frames is not None:
+                return frames
         ag_meta = self._outgoing(dest.id, tensors, ctx)
         return encode(kind, rid, (what, ag_meta, extra), payload, tensors)
 
@@ -408,12 +419,16 @@ class RpcAgent:
             return
         p.future.set_result(out)
 
+    # completing a reply runs no user code but the future's callbacks: a thread
+    # reading its own reply runs it for the other replies it read (transport's _hand_on)
+    _finish_async.inline = True
+
     def _decode_reply(self, p: _Pending, kind: int, frames: list) -> Any:
         msg = decode(frames, p.peer)
         if kind == Kind.ERROR:
             raise unpack_exception(msg.payload)
-        hook = self._incoming(p.peer, msg.meta)
-        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook)
+        hook = self._incoming(p.peer, msg.meta) if msg.meta is not None else None
+        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook, tensors=msg.tensors)
 
     # -- serving (pool threads) -----------------------------------------------
     def _serve(self, peer: int, msg) -> None:
@@ -497,6 +512,11 @@ class RpcAgent:
 
     def _send_reply(self, peer: int, rid: int, value: Any, ctx: Any) -> None:
         payload, tensors = dumps(value, dest=self.workers[peer])
+        if ctx is None and self.fast:
+            frames = encode_fast(Kind.REPLY, rid, "", payload, tensors)
+            if frames is not None:
+                self.transport.send(peer, frames)
+                return
         ag_meta = self._outgoing(peer, tensors, ctx)
         self.transport.send(peer, encode(Kind.REPLY, rid, ag_meta, payload, tensors))
 
@@ -506,7 +526,7 @@ class RpcAgent:
 
     # -- extension plumbing ---------------------------------------------------
     def _current_ctx(self) -> Any:
-        for ext in self.extensions:
+        for ext in self._ctx_exts:
             c = ext.current()
             if c is not None:
                 return c
@@ -595,7 +615,7 @@ class UnknownFunctionError(DistgradError, AttributeError):
 
 def _load_call(msg, hook) -> tuple:
     try:
-        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook)
+        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook, tensors=msg.tensors)
     except AttributeError as e:
         raise UnknownFunctionError(f"{e}. Default RPC pickler does not serialize function code. Ensure "
                                    "that UDFs are defined on both caller and callee modules.") from e

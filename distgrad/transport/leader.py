@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +61,9 @@ class LeaderFollowers:
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self.busy = 0
+        # DISTGRAD_BATCH_WAKES=1: the old behaviour (wake a thread for each queued piece)
+        self._batch_wakes = os.environ.get("DISTGRAD_BATCH_WAKES", "0") == "1"
+        self.wakes = 0  # wake-ups of waiting threads for queued work (thread hand-offs)
 
     def start(self) -> None:
         with self._lock:
@@ -83,6 +87,7 @@ class LeaderFollowers:
                 return
             if self._spare():
                 return
+            self.wakes += 1
         self._shared_wake()
 
     def _wake(self, n: int) -> None:  # under the lock
@@ -139,8 +144,9 @@ class LeaderFollowers:
                 if self._tasks and not keep_reading and (
                         self._waiting or self._starting or self._grow()):
                     work = [self._tasks.popleft()]
-                    # more queued: make sure a thread comes for them too
-                    more = bool(self._tasks) and not self._spare()
+                    # more queued: this thread takes them next (no wake-up per task);
+                    # a thread is started only if nobody is left reading
+                    more = bool(self._tasks) and self._batch_wakes and not self._spare()
                 elif self._stopping:
                     return
                 else:
@@ -149,6 +155,7 @@ class LeaderFollowers:
                     # the last reader stays one: queued work waits for a busy thread
                     local.keep = keep_reading or bool(self._tasks)
             if more:
+                self.wakes += 1
                 self._shared_wake()
             if work is None:
                 try:
@@ -173,10 +180,15 @@ class LeaderFollowers:
                             keep_reading = True
                             continue
                     if len(work) > 1:
+                        # several messages from one read: this thread runs them in
+                        # turn (queued, so that an idle thread that wakes anyway, at
+                        # the latest at the transport's next tick, takes one if the
+                        # first blocks); no wake-up per message
                         self._tasks.extend(work[1:])
-                        extra = not self._spare()
+                        extra = self._batch_wakes and not self._spare()
                         work = work[:1]
                 if extra:
+                    self.wakes += 1
                     self._shared_wake()
             self._execute(work)
             del work

@@ -140,6 +140,9 @@ class SocketTransport(Opening, Transport):
         # per peer: messages and bytes sent, received; messages through shared memory
         # sent, received
         self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0] * 6)
+        # write batches (one sendmsg each, unless the socket was full) and the messages
+        # they carried; reads and the messages they brought (``batches[2:]``)
+        self.batches = [0, 0, 0, 0]
 
     # -- set-up ------------------------------------------------------------
     def _add(self, conn: _Conn) -> None:
@@ -237,8 +240,8 @@ class SocketTransport(Opening, Transport):
         failed = None
         while True:
             try:
-                while conn.deferred and not conn.lost:
-                    arm |= self._write(conn, conn.deferred.popleft(), reading)
+                if conn.deferred and not conn.lost:
+                    arm |= self._write(conn, reading)
             except OSError as e:
                 failed = e
             if conn.lost or failed:
@@ -254,14 +257,24 @@ class SocketTransport(Opening, Transport):
         elif arm:
             self._arm(conn)
 
-    def _write(self, conn: _Conn, frames: Sequence, reading: bool) -> bool:
-        """Seal and send one message (write lock held); returns whether the poller
-        must flush the rest (a reading thread never blocks on a full socket)."""
-        if conn.cipher is not None:
-            frames = conn.cipher.seal(list(frames))
-        elif self._auth is not None:
-            frames = self._auth.seal(conn.peer, list(frames), shm.parsed_frames(frames))
-        views = framing.coalesce(frames)
+    def _write(self, conn: _Conn, reading: bool) -> bool:
+        """Seal every message queued for ``conn`` and send them all with one
+        ``sendmsg`` (write lock held: messages other threads queued meanwhile go
+        with this thread's); returns whether the poller must flush the rest (a
+        reading thread never blocks on a full socket)."""
+        deferred, cipher, auth, peer = conn.deferred, conn.cipher, self._auth, conn.peer
+        views: list = []
+        n = 0
+        while deferred:  # a send nested in coalesce (an RRef's delete) joins this batch
+            frames = deferred.popleft()
+            if cipher is not None:
+                frames = cipher.seal(list(frames))
+            elif auth is not None:
+                frames = auth.seal(peer, list(frames), shm.parsed_frames(frames))
+            views += framing.coalesce(frames)
+            n += 1
+        self.batches[0] += 1
+        self.batches[1] += n
         if conn.outq:
             conn.outq.extend(views)
         else:
@@ -435,6 +448,9 @@ class SocketTransport(Opening, Transport):
             return
         if conn.reader.received != before:  # an empty read (the heartbeat's look) is no news
             self._last_recv[peer] = time.monotonic()
+        if msgs:
+            self.batches[2] += 1
+            self.batches[3] += len(msgs)
         for frames in msgs:
             self._deliver(conn, frames, work)
 
@@ -531,27 +547,46 @@ class SocketTransport(Opening, Transport):
         """Read ``peer``'s connection on this thread until ``done()`` (a caller waiting
         for its reply), when nobody else is reading it. Returns False at once when
         someone is (the reader completes the waiter), True once ``done()`` or the
-        peer is lost. Work read on the way goes to the pool."""
+        peer is lost. Requests read on the way go to the pool; other replies read
+        on the way are completed on this thread (no wake-up each), after it gave
+        the reading role back (their futures' callbacks may send and wait)."""
         conn = self._conns.get(peer)
         tls = self._tls
         if not claimed and not self.claim(peer):
             return False
-        tls.reading = True
-        try:
-            poll = conn.poll.poll
-            end = None if timeout is None else time.monotonic() + timeout
-            while not done() and not conn.lost and self._running:
-                if end is not None and time.monotonic() > end:
-                    break
-                if poll(100):
-                    work: list = []
-                    self._read(conn, work)
-                    for fn, args in work:
-                        self.pool.submit(fn, *args)
-            return True
-        finally:
-            tls.reading = False
-            self.release(peer)
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            later: list = []
+            tls.reading = True
+            try:
+                poll = conn.poll.poll
+                while not done() and not conn.lost and self._running:
+                    if end is not None and time.monotonic() > end:
+                        break
+                    # the reply is often there already (the peer ran while this thread
+                    # was sending): look before sleeping
+                    if poll(0) or poll(100):
+                        work: list = []
+                        self._read(conn, work)
+                        for item in work:
+                            if getattr(item[0], "inline", False):
+                                later.append(item)
+                            else:
+                                self.pool.submit(item[0], *item[1])
+                        if later:
+                            break
+            finally:
+                tls.reading = False
+                self.release(peer)
+            if not later:
+                return True
+            for fn, args in later:
+                self._guard(lambda fn=fn, args=args: fn(*args))
+            if done() or conn.lost or not self._running \
+                    or (end is not None and time.monotonic() > end):
+                return True
+            if not self.claim(peer):
+                return False  # someone else reads it now: they complete the waiter
 
     # -- liveness --------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
