@@ -245,7 +245,7 @@ def test_replies_in_a_context_take_the_general_layout():
 # -- many messages, few system calls --------------------------------------------------
 def test_messages_queued_for_one_peer_leave_in_one_sendmsg(monkeypatch):
     from test_transport import _pair
-    a, b, _, hb = _pair(1 << 30)
+    a, b, _, hb = _pair(1 << 30, heartbeat_interval=60.0, heartbeat_deadline=120.0)  # no beats
     calls = []
     orig = framing.send_some
 
@@ -282,28 +282,31 @@ def test_messages_queued_for_one_peer_leave_in_one_sendmsg(monkeypatch):
 
 
 def test_several_messages_from_one_read_run_on_the_reading_thread_without_wakeups():
+    """Steady state: idle threads wait in the poller (a queue here: nothing wakes
+    them but a ready socket); the one handed a read of six messages runs all six."""
+    import queue
+    ready: queue.SimpleQueue = queue.SimpleQueue()
     ran, woke = [], []
-    batch = [(lambda i=i: ran.append((i, threading.get_ident())), ()) for i in range(6)]
-    state = {"given": False}
-    stop = threading.Event()
 
     def lead():
-        if not state["given"]:
-            state["given"] = True
-            return list(batch)
-        while not stop.is_set():
-            if pool.has_tasks():
-                return []
-            time.sleep(0.01)
-        return None
+        item = ready.get()
+        return item
 
-    pool = LeaderFollowers(lead, 4, name="t", shared=lambda: woke.append(1))
+    pool = LeaderFollowers(lead, 4, name="t", shared=lambda: (woke.append(1), ready.put([])))
     pool.start()
+    started = threading.Event()
+    ready.put([(started.set, ())])  # the first read: its reader starts a second waiter
+    assert started.wait(20)
     end = time.monotonic() + 20
+    while pool.readers() < 2 and time.monotonic() < end:
+        time.sleep(0.01)
+    before = pool.wakes
+    ready.put([(lambda i=i: ran.append((i, threading.get_ident())), ()) for i in range(6)])
     while len(ran) < 6 and time.monotonic() < end:
         time.sleep(0.01)
-    wakes = (list(woke), pool.wakes)  # shutdown() itself wakes the waiters
-    stop.set()
+    wakes = (list(woke), pool.wakes - before)  # shutdown() itself wakes the waiters
+    for _ in range(8):
+        ready.put(None)
     pool.shutdown(wait=True)
     assert [i for i, _ in ran] == list(range(6))
     assert len({t for _, t in ran}) == 1  # the thread that read them ran them all
