@@ -370,7 +370,12 @@ class RpcAgent(FastPath, Serving):
             return
         p.future.set_result(out)
 
+    # completing a reply runs no user function (only the future's callbacks): a
+    # reading thread runs several of one read in turn, waking nobody (leader.py)
+    _finish_async.batchable = True
+
     # -- introspection --------------------------------------------------------
+
     def debug_info(self) -> dict[str, Any]:
         stats = getattr(self.transport, "stats", {})
         info: dict[str, Any] = {

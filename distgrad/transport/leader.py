@@ -146,7 +146,7 @@ class LeaderFollowers:
                     work = [self._tasks.popleft()]
                     # more queued: this thread takes them next (no wake-up per task);
                     # a thread is started only if nobody is left reading
-                    more = bool(self._tasks) and self._batch_wakes and not self._spare()
+                    more = bool(self._tasks) and self._wake_for(self._tasks) and not self._spare()
                 elif self._stopping:
                     return
                 else:
@@ -181,11 +181,12 @@ class LeaderFollowers:
                             continue
                     if len(work) > 1:
                         # several messages from one read: this thread runs them in
-                        # turn (queued, so that an idle thread that wakes anyway, at
-                        # the latest at the transport's next tick, takes one if the
-                        # first blocks); no wake-up per message
+                        # turn (queued, so that an idle thread that wakes anyway takes
+                        # one), with no wake-up per message when they are all
+                        # ``batchable`` (completing replies); a request may block
+                        # (a function waiting on RPCs), so one wakes a thread
                         self._tasks.extend(work[1:])
-                        extra = self._batch_wakes and not self._spare()
+                        extra = self._wake_for(work[1:]) and not self._spare()
                         work = work[:1]
                 if extra:
                     self.wakes += 1
@@ -203,6 +204,16 @@ class LeaderFollowers:
             finally:
                 self.busy -= 1
             del fn, args
+
+    def _wake_for(self, queued) -> bool:
+        """Whether queued work needs a thread woken for it: a piece that may block
+        (anything not marked ``batchable``), or DISTGRAD_BATCH_WAKES=1."""
+        if self._batch_wakes:
+            return True
+        for fn, _ in queued:
+            if not getattr(fn, "batchable", False):
+                return True
+        return False
 
     def _grow(self) -> bool:
         """(Under the lock) start one more thread if the pool may grow."""
