@@ -74,7 +74,7 @@ def install_probes() -> list:
         owner, attr = _resolve(mod_name, path)
         if owner is None:
             continue
-        fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        fn = getattr(owner, attr)
         if getattr(fn, "_probe", False):
             continue
         bucket = _samples.setdefault(label, [])
