@@ -6,7 +6,9 @@ read includes work (a request to serve, a reply to complete), it passes the
 leader role to an idle thread (a *follower*), or starts one, and runs the first
 piece of work itself: no hand-off between the thread that read a request and
 the one that runs it, and the reply goes out from that same thread. Further
-pieces read in the same batch are queued for the followers.
+pieces read in the same batch are queued for the followers (in the shared
+mode, reply completions, marked ``batchable``, are run by the same thread in
+turn with no wake-up; a queued request wakes a thread: it may block).
 
 There is always a leader while the pool runs, so the sockets are always read:
 when every thread is busy, the leader keeps the role and queues the work
