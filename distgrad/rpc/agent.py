@@ -3,34 +3,46 @@
 One agent per process, reached through :func:`current_agent`. The agent speaks
 to a :class:`~distgrad.transport.Transport` and to nothing lower; distributed
 autograd and RRefs plug in through :class:`~.extensions.AgentExtension` objects.
+Its parts: this module (sending, the in-order receiving, pending calls,
+timeouts, lost peers), :mod:`.fast_path` (the frames of requests and replies,
+fast layout or general), :mod:`.serving` (running requests, replying),
+:mod:`.pending` (the pending entry, RpcFuture, the current agent).
+
+Example::
+
+    >>> agent = current_agent()
+    >>> agent.call("worker1", torch.add, (torch.ones(2), 1), {}, timeout=-1, sync=True)
+    tensor([2., 2.])
 """
 from __future__ import annotations
 
 import collections
 import itertools
 import logging
-import sys
+import os
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..errors import DistgradError, ProtocolError, RPCTimeoutError, SerializationError, WorkerLostError
+from ..errors import DistgradError, ProtocolError, RPCTimeoutError, WorkerLostError
 from ..transport import Transport
 from ..wire import Kind, decode, dumps, encode, loads
 from ..wire.messages import peek_header, request_id
-from . import profiling, script
-from .extensions import EXTENSION_TYPES, NULL_SCOPE, AgentExtension
+from .extensions import EXTENSION_TYPES, AgentExtension
+from .fast_path import FastPath
+from .pending import RpcFuture, _holder, _Pending, agent_or_none, current_agent
 from .pool import WorkerPool
-from .remote_exc import pack_exception, unpack_exception
+from .serving import AsyncResult, AsyncReturnTypeError, Serving, UnknownFunctionError, _load_call
 from .worker_info import WorkerInfo
+
+__all__ = ["RpcAgent", "RpcFuture", "AsyncResult", "AsyncReturnTypeError", "UnknownFunctionError",
+           "_Pending", "_holder", "_load_call", "_qualname", "agent_or_none", "current_agent"]
 
 log = logging.getLogger(__name__)
 
-_holder: dict[str, RpcAgent] = {}
 # Calls with a timeout of at least this many seconds are failed by the periodic
 # sweep (at most a heartbeat tick late); shorter ones get a timer of their own.
 _SWEPT_TIMEOUT = 5.0
@@ -39,53 +51,7 @@ _SWEPT_TIMEOUT = 5.0
 _DEDUP_WINDOW = 1 << 16
 
 
-def current_agent() -> RpcAgent:
-    """The running agent; raises RuntimeError when RPC is not initialized."""
-    agent = _holder.get("agent")
-    if agent is None:
-        raise RuntimeError("RPC has not been initialized. Call torch.distributed.rpc.init_rpc first.")
-    return agent
-
-
-def agent_or_none() -> RpcAgent | None:
-    return _holder.get("agent")
-
-
-
-
-class RpcFuture(torch.futures.Future):
-    """The future of an ``rpc_async``: ``wait()`` reads the reply on the waiting
-    thread when nobody else is reading that connection (no thread hand-off)."""
-
-    def wait(self):  # noqa: D102 - torch.futures.Future.wait
-        p = self.__dict__.get("_dg_pending")
-        if p is not None and not self.done():
-            agent = _holder.get("agent")
-            if agent is not None:
-                agent.read_reply(p)
-        return super().wait()
-
-
-class _Pending:
-    __slots__ = ("future", "peer", "what", "timeout", "timer", "lock", "result", "ctx", "reader",
-                 "claimed", "deadline")
-
-    def __init__(self, peer: int, what: str, timeout: float, sync: bool, ctx: Any) -> None:
-        self.peer, self.what, self.timeout, self.ctx = peer, what, timeout, ctx
-        self.timer = None
-        self.deadline = 0.0  # monotonic time past which the periodic sweep fails it
-        self.result: Any = None
-        self.reader = None  # the thread that reads this reply while it waits for it
-        self.claimed = False  # this caller took its connection's reading role
-        self.future = None if sync else RpcFuture()
-        if not sync:
-            self.future._dg_pending = self
-        self.lock = threading.Lock() if sync else None
-        if sync:
-            self.lock.acquire()
-
-
-class RpcAgent:
+class RpcAgent(FastPath, Serving):
     """Sends requests, serves requests, tracks pending calls and lost peers."""
 
     def __init__(self, name: str, rank: int, world_size: int, workers: list[WorkerInfo],
@@ -118,6 +84,12 @@ class RpcAgent:
         self.pre_dispatch: Callable[[int, Any], bool] | None = None
         self._tls = threading.local()
         self.extensions: list[AgentExtension] = [f(self) for f in EXTENSION_TYPES]
+        # decided once: the extensions that can put the calling thread in a context
+        # (the others' ``current`` is the base class's None)
+        self._ctx_exts = [e for e in self.extensions if type(e).current is not AgentExtension.current]
+        # the fast layout for the common message (wire.fast_header); DISTGRAD_FAST_PATH=0
+        # sends everything in the general one (the receiver reads both)
+        self.fast = os.environ.get("DISTGRAD_FAST_PATH", "1") != "0"
         self.shutting_down = False
         self._seen_rids: dict[int, tuple[set, collections.deque]] = {}
         self.gil_wait: list | None = None  # [seconds, requests] while GIL profiling is on
@@ -185,16 +157,6 @@ class RpcAgent:
                 self.transport.release(dest.id)
             raise
         return p
-
-    def _request_frames(self, dest: WorkerInfo, kind: Kind, rid: int, payload_obj: Any, what: str,
-                        extra: Any, ctx: Any) -> list:
-        """Pickle a request (recording autograd functions in ``ctx``) into frames."""
-        pins: list = []
-        payload, tensors = dumps(payload_obj, dest=dest, pins=pins)
-        if pins:  # RRefs going back to their owner: this request keeps their values alive
-            extra = {**(extra or {}), "pins": pins}
-        ag_meta = self._outgoing(dest.id, tensors, ctx)
-        return encode(kind, rid, (what, ag_meta, extra), payload, tensors)
 
     def call(self, to: Any, func: Callable, args: tuple, kwargs: dict, timeout: float,
              sync: bool) -> Any:
@@ -408,138 +370,12 @@ class RpcAgent:
             return
         p.future.set_result(out)
 
-    def _decode_reply(self, p: _Pending, kind: int, frames: list) -> Any:
-        msg = decode(frames, p.peer)
-        if kind == Kind.ERROR:
-            raise unpack_exception(msg.payload)
-        hook = self._incoming(p.peer, msg.meta)
-        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook)
-
-    # -- serving (pool threads) -----------------------------------------------
-    def _serve(self, peer: int, msg) -> None:
-        with self._count_lock:
-            self.busy_threads += 1
-            started = msg.handed_off
-            if started is not None and self.gil_wait is not None:
-                self.gil_wait[0] += time.perf_counter() - started
-                self.gil_wait[1] += 1
-        try:
-            self._serve_inner(peer, msg)
-        finally:
-            with self._count_lock:
-                self.busy_threads -= 1
-
-    def _serve_inner(self, peer: int, msg) -> None:
-        what, ag_meta, extra = msg.meta
-        try:
-            hook = self._incoming(peer, ag_meta)
-            self._tls.msg = msg
-            func, args, kwargs = _load_call(msg, hook)
-            with self._scope(ag_meta) as ctx:
-                if profiling.active:  # a server-side profile is open
-                    result = profiling.run(func, args, kwargs)
-                else:
-                    result = script.call(func, args, kwargs)  # torch's errors for builtins
-        except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
-            if msg.kind != Kind.NOTIFY:  # as torch does, the callee reports it too
-                print(f"On {self.info}:\n{e!r}\n{traceback.format_exc()}", file=sys.stderr)
-            self._finish_request(peer, msg, None, e, None)
-            return
-        finally:
-            self._tls.msg = None
-        if isinstance(result, AsyncResult):
-            result = result.future
-            is_async = True
-        else:
-            is_async = bool(getattr(func, "_wrapped_async_rpc_function", None))
-        if is_async:
-            if not isinstance(result, torch._C.Future):
-                err = AsyncReturnTypeError("Functions decorated with @rpc.async_function must return a "
-                                    f"torch.futures.Future object, but got {type(result).__name__} "
-                                    f"from {what}", self.name)
-                self._finish_request(peer, msg, None, err, ctx)
-                return
-            result.add_done_callback(lambda f: self._finish_from_future(peer, msg, f, ctx))
-            return
-        self._finish_request(peer, msg, result, None, ctx)
-
-    def _finish_from_future(self, peer: int, msg, fut: torch.futures.Future, ctx: Any) -> None:
-        try:
-            value = fut.wait()
-        except BaseException as e:  # noqa: BLE001
-            self._finish_request(peer, msg, None, e, ctx)
-            return
-        self._finish_request(peer, msg, value, None, ctx)
-
-    def _finish_request(self, peer: int, msg, value: Any, exc: BaseException | None, ctx: Any) -> None:
-        try:
-            if msg.kind == Kind.NOTIFY:
-                if exc is not None:
-                    log.error("worker %s: one-way call %s from worker %s failed: %s: %s", self.name,
-                              msg.meta[0], self.workers[peer].name, type(exc).__name__, exc)
-                return
-            if msg.kind == Kind.REMOTE:
-                value, exc = self.remote_done(peer, msg, value, exc)
-            if exc is None:
-                try:
-                    self._send_reply(peer, msg.rid, value, ctx)
-                except SerializationError as e:
-                    self._send_error(peer, msg.rid, e, ctx)
-            else:
-                self._send_error(peer, msg.rid, exc, ctx)
-        finally:
-            with self._count_lock:
-                self.inflight -= 1
-
-    def remote_done(self, peer: int, msg, value: Any, exc: BaseException | None):
-        """Overridden by the RRef layer: store the value, reply with a confirmation."""
-        return value, exc
-
-    def _send_reply(self, peer: int, rid: int, value: Any, ctx: Any) -> None:
-        payload, tensors = dumps(value, dest=self.workers[peer])
-        ag_meta = self._outgoing(peer, tensors, ctx)
-        self.transport.send(peer, encode(Kind.REPLY, rid, ag_meta, payload, tensors))
-
-    def _send_error(self, peer: int, rid: int, exc: BaseException, ctx: Any) -> None:
-        blob = pack_exception(exc, self.name, self.rank)
-        self.transport.send(peer, encode(Kind.ERROR, rid, None, blob))
-
-    # -- extension plumbing ---------------------------------------------------
-    def _current_ctx(self) -> Any:
-        for ext in self.extensions:
-            c = ext.current()
-            if c is not None:
-                return c
-        return None
-
-    def _outgoing(self, dest: int, tensors: list, ctx: Any) -> Any:
-        if ctx is None:
-            return None
-        for ext in self.extensions:
-            meta = ext.outgoing(dest, tensors, ctx)
-            if meta is not None:
-                return meta
-        return None
-
-    def _incoming(self, sender: int, meta: Any):
-        if meta is None:
-            return None
-        for ext in self.extensions:
-            hook = ext.incoming(sender, meta)
-            if hook is not None:
-                return hook
-        return None
-
-    def _scope(self, meta: Any):
-        if meta is None:
-            return NULL_SCOPE
-        for ext in self.extensions:
-            scope = ext.request_scope(meta)
-            if scope is not NULL_SCOPE:
-                return scope
-        return NULL_SCOPE
+    # completing a reply runs no user function (only the future's callbacks): a
+    # reading thread runs several of one read in turn, waking nobody (leader.py)
+    _finish_async.batchable = True
 
     # -- introspection --------------------------------------------------------
+
     def debug_info(self) -> dict[str, Any]:
         stats = getattr(self.transport, "stats", {})
         info: dict[str, Any] = {
@@ -585,32 +421,9 @@ class RpcAgent:
         return not self.pending and self.inflight == 0
 
 
-class AsyncReturnTypeError(DistgradError, TypeError):
-    """An async_execution function returned something other than a Future."""
-
-
-class UnknownFunctionError(DistgradError, AttributeError):
-    """The callee lacks the function (or class) a call names: code is never sent."""
-
-
-def _load_call(msg, hook) -> tuple:
-    try:
-        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook)
-    except AttributeError as e:
-        raise UnknownFunctionError(f"{e}. Default RPC pickler does not serialize function code. Ensure "
-                                   "that UDFs are defined on both caller and callee modules.") from e
-
-
 def _qualname(func: Any) -> str:
     mod = getattr(func, "__module__", None) or ""
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     return f"{mod}.{name}" if mod else name
 
 
-class AsyncResult:
-    """Returned by internal functions whose reply must wait on ``future``."""
-
-    __slots__ = ("future",)
-
-    def __init__(self, future: torch.futures.Future) -> None:
-        self.future = future

@@ -33,10 +33,7 @@ outside a request do not wait.
 """
 from __future__ import annotations
 
-import collections
-import itertools
 import threading
-import time
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -44,199 +41,13 @@ import torch
 from ..errors import RPCTimeoutError
 from ..wire import Kind
 from ..wire.pickler import current_destination, current_pins
-from . import profiling, remote_profiling
-from .agent import AsyncResult, RpcAgent, agent_or_none, current_agent
-from .extensions import AgentExtension, register_extension
+from . import profiling
+from .agent import AsyncResult, agent_or_none, current_agent
 from .internal import RPCExecMode
+from .rref_context import RRefContext, _Entry  # noqa: F401 - RRefContext's old home
 from .worker_info import WorkerInfo
 
 T = TypeVar("T")
-
-
-class _Entry:
-    __slots__ = ("future", "forks")
-
-    def __init__(self, future: torch.futures.Future) -> None:
-        self.future = future
-        self.forks: collections.Counter = collections.Counter()  # (fork_id, child) -> count
-
-
-class RRefContext(AgentExtension):
-    """Per-agent RRef state: owned values, live user forks, id generation."""
-
-    def __init__(self, agent: RpcAgent) -> None:
-        self.agent = agent
-        self.owned: dict[tuple, _Entry] = {}
-        self.user_forks: dict[tuple, int] = {}       # (rref_id, fork_id) -> owner, live here
-        self.unconfirmed: set[tuple] = set()          # (rref_id, fork_id) awaiting the owner
-        # confirmations that overtook the message carrying their fork (a fork_confirm
-        # travels sender -> owner -> here and can win): applied when the fork arrives
-        self.early_confirmed: collections.OrderedDict = collections.OrderedDict()
-        self.confirmed_cv = threading.Condition(threading.Lock())
-        # rref_id -> [future, count of live owner-side RRef objects]: lets proxies and
-        # calls reach a value owned here that no other worker holds (RRef(value)).
-        self.local_owned: dict[tuple, list] = {}
-        # rref_id -> value future of an owner RRef whose remote() to this worker is in flight
-        self.local_targets: dict[tuple, torch.futures.Future] = {}
-        self._ids = itertools.count(0)
-        self.lock = threading.RLock()
-        agent.control_handlers.update(fork_add=self._on_fork_add, fork_del=self._on_fork_del,
-                                      fork_confirm=self._on_fork_confirm)
-        agent.pre_dispatch = self._pre_dispatch
-        agent.remote_done = self._remote_done
-        agent.rrefs = self
-
-    def new_id(self) -> tuple:
-        return (self.agent.rank, next(self._ids))
-
-    # -- owner side -----------------------------------------------------------
-    def _entry(self, rref_id: tuple, future: torch.futures.Future | None = None) -> _Entry:
-        """The owned entry of ``rref_id``, pending when unknown: a third worker's
-        message about an RRef (a fork, a call on it) can overtake the remote() that
-        creates it here, which comes from another worker. As torch's owner does, hold
-        an unset value that the creating request fills in. Caller holds the lock."""
-        entry = self.owned.get(rref_id)
-        if entry is None:
-            entry = self.owned[rref_id] = _Entry(future if future is not None else torch.futures.Future())
-        return entry
-
-    def add_fork(self, rref_id: tuple, fork_id: tuple, child: int,
-                 future: torch.futures.Future | None = None) -> torch.futures.Future:
-        """Count a fork of ``rref_id`` held by ``child``; returns the value's future
-        (``future``: the value of an RRef owned here, when it is not in the table yet)."""
-        with self.lock:
-            entry = self._entry(rref_id, future)
-            entry.forks[(fork_id, child)] += 1
-            self._gc(rref_id, entry, (fork_id, child))
-            return entry.future
-
-    def del_fork(self, rref_id: tuple, fork_id: tuple, child: int) -> None:
-        with self.lock:
-            entry = self._entry(rref_id)
-            entry.forks[(fork_id, child)] -= 1
-            self._gc(rref_id, entry, (fork_id, child))
-
-    def _gc(self, rref_id: tuple, entry: _Entry, key: tuple) -> None:
-        if entry.forks[key] == 0:
-            del entry.forks[key]
-        if not entry.forks:
-            del self.owned[rref_id]
-
-    def _on_fork_add(self, sender: int, rref_id, fork_id, child: int) -> None:
-        self.add_fork(rref_id, fork_id, child)
-        if child != self.agent.rank:
-            self.agent.send_control(child, "fork_confirm", rref_id, fork_id)
-
-    def _on_fork_del(self, sender: int, rref_id, fork_id) -> None:
-        self.del_fork(rref_id, fork_id, sender)
-
-    def _pre_dispatch(self, peer: int, msg) -> bool:
-        extra = msg.meta[2]
-        local = {}
-        src = extra.get("rref")
-        if src is not None:
-            entry = self.owned.get(src)
-            if entry is None and peer == self.agent.rank:
-                entry = self.local_owned.get(src)
-                entry = _Entry(entry[0]) if entry is not None else None
-            if entry is None:
-                if src[0] == self.agent.rank:  # created here: no request can still create it
-                    raise RuntimeError(f"RRef {src} is not known to its owner {self.agent.name} "
-                                       "(deleted or never created)")
-                with self.lock:  # its creating remote() is still on its way
-                    entry = self._entry(src)
-            local["source"] = entry.future
-        pins = extra.get("pins")
-        if pins is not None:
-            local["pins"] = {}
-            for rref_id in pins:
-                with self.lock:  # pending if its creating remote() is still on its way
-                    local["pins"][tuple(rref_id)] = self._entry(tuple(rref_id)).future
-        own = extra.get("own")
-        if own is not None:
-            if peer != self.agent.rank or tuple(own) not in self.local_targets:
-                raise RuntimeError(f"unexpected remote() target {own} from worker {peer}")
-            local["target"] = self.local_targets.pop(tuple(own))
-        new = extra.get("new")
-        if new is not None:
-            rref_id, fork_id = new
-            local["target"] = self.add_fork(rref_id, fork_id, peer)
-        msg.local = local
-        return True
-
-    def _remote_done(self, peer: int, msg, value: Any, exc: BaseException | None):
-        fut = msg.local["target"]
-        if exc is None:
-            value, confirmation = remote_profiling.split_remote(value)  # a profiled remote()
-            fut.set_result(value)
-            return confirmation, None
-        fut.set_exception(exc)
-        return None, exc
-
-    # -- user side ------------------------------------------------------------
-    def _on_fork_confirm(self, sender: int, rref_id, fork_id) -> None:
-        key = (tuple(rref_id), tuple(fork_id))
-        with self.confirmed_cv:
-            if key in self.unconfirmed:
-                self.unconfirmed.discard(key)
-                self.confirmed_cv.notify_all()
-            else:  # its fork has not arrived (or not been recorded) yet, or was dropped already
-                self.early_confirmed[key] = None
-                while len(self.early_confirmed) > _EARLY_CONFIRMED_MAX:  # forks that never came
-                    self.early_confirmed.popitem(last=False)
-
-    def add_unconfirmed(self, key: tuple) -> None:
-        """A fork that arrived from a worker other than its owner (unless the
-        owner's confirmation came first)."""
-        with self.confirmed_cv:
-            if key in self.early_confirmed:
-                del self.early_confirmed[key]
-            else:
-                self.unconfirmed.add(key)
-
-    def wait_confirmed(self, key: tuple, owner: int) -> None:
-        """Block until the owner confirmed fork ``key``, the owner is lost, this
-        agent shuts down or the RPC timeout passed (0: no limit)."""
-        agent = self.agent
-        timeout = agent.rpc_timeout
-        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
-        with self.confirmed_cv:
-            while key in self.unconfirmed and owner not in agent.lost and not agent.shutting_down:
-                left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
-                if left <= 0:
-                    return
-                self.confirmed_cv.wait(left)
-
-    def on_peer_lost(self, peer: int, reason: str) -> None:
-        with self.confirmed_cv:
-            self.confirmed_cv.notify_all()  # requests waiting for that owner's confirmation
-        with self.lock:
-            for rref_id, entry in list(self.owned.items()):
-                for key in [k for k in entry.forks if k[1] == peer]:
-                    del entry.forks[key]
-                if not entry.forks:
-                    del self.owned[rref_id]
-
-    def delete_all_user_rrefs(self) -> None:
-        """Release every fork this worker holds (graceful shutdown)."""
-        for (rref_id, fork_id), owner in list(self.user_forks.items()):
-            if self.user_forks.pop((rref_id, fork_id), None) is not None:
-                self.unconfirmed.discard((rref_id, fork_id))
-                self.agent.send_control(owner, "fork_del", rref_id, fork_id)
-
-    def debug_info(self) -> dict[str, int]:
-        with self.lock:
-            return {
-                "num_owner_rrefs": len(self.owned),
-                "num_forks": sum(sum(e.forks.values()) for e in self.owned.values()),
-                "num_pending_futures": sum(1 for e in self.owned.values() if not e.future.done()),
-                "num_pending_users": len(self.unconfirmed),
-            }
-
-
-_EARLY_CONFIRMED_MAX = 4096
-
-register_extension(RRefContext)
 
 
 class RRef(Generic[T]):

@@ -67,24 +67,28 @@ def coalesce(frames: Sequence) -> list[memoryview]:
 
 
 def send_some(sock: socket.socket, views: list[memoryview]) -> list[memoryview]:
-    """Send as much of ``views`` as the socket takes now; returns what is left
-    (empty when all went). Raises OSError when the connection is broken."""
-    while views:
+    """Send as much of ``views`` as the socket takes now (one ``sendmsg`` per
+    ``_IOV_MAX`` iovecs); returns what is left (empty when all went). Raises
+    OSError when the connection is broken."""
+    i, count = 0, len(views)
+    while i < count:
         try:
             if _SENDMSG:
-                n = sock.sendmsg(views[:_IOV_MAX])
+                n = sock.sendmsg(views[i:i + _IOV_MAX] if i or count > _IOV_MAX else views)
             else:  # Windows: no sendmsg; one send per buffer
-                n = sock.send(views[0])
+                n = sock.send(views[i])
         except (BlockingIOError, InterruptedError):
-            return views
+            break
         while n:
-            v = views[0]
+            v = views[i]
             if n >= v.nbytes:
                 n -= v.nbytes
-                views.pop(0)
+                i += 1
             else:
-                views[0] = v[n:]
+                views[i] = v[n:]
                 n = 0
+    if i:
+        del views[:i]
     return views
 
 

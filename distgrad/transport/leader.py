@@ -6,7 +6,9 @@ read includes work (a request to serve, a reply to complete), it passes the
 leader role to an idle thread (a *follower*), or starts one, and runs the first
 piece of work itself: no hand-off between the thread that read a request and
 the one that runs it, and the reply goes out from that same thread. Further
-pieces read in the same batch are queued for the followers.
+pieces read in the same batch are queued for the followers (in the shared
+mode, reply completions, marked ``batchable``, are run by the same thread in
+turn with no wake-up; a queued request wakes a thread: it may block).
 
 There is always a leader while the pool runs, so the sockets are always read:
 when every thread is busy, the leader keeps the role and queues the work
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +63,9 @@ class LeaderFollowers:
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self.busy = 0
+        # DISTGRAD_BATCH_WAKES=1: the old behaviour (wake a thread for each queued piece)
+        self._batch_wakes = os.environ.get("DISTGRAD_BATCH_WAKES", "0") == "1"
+        self.wakes = 0  # wake-ups of waiting threads for queued work (thread hand-offs)
 
     def start(self) -> None:
         with self._lock:
@@ -83,6 +89,7 @@ class LeaderFollowers:
                 return
             if self._spare():
                 return
+            self.wakes += 1
         self._shared_wake()
 
     def _wake(self, n: int) -> None:  # under the lock
@@ -139,8 +146,9 @@ class LeaderFollowers:
                 if self._tasks and not keep_reading and (
                         self._waiting or self._starting or self._grow()):
                     work = [self._tasks.popleft()]
-                    # more queued: make sure a thread comes for them too
-                    more = bool(self._tasks) and not self._spare()
+                    # more queued: this thread takes them next (no wake-up per task);
+                    # a thread is started only if nobody is left reading
+                    more = bool(self._tasks) and self._wake_for(self._tasks) and not self._spare()
                 elif self._stopping:
                     return
                 else:
@@ -149,6 +157,7 @@ class LeaderFollowers:
                     # the last reader stays one: queued work waits for a busy thread
                     local.keep = keep_reading or bool(self._tasks)
             if more:
+                self.wakes += 1
                 self._shared_wake()
             if work is None:
                 try:
@@ -173,10 +182,16 @@ class LeaderFollowers:
                             keep_reading = True
                             continue
                     if len(work) > 1:
+                        # several messages from one read: this thread runs them in
+                        # turn (queued, so that an idle thread that wakes anyway takes
+                        # one), with no wake-up per message when they are all
+                        # ``batchable`` (completing replies); a request may block
+                        # (a function waiting on RPCs), so one wakes a thread
                         self._tasks.extend(work[1:])
-                        extra = not self._spare()
+                        extra = self._wake_for(work[1:]) and not self._spare()
                         work = work[:1]
                 if extra:
+                    self.wakes += 1
                     self._shared_wake()
             self._execute(work)
             del work
@@ -191,6 +206,16 @@ class LeaderFollowers:
             finally:
                 self.busy -= 1
             del fn, args
+
+    def _wake_for(self, queued) -> bool:
+        """Whether queued work needs a thread woken for it: a piece that may block
+        (anything not marked ``batchable``), or DISTGRAD_BATCH_WAKES=1."""
+        if self._batch_wakes:
+            return True
+        for fn, _ in queued:
+            if not getattr(fn, "batchable", False):
+                return True
+        return False
 
     def _grow(self) -> bool:
         """(Under the lock) start one more thread if the pool may grow."""

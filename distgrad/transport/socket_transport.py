@@ -43,25 +43,21 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from . import framing, shm
-from .auth import Authenticator, AuthError
+from . import shm
+from .auth import Authenticator
 from .base import Timer, Transport, TransportHandler
 from .leader import LeaderFollowers
 from .opening import Opening, _Conn, host_key
+from .reading import _EPOLL, _IN, _ONESHOT, _OUT, Reading
+from .sending import _HEARTBEAT, Sending
 from .waker import Waker
 
 log = logging.getLogger(__name__)
 
-_HEARTBEAT = b"\xffHB"
-_GOODBYE = b"\xffBYE"
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 33
 DEFAULT_SHM_THRESHOLD = 256 << 10
-_EPOLL = hasattr(select, "epoll")
-_IN = select.EPOLLIN if _EPOLL else 1
-_OUT = select.EPOLLOUT if _EPOLL else 4
-_ONESHOT = select.EPOLLONESHOT if _EPOLL else 0
 
 
 def _default_shm_threshold() -> int:
@@ -69,7 +65,7 @@ def _default_shm_threshold() -> int:
     return int(value) if value else DEFAULT_SHM_THRESHOLD
 
 
-class SocketTransport(Opening, Transport):
+class SocketTransport(Sending, Reading, Opening, Transport):
     """See the module docstring.
 
     Example::
@@ -140,6 +136,9 @@ class SocketTransport(Opening, Transport):
         # per peer: messages and bytes sent, received; messages through shared memory
         # sent, received
         self.stats: dict[int, list[int]] = collections.defaultdict(lambda: [0] * 6)
+        # write batches (one sendmsg each, unless the socket was full) and the messages
+        # they carried; reads and the messages they brought (``batches[2:]``)
+        self.batches = [0, 0, 0, 0]
 
     # -- set-up ------------------------------------------------------------
     def _add(self, conn: _Conn) -> None:
@@ -193,93 +192,6 @@ class SocketTransport(Opening, Transport):
             except (OSError, ValueError, KeyError):
                 pass
 
-    # -- any thread --------------------------------------------------------
-    def send(self, peer: int, frames: Sequence) -> None:
-        if peer == self.rank:  # loopback: copy, as a socket would, and deliver in order
-            body = [bytearray(memoryview(f)) for f in frames]
-            self._inbox.append((self.rank, body))
-            self._wake()
-            return
-        conn = self._conns.get(peer)
-        if conn is None or conn.lost:
-            return
-        nbytes = sum(memoryview(f).nbytes for f in frames)
-        st = self.stats[peer]
-        if peer in self._shm_peers:  # the copy into shared memory runs here, on the sender
-            packed = self._shm_writer.pack(frames, self.shm_threshold, peer)
-            if packed is not None:
-                frames = packed
-                st[4] += 1
-        self._send(conn, frames)
-        st[0] += 1
-        st[1] += nbytes
-
-    def _send(self, conn: _Conn, frames: Sequence) -> None:
-        # Every message goes through ``conn.deferred`` and whoever holds the write
-        # lock sends it, in order. A reading thread never waits for that lock: its
-        # holder may be waiting for the peer to read, and the peer for this thread
-        # to read (both sides sending big messages at once). Each holder checks the
-        # queue again after releasing the lock, so nothing queued is left behind.
-        # A send nested inside the holder's own (an RRef freed by the garbage collector
-        # during a write sends its delete) only queues: the holder's loop sends it next.
-        reading = getattr(self._tls, "reading", False)
-        conn.deferred.append(frames)
-        me = threading.get_ident()
-        if conn.wowner == me:
-            return
-        if reading:
-            if not conn.wlock.acquire(False):
-                return
-        else:
-            conn.wlock.acquire()
-        conn.wowner = me
-        arm = False
-        failed = None
-        while True:
-            try:
-                while conn.deferred and not conn.lost:
-                    arm |= self._write(conn, conn.deferred.popleft(), reading)
-            except OSError as e:
-                failed = e
-            if conn.lost or failed:
-                conn.deferred.clear()
-            self._last_sent[conn.peer] = time.monotonic()
-            conn.wowner = 0
-            conn.wlock.release()
-            if failed or not conn.deferred or not conn.wlock.acquire(False):
-                break
-            conn.wowner = me
-        if failed:
-            self._lose(conn.peer, f"connection failed: {failed}", graceful=False)
-        elif arm:
-            self._arm(conn)
-
-    def _write(self, conn: _Conn, frames: Sequence, reading: bool) -> bool:
-        """Seal and send one message (write lock held); returns whether the poller
-        must flush the rest (a reading thread never blocks on a full socket)."""
-        if conn.cipher is not None:
-            frames = conn.cipher.seal(list(frames))
-        elif self._auth is not None:
-            frames = self._auth.seal(conn.peer, list(frames), shm.parsed_frames(frames))
-        views = framing.coalesce(frames)
-        if conn.outq:
-            conn.outq.extend(views)
-        else:
-            conn.outq.extend(framing.send_some(conn.sock, views))
-        if not conn.outq:
-            return False
-        if reading:
-            return True
-        self._flush_blocking(conn)
-        return False
-
-    def _flush_blocking(self, conn: _Conn) -> None:
-        """Send ``conn``'s queue, waiting for the peer to drain it (write lock held)."""
-        while conn.outq and not conn.lost:
-            conn.outq[:] = framing.send_some(conn.sock, conn.outq)
-            if conn.outq:
-                framing.wait_writable(conn.sock, 0.2)
-
     def uses_shm(self, peer: int) -> bool:
         """Whether large frames to ``peer`` go through shared memory."""
         return peer in self._shm_peers
@@ -332,226 +244,6 @@ class SocketTransport(Opening, Transport):
         if not self._wake_pending:
             self._wake_pending = True
             self._waker.wake()
-
-    # -- reading -------------------------------------------------------------
-    def _lead(self) -> list | None:
-        """The leader's loop (see :mod:`.leader`): wait, read in order, return work."""
-        tls = self._tls
-        tls.reading = True
-        pool = self.pool
-        try:
-            while self._running:
-                work: list = []
-                now = time.monotonic()
-                wait = max(0.0, self._next_beat - now)
-                if self._timers and self._timers[0].when - now < wait:
-                    wait = max(0.0, self._timers[0].when - now)
-                if self._inbox:
-                    wait = 0.0
-                events = self._poll(wait)
-                for fd, ev in events:
-                    conn = self._by_fd.get(fd)
-                    if conn is not None:
-                        self._service(conn, ev, work)
-                    elif fd == self._waker.fileno():
-                        # read, then lower the flag, then (below) look at the queues: a
-                        # wake-up racing in between finds the flag up and its item is
-                        # seen below; the reverse order could swallow its byte
-                        self._waker.clear()
-                        self._wake_pending = False
-                    else:
-                        self._accept_late(fd)
-                if self._inbox and self._inbox_lock.acquire(False):
-                    try:  # one thread at a time: loopback messages stay in order
-                        self._drain_inbox(work)
-                    finally:
-                        self._inbox_lock.release()
-                now = time.monotonic()
-                if (now >= self._next_beat or self._timers and self._timers[0].when <= now) \
-                        and self._tick_lock.acquire(False):
-                    try:  # whichever thread wakes first does the periodic work
-                        if now >= self._next_beat:
-                            self._heartbeat(now)
-                            self._next_beat = now + self.heartbeat_interval / 2
-                        if self._timers and self._timers[0].when <= now:
-                            self._run_timers(now)
-                    finally:
-                        self._tick_lock.release()
-                if work or pool.has_tasks():
-                    return work
-            return None
-        finally:
-            tls.reading = False
-
-    def _poll(self, wait: float) -> list:
-        if _EPOLL:
-            try:  # one ready socket per waiting thread: the others stay for the next
-                return self._poller.poll(wait, 1)
-            except (OSError, ValueError):
-                if not self._running:
-                    return []
-                raise
-        with self._plock:
-            ready = self._poller.select(wait)
-        return [(k.fd, (_IN if ev & 1 else 0) | (_OUT if ev & 2 else 0)) for k, ev in ready]
-
-    def _service(self, conn: _Conn, ev: int, work: list) -> None:
-        out = True
-        if ev & _OUT and conn.outq:
-            if conn.wlock.acquire(False):  # else its holder flushes it
-                conn.wowner = threading.get_ident()
-                try:
-                    conn.outq[:] = framing.send_some(conn.sock, conn.outq)
-                except OSError as e:
-                    self._lose(conn.peer, f"connection failed: {e}", graceful=False)
-                    return
-                finally:
-                    conn.wowner = 0
-                    conn.wlock.release()
-            else:
-                out = False
-        if ev & ~_OUT and conn.rlock.acquire(False):
-            try:
-                self._read(conn, work)
-            finally:
-                conn.rlock.release()
-        self._arm(conn, out)
-
-    def _read(self, conn: _Conn, work: list) -> None:
-        """Read what ``conn`` has and hand each message up, in order (read lock held)."""
-        peer = conn.peer
-        before = conn.reader.received
-        try:
-            msgs = conn.reader.read(conn.sock)
-        except EOFError:
-            msgs, why = None, "connection closed"
-        except framing.FrameError as e:
-            msgs, why = None, f"broke the framing: {e}"
-            log.warning("worker %d: worker %d %s", self.rank, peer, why)
-        except OSError as e:
-            msgs, why = None, f"connection failed: {e}"
-        if msgs is None:
-            self._lose(peer, why, graceful=False)
-            return
-        if conn.reader.received != before:  # an empty read (the heartbeat's look) is no news
-            self._last_recv[peer] = time.monotonic()
-        for frames in msgs:
-            self._deliver(conn, frames, work)
-
-    def _deliver(self, conn: _Conn, body: list, work: list) -> None:
-        peer = conn.peer
-        if conn.lost:
-            return
-        try:
-            if conn.cipher is not None:
-                body = conn.cipher.open(body)
-            elif self._auth is not None:
-                body = self._auth.open(peer, body, shm.parsed_frames(body[1:]))
-        except AuthError as e:
-            self._reject(peer, str(e))
-            return
-        first = body[0]
-        if len(body) == 1 and first[:1] == b"\xff":
-            self._on_transport_frame(peer, bytes(first))
-            return
-        try:
-            if bytes(first[:4]) == shm.MARK:
-                prefix = self._shm_peers.get(peer)
-                if prefix is None:
-                    self._reject(peer, "sent shared memory, not on this host")
-                    return
-                body = self._shm_reader.unpack(prefix, body)
-                self.stats[peer][5] += 1
-            st = self.stats[peer]
-            st[2] += 1
-            st[3] += sum(memoryview(b).nbytes for b in body)
-            with self._dispatch:
-                w = self._handler.on_message(peer, body)
-        except Exception:
-            log.exception("worker %d: error handling a message from worker %d", self.rank, peer)
-            return
-        if w is not None:
-            work.append(w)
-
-    def _reject(self, peer: int, why: str) -> None:
-        log.warning("worker %d: dropped a message from worker %d (%s)", self.rank, peer, why)
-
-    def _on_transport_frame(self, peer: int, frame: bytes) -> None:
-        if frame == _GOODBYE:
-            self._lose(peer, "shut down", graceful=True)
-        elif frame[:4] == shm.DROP:
-            self._shm_reader.forget(shm.parse_names(frame))
-        # else a heartbeat: its arrival was all it had to say
-
-    def _drain_inbox(self, work: list) -> None:
-        inbox = self._inbox
-        while inbox:
-            peer, item = inbox.popleft()
-            if peer is None:
-                with self._dispatch:
-                    self._guard(item)
-                continue
-            st = self.stats[peer]
-            st[2] += 1
-            try:
-                with self._dispatch:
-                    w = self._handler.on_message(peer, item)
-            except Exception:
-                log.exception("worker %d: error handling a message to itself", self.rank)
-                continue
-            if w is not None:
-                work.append(w)
-
-    def claim(self, peer: int) -> bool:
-        """Take the reading role of ``peer``'s connection for this thread, before it
-        sends a request whose reply it will read (:meth:`read_until` with
-        ``claimed=True`` gives the role back); False when someone else reads it.
-        Taken before the send, the reply can never wake the leader first."""
-        conn = self._conns.get(peer)
-        if conn is None or conn.lost or conn.poll is None or not self._running \
-                or getattr(self._tls, "reading", False) or not conn.rlock.acquire(False):
-            return False
-        with conn.alock:
-            conn.owned = True
-        self._arm(conn)  # the leader stops watching it for reading
-        self._tls.reading = True  # holding a reading role: its sends must not block
-        return True
-
-    def release(self, peer: int) -> None:
-        """Give back a role taken with :meth:`claim` (the send failed)."""
-        conn = self._conns.get(peer)
-        self._tls.reading = False
-        with conn.alock:
-            conn.owned = False
-        conn.rlock.release()
-        self._arm(conn)
-
-    def read_until(self, peer: int, done: Callable[[], bool], timeout: float | None = None,
-                   claimed: bool = False) -> bool:
-        """Read ``peer``'s connection on this thread until ``done()`` (a caller waiting
-        for its reply), when nobody else is reading it. Returns False at once when
-        someone is (the reader completes the waiter), True once ``done()`` or the
-        peer is lost. Work read on the way goes to the pool."""
-        conn = self._conns.get(peer)
-        tls = self._tls
-        if not claimed and not self.claim(peer):
-            return False
-        tls.reading = True
-        try:
-            poll = conn.poll.poll
-            end = None if timeout is None else time.monotonic() + timeout
-            while not done() and not conn.lost and self._running:
-                if end is not None and time.monotonic() > end:
-                    break
-                if poll(100):
-                    work: list = []
-                    self._read(conn, work)
-                    for fn, args in work:
-                        self.pool.submit(fn, *args)
-            return True
-        finally:
-            tls.reading = False
-            self.release(peer)
 
     # -- liveness --------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
@@ -681,23 +373,3 @@ class SocketTransport(Opening, Transport):
             self._poller.close()
         self._shm_writer.cleanup()
         self._waker.close()
-
-    def _goodbye(self, conn: _Conn, linger: float) -> None:
-        frames = [_GOODBYE]
-        with conn.wlock:
-            conn.wowner = threading.get_ident()  # a nested send only queues
-            try:
-                for msg in [*conn.deferred, frames]:  # queued messages go before it
-                    if conn.cipher is not None:
-                        msg = conn.cipher.seal(list(msg))
-                    elif self._auth is not None:
-                        msg = self._auth.seal(conn.peer, list(msg), shm.parsed_frames(msg))
-                    conn.outq.extend(framing.coalesce(msg))
-                conn.deferred.clear()
-                end = time.monotonic() + max(linger, 0.05)
-                while conn.outq and time.monotonic() < end:
-                    conn.outq[:] = framing.send_some(conn.sock, conn.outq)
-                    if conn.outq:
-                        framing.wait_writable(conn.sock, max(0.0, end - time.monotonic()))
-            except OSError:
-                pass

@@ -11,50 +11,29 @@ Everything that is ever parsed lives in frame 0, which the transport
 authenticates in full; the buffers are raw bytes, never parsed (see
 :mod:`distgrad.transport.auth`). One envelope instead of three frames saves
 two zmq frames per message on each side. The header is checked before
-anything is unpickled; counts and lengths must agree.
+anything is unpickled; counts and lengths must agree. The common message
+(dense tensors, no autograd context, no RRef bookkeeping) travels in the fast
+layout instead (:mod:`.fast_header`: magic b"DF", no meta pickle);
+:func:`decode` and :func:`peek_header` read both.
 """
 from __future__ import annotations
 
 import pickle
 import struct
 from collections.abc import Sequence
-from enum import IntEnum
 from typing import Any
 
 import torch
 
 from ..errors import ProtocolError, SerializationError
+from .fast_header import FAST_MAGIC, decode_fast, fast_header
+from .kinds import _KINDS, Kind, Message
 from .pickler import check_pickle, tensor_frames
 
 MAGIC = b"DG"
 VERSION = 2
 HEADER = struct.Struct("!2sBBIQI")
 MAX_BUFFERS = (1 << 16) - 8  # the transport carries at most 65536 frames a message
-
-
-class Kind(IntEnum):
-    CALL = 1      # run a function, reply with its result
-    REMOTE = 2    # run a function, keep the result in an owner RRef
-    REPLY = 3     # result of a CALL/REMOTE
-    ERROR = 4     # the CALL/REMOTE raised; payload describes the exception
-    CONTROL = 5   # one-way message handled in order by the reading thread (RRef forks...)
-    GOODBYE = 6   # the sender is shutting down on purpose
-    NOTIFY = 7    # run a function on the pool, no reply (distributed autograd's gradients)
-
-
-_KINDS = {int(k): k for k in Kind}
-
-
-class Message:
-    """A decoded message; the payload is unpickled later, by the thread that serves it."""
-
-    __slots__ = ("kind", "rid", "meta", "specs", "payload", "buffers", "sender", "local", "handed_off")
-
-    def __init__(self, kind, rid, meta, specs, payload, buffers, sender=None):
-        self.kind, self.rid, self.meta, self.specs = kind, rid, meta, specs
-        self.payload, self.buffers, self.sender = payload, buffers, sender
-        self.local = None  # attached in order by a pre-dispatch hook
-        self.handed_off = None  # perf_counter() at the hand-off to the pool (GIL profiling)
 
 
 def encode(kind: Kind, rid: int, meta: Any, payload: bytes = b"",
@@ -97,8 +76,21 @@ def _header(frames: Sequence) -> tuple:
     return kind, rid, nbuf, meta_len
 
 
+def _is_fast(frames: Sequence) -> bool:
+    env = frames[0] if frames else b""
+    if isinstance(env, (bytes, bytearray)):
+        return env[:2] == FAST_MAGIC
+    try:
+        return memoryview(env).cast("B")[:2] == FAST_MAGIC
+    except (TypeError, ValueError):
+        return False
+
+
 def peek_header(frames: Sequence) -> tuple[int, int, int]:
-    """(kind, request id, buffer count) after checking magic, version, counts and lengths."""
+    """(kind, request id, buffer count) after checking magic, version, counts and
+    lengths (of either layout: the fast one, :mod:`.fast_header`, or this one)."""
+    if _is_fast(frames):
+        return fast_header(frames)
     return _header(frames)[:3]
 
 
@@ -107,6 +99,9 @@ def request_id(frames: Sequence) -> int | None:
     when the rest of the message is not (so the sender can get an error
     reply); None otherwise. Never raises."""
     try:
+        if _is_fast(frames):
+            kind, rid, _ = fast_header(frames)
+            return rid if kind == Kind.CALL else None
         magic, version, kind, _, rid, _ = HEADER.unpack_from(frames[0])
     except Exception:  # noqa: BLE001 - no frame, or one of the wrong size or type
         return None
@@ -125,8 +120,12 @@ def decode(frames: Sequence, sender: Any = None) -> Message:
     allocated for it). The specs themselves
     and the buffer sizes are checked by :func:`~.pickler.rebuild_tensors`
     (ProtocolError too) and the payload by :func:`~.pickler.loads`
-    (SerializationError); decode touches neither.
+    (SerializationError); decode touches neither. A fast envelope (magic
+    b"DF") is parsed by :func:`~.fast_header.decode_fast`, which checks its
+    table and builds its tensors here.
     """
+    if _is_fast(frames):
+        return decode_fast(frames, sender)
     kind, rid, _, meta_len = _header(frames)
     env = memoryview(frames[0])
     meta_end = HEADER.size + meta_len

@@ -1,0 +1,91 @@
+"""The hot path of a message's frames on the agent (a mixin of
+:class:`~.agent.RpcAgent`): a request or reply with no autograd context and no
+RRef bookkeeping goes out in the fast layout (:mod:`distgrad.wire.fast_header`:
+a fixed binary header, no meta pickle); anything else in the general one, with
+the extensions' meta. The extensions that can put a thread in a context are
+found once, when the agent is built (``_ctx_exts``), not asked per message.
+Both layouts decode to the same message and the same objects.
+
+Example::
+
+    >>> agent._request_frames(dest, Kind.CALL, 7, (torch.add, (x, 1), {}), "torch.add",
+    ...                       None, None)[0][:2]
+    b'DF'
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..wire import Kind, dumps, encode, encode_fast, loads
+from ..wire.messages import decode
+from .extensions import NULL_SCOPE
+from .remote_exc import unpack_exception
+
+
+class FastPath:
+    """Frames of requests and replies, both ways; state lives on the agent."""
+
+    def _request_frames(self, dest: Any, kind: Kind, rid: int, payload_obj: Any, what: str,
+                        extra: Any, ctx: Any) -> list:
+        """Pickle a request (recording autograd functions in ``ctx``) into frames."""
+        pins: list = []
+        payload, tensors = dumps(payload_obj, dest=dest, pins=pins)
+        if pins:  # RRefs going back to their owner: this request keeps their values alive
+            extra = {**(extra or {}), "pins": pins}
+        elif ctx is None and extra is None and self.fast and kind != Kind.REMOTE:
+            frames = encode_fast(kind, rid, what, payload, tensors)
+            if frames is not None:
+                return frames
+        ag_meta = self._outgoing(dest.id, tensors, ctx)
+        return encode(kind, rid, (what, ag_meta, extra), payload, tensors)
+
+    def _reply_frames(self, peer: int, rid: int, value: Any, ctx: Any) -> list:
+        """Pickle a reply (recording autograd functions in ``ctx``) into frames."""
+        payload, tensors = dumps(value, dest=self.workers[peer])
+        if ctx is None and self.fast:
+            frames = encode_fast(Kind.REPLY, rid, "", payload, tensors)
+            if frames is not None:
+                return frames
+        ag_meta = self._outgoing(peer, tensors, ctx)
+        return encode(Kind.REPLY, rid, ag_meta, payload, tensors)
+
+    def _decode_reply(self, p: Any, kind: int, frames: list) -> Any:
+        msg = decode(frames, p.peer)
+        if kind == Kind.ERROR:
+            raise unpack_exception(msg.payload)
+        hook = self._incoming(p.peer, msg.meta) if msg.meta is not None else None
+        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook, tensors=msg.tensors)
+
+    def _current_ctx(self) -> Any:
+        for ext in self._ctx_exts:
+            c = ext.current()
+            if c is not None:
+                return c
+        return None
+
+    def _outgoing(self, dest: int, tensors: list, ctx: Any) -> Any:
+        if ctx is None:
+            return None
+        for ext in self.extensions:
+            meta = ext.outgoing(dest, tensors, ctx)
+            if meta is not None:
+                return meta
+        return None
+
+    def _incoming(self, sender: int, meta: Any):
+        if meta is None:
+            return None
+        for ext in self.extensions:
+            hook = ext.incoming(sender, meta)
+            if hook is not None:
+                return hook
+        return None
+
+    def _scope(self, meta: Any):
+        if meta is None:
+            return NULL_SCOPE
+        for ext in self.extensions:
+            scope = ext.request_scope(meta)
+            if scope is not NULL_SCOPE:
+                return scope
+        return NULL_SCOPE

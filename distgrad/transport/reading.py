@@ -1,0 +1,278 @@
+"""The reading half of :class:`~.socket_transport.SocketTransport` (a mixin;
+the state it uses lives on the transport).
+
+Pool threads wait in the poller (:mod:`.leader`); the one the kernel hands a
+ready socket reads everything it has (:class:`~.framing.FrameReader`), opens
+each message (MAC or decryption, shared memory), hands it to the agent's
+``on_message`` in order and returns the work it read: several messages from
+one read are all served by that thread, in turn, without a wake-up each. A
+caller waiting for its reply reads its own connection (:meth:`Reading.claim`,
+:meth:`Reading.read_until`); what else it reads on the way goes to the pool
+as one task.
+
+Example::
+
+    >>> if t.claim(1):                 # before sending a small request to worker 1
+    ...     t.send(1, frames)
+    ...     t.read_until(1, lambda: reply_arrived(), claimed=True)
+"""
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from collections.abc import Callable
+
+from . import framing, shm
+from .auth import AuthError
+from .opening import _Conn
+from .sending import _GOODBYE
+
+log = logging.getLogger("distgrad.transport.socket_transport")
+
+_EPOLL = hasattr(select, "epoll")
+_IN = select.EPOLLIN if _EPOLL else 1
+_OUT = select.EPOLLOUT if _EPOLL else 4
+_ONESHOT = select.EPOLLONESHOT if _EPOLL else 0
+
+
+class Reading:
+    """The pool's reading loop, message delivery, a caller reading its reply."""
+
+    def _lead(self) -> list | None:
+        """The leader's loop (see :mod:`.leader`): wait, read in order, return work."""
+        tls = self._tls
+        tls.reading = True
+        pool = self.pool
+        try:
+            while self._running:
+                work: list = []
+                now = time.monotonic()
+                wait = max(0.0, self._next_beat - now)
+                if self._timers and self._timers[0].when - now < wait:
+                    wait = max(0.0, self._timers[0].when - now)
+                if self._inbox:
+                    wait = 0.0
+                events = self._poll(wait)
+                for fd, ev in events:
+                    conn = self._by_fd.get(fd)
+                    if conn is not None:
+                        self._service(conn, ev, work)
+                    elif fd == self._waker.fileno():
+                        # read, then lower the flag, then (below) look at the queues: a
+                        # wake-up racing in between finds the flag up and its item is
+                        # seen below; the reverse order could swallow its byte
+                        self._waker.clear()
+                        self._wake_pending = False
+                    else:
+                        self._accept_late(fd)
+                if self._inbox and self._inbox_lock.acquire(False):
+                    try:  # one thread at a time: loopback messages stay in order
+                        self._drain_inbox(work)
+                    finally:
+                        self._inbox_lock.release()
+                now = time.monotonic()
+                if (now >= self._next_beat or self._timers and self._timers[0].when <= now) \
+                        and self._tick_lock.acquire(False):
+                    try:  # whichever thread wakes first does the periodic work
+                        if now >= self._next_beat:
+                            self._heartbeat(now)
+                            self._next_beat = now + self.heartbeat_interval / 2
+                        if self._timers and self._timers[0].when <= now:
+                            self._run_timers(now)
+                    finally:
+                        self._tick_lock.release()
+                if work or pool.has_tasks():
+                    return work
+            return None
+        finally:
+            tls.reading = False
+
+    def _poll(self, wait: float) -> list:
+        if _EPOLL:
+            try:  # one ready socket per waiting thread: the others stay for the next
+                return self._poller.poll(wait, 1)
+            except (OSError, ValueError):
+                if not self._running:
+                    return []
+                raise
+        with self._plock:
+            ready = self._poller.select(wait)
+        return [(k.fd, (_IN if ev & 1 else 0) | (_OUT if ev & 2 else 0)) for k, ev in ready]
+
+    def _service(self, conn: _Conn, ev: int, work: list) -> None:
+        out = True
+        if ev & _OUT and conn.outq:
+            if conn.wlock.acquire(False):  # else its holder flushes it
+                conn.wowner = threading.get_ident()
+                try:
+                    conn.outq[:] = framing.send_some(conn.sock, conn.outq)
+                except OSError as e:
+                    self._lose(conn.peer, f"connection failed: {e}", graceful=False)
+                    return
+                finally:
+                    conn.wowner = 0
+                    conn.wlock.release()
+            else:
+                out = False
+        if ev & ~_OUT and conn.rlock.acquire(False):
+            try:
+                self._read(conn, work)
+            finally:
+                conn.rlock.release()
+        self._arm(conn, out)
+
+    def _read(self, conn: _Conn, work: list) -> None:
+        """Read what ``conn`` has and hand each message up, in order (read lock held)."""
+        peer = conn.peer
+        before = conn.reader.received
+        try:
+            msgs = conn.reader.read(conn.sock)
+        except EOFError:
+            msgs, why = None, "connection closed"
+        except framing.FrameError as e:
+            msgs, why = None, f"broke the framing: {e}"
+            log.warning("worker %d: worker %d %s", self.rank, peer, why)
+        except OSError as e:
+            msgs, why = None, f"connection failed: {e}"
+        if msgs is None:
+            self._lose(peer, why, graceful=False)
+            return
+        if conn.reader.received != before:  # an empty read (the heartbeat's look) is no news
+            self._last_recv[peer] = time.monotonic()
+        if msgs:
+            self.batches[2] += 1
+            self.batches[3] += len(msgs)
+        for frames in msgs:
+            self._deliver(conn, frames, work)
+
+    def _deliver(self, conn: _Conn, body: list, work: list) -> None:
+        peer = conn.peer
+        if conn.lost:
+            return
+        try:
+            if conn.cipher is not None:
+                body = conn.cipher.open(body)
+            elif self._auth is not None:
+                body = self._auth.open(peer, body, shm.parsed_frames(body[1:]))
+        except AuthError as e:
+            self._reject(peer, str(e))
+            return
+        first = body[0]
+        if len(body) == 1 and first[:1] == b"\xff":
+            self._on_transport_frame(peer, bytes(first))
+            return
+        try:
+            if bytes(first[:4]) == shm.MARK:
+                prefix = self._shm_peers.get(peer)
+                if prefix is None:
+                    self._reject(peer, "sent shared memory, not on this host")
+                    return
+                body = self._shm_reader.unpack(prefix, body)
+                self.stats[peer][5] += 1
+            st = self.stats[peer]
+            st[2] += 1
+            st[3] += sum(memoryview(b).nbytes for b in body)
+            with self._dispatch:
+                w = self._handler.on_message(peer, body)
+        except Exception:
+            log.exception("worker %d: error handling a message from worker %d", self.rank, peer)
+            return
+        if w is not None:
+            work.append(w)
+
+    def _reject(self, peer: int, why: str) -> None:
+        log.warning("worker %d: dropped a message from worker %d (%s)", self.rank, peer, why)
+
+    def _on_transport_frame(self, peer: int, frame: bytes) -> None:
+        if frame == _GOODBYE:
+            self._lose(peer, "shut down", graceful=True)
+        elif frame[:4] == shm.DROP:
+            self._shm_reader.forget(shm.parse_names(frame))
+        # else a heartbeat: its arrival was all it had to say
+
+    def _drain_inbox(self, work: list) -> None:
+        inbox = self._inbox
+        while inbox:
+            peer, item = inbox.popleft()
+            if peer is None:
+                with self._dispatch:
+                    self._guard(item)
+                continue
+            st = self.stats[peer]
+            st[2] += 1
+            try:
+                with self._dispatch:
+                    w = self._handler.on_message(peer, item)
+            except Exception:
+                log.exception("worker %d: error handling a message to itself", self.rank)
+                continue
+            if w is not None:
+                work.append(w)
+
+    def claim(self, peer: int) -> bool:
+        """Take the reading role of ``peer``'s connection for this thread, before it
+        sends a request whose reply it will read (:meth:`read_until` with
+        ``claimed=True`` gives the role back); False when someone else reads it.
+        Taken before the send, the reply can never wake the leader first."""
+        conn = self._conns.get(peer)
+        if conn is None or conn.lost or conn.poll is None or not self._running \
+                or getattr(self._tls, "reading", False) or not conn.rlock.acquire(False):
+            return False
+        with conn.alock:
+            conn.owned = True
+        self._arm(conn)  # the leader stops watching it for reading
+        self._tls.reading = True  # holding a reading role: its sends must not block
+        return True
+
+    def release(self, peer: int) -> None:
+        """Give back a role taken with :meth:`claim` (the send failed)."""
+        conn = self._conns.get(peer)
+        self._tls.reading = False
+        with conn.alock:
+            conn.owned = False
+        conn.rlock.release()
+        self._arm(conn)
+
+    def read_until(self, peer: int, done: Callable[[], bool], timeout: float | None = None,
+                   claimed: bool = False) -> bool:
+        """Read ``peer``'s connection on this thread until ``done()`` (a caller waiting
+        for its reply), when nobody else is reading it. Returns False at once when
+        someone is (the reader completes the waiter), True once ``done()`` or the
+        peer is lost. Work read on the way goes to the pool, all of one read as one
+        task (one wake-up, not one per message)."""
+        conn = self._conns.get(peer)
+        tls = self._tls
+        if not claimed and not self.claim(peer):
+            return False
+        tls.reading = True
+        try:
+            poll = conn.poll.poll
+            end = None if timeout is None else time.monotonic() + timeout
+            while not done() and not conn.lost and self._running:
+                if end is not None and time.monotonic() > end:
+                    break
+                # the reply is often there already (the peer ran while this thread
+                # was sending): look before sleeping
+                if poll(0) or poll(100):
+                    work: list = []
+                    self._read(conn, work)
+                    if len(work) == 1:
+                        self.pool.submit(work[0][0], *work[0][1])
+                    elif work:
+                        # not run here: a failed reply's exception would keep this
+                        # caller's frames (and what they hold) alive through its traceback
+                        self.pool.submit(_run_all, work)
+            return True
+        finally:
+            tls.reading = False
+            self.release(peer)
+
+
+def _run_all(work: list) -> None:
+    for fn, args in work:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("error running work read by a waiting caller")
