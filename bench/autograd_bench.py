@@ -124,17 +124,7 @@ def local_workload(rpc, quick=False, profile=False):
             assert torch.allclose(g[p], p.grad, rtol=1e-4, atol=1e-5)
             p.grad = None
 
-    for _ in range(warm):
-        dist_once()
-        plain_once()
-    d, p_ = [], []
-    for i in range(reps):
-        if i % 2:
-            d.append(dist_once())
-            p_.append(plain_once())
-        else:
-            p_.append(plain_once())
-            d.append(dist_once())
+    d, p_ = common.interleaved(dist_once, plain_once, warm, reps)
     ratios = sorted(a / b for a, b in zip(d, p_))  # per-pair ratio (drift-robust)
     res = {
         "local_reps": reps,

@@ -52,6 +52,23 @@ def impl_module_name(impl: str) -> str:
     return IMPL_MODULES.get(impl, impl)
 
 
+def interleaved(first, second, warm: int, reps: int) -> tuple[list, list]:
+    """``warm`` untimed runs of both, then ``reps`` of each, which one goes first
+    alternating (drift hits both alike); returns their results, in order."""
+    for _ in range(warm):
+        first()
+        second()
+    a, b = [], []
+    for i in range(reps):
+        if i % 2:
+            a.append(first())
+            b.append(second())
+        else:
+            b.append(second())
+            a.append(first())
+    return a, b
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

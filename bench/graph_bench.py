@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import common
 from autograd_bench import _dist_autograd
 
 DEPTHS = (30, 120, 600, 1800)
@@ -80,17 +81,7 @@ def paired_backward(dist_autograd, forward, params, warm: int, reps: int) -> dic
             p.grad = None
         return dt
 
-    for _ in range(warm):
-        dist_once()
-        plain_once()
-    d, p_ = [], []
-    for i in range(reps):
-        if i % 2:
-            d.append(dist_once())
-            p_.append(plain_once())
-        else:
-            p_.append(plain_once())
-            d.append(dist_once())
+    d, p_ = common.interleaved(dist_once, plain_once, warm, reps)
     dist, plain = statistics.median(d), statistics.median(p_)
     return {"dist_ms": dist / 1e6, "plain_ms": plain / 1e6, "ratio": dist / plain,
             "pair_ratio": statistics.median(a / b for a, b in zip(d, p_)), "reps": reps}

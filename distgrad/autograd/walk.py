@@ -27,18 +27,26 @@ def accumulate_type() -> type:
 def below(starts: Sequence[Any]) -> set:
     """The nodes reachable from ``starts``, without going past recv functions and
     leaves (they are included)."""
+    nodes: set = set()
+    _spread(nodes, list(starts), None)
+    return nodes
+
+
+def _spread(seen: set, stack: list, recvs: list | None) -> None:
+    """Add to ``seen`` what ``stack`` reaches, never past a recv function (noted in
+    ``recvs``) or a leaf (its node has no next edges)."""
     _, recv_t = _node_types()
-    acc_t = accumulate_type()
-    nodes, stack = set(starts), list(starts)
+    seen.update(stack)
     while stack:
         n = stack.pop()
-        if type(n) is recv_t or type(n) is acc_t:
+        if type(n) is recv_t:
+            if recvs is not None:
+                recvs.append(n)
             continue
         for nxt, _ in n.next_functions:
-            if nxt is not None and nxt not in nodes:
-                nodes.add(nxt)
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
                 stack.append(nxt)
-    return nodes
 
 
 class Region:
@@ -86,19 +94,8 @@ def recv_slot(recv_slots: dict[int, set], recv: Any, slot: int) -> None:
 
 def walk_reach(reach: set, starts: Sequence[Any]) -> list:
     """Discovery: add to ``reach`` what ``starts`` reach; returns the recv functions met."""
-    _, recv_t = _node_types()
-    recvs = []
-    stack = [n for n in starts if n not in reach]
-    reach.update(stack)
-    while stack:
-        n = stack.pop()
-        if type(n) is recv_t:
-            recvs.append(n)
-            continue
-        for nxt, _ in n.next_functions:
-            if nxt is not None and nxt not in reach:
-                reach.add(nxt)
-                stack.append(nxt)
+    recvs: list = []
+    _spread(reach, [n for n in starts if n not in reach], recvs)
     return recvs
 
 
