@@ -228,10 +228,13 @@ class PassState(Executor):
 
         Only where nothing can tell: no graph recorded, no DDP (its hooks are on
         those nodes), no post-accumulate-grad hook (it would see this pass's
-        gradient, not the context's sum), and one such call at a time in this
-        process (others capture; they never touch ``.grad``). Returns None where
-        it does not apply."""
+        gradient, not the context's sum), no node that may give one gradient
+        tensor to two leaves (AccumulateGrad would keep it for one of them, torch's
+        distributed engine copies it for both: its test_no_grad_copy), and one such
+        call at a time in this process (others capture; they never touch
+        ``.grad``). Returns None where it does not apply."""
         if (self.create_graph or ddp.active[0] or _engine_run_backward is None
+                or region.one_grad_two_leaves
                 or node_hooks.post_acc_registered[0]
                 or any([v._post_accumulate_grad_hooks for v in variables])
                 or not _GRAD_LOCK.acquire(blocking=False)):
