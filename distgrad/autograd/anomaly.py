@@ -135,7 +135,7 @@ def complete(err: AnomalyError, context_id: int, limit: int = 64) -> AnomalyErro
     """Follow the poisoned gradient's way from worker to worker (RPCs to each worker
     on it; call on a thread that may block) and fill ``err.chains``."""
     agent = current_agent()
-    name = {w.id: w.name for w in agent.workers}
+    name = {r: w.name for r, w in agent.workers.items()}
     start = err.worker_name or "?"
     paths, frontier = [], [([start], err.hops)]
     seen: set = set()

@@ -279,13 +279,16 @@ class Container:
         self._msg_counter = itertools.count()
         self._tls = threading.local()
 
-    def init(self, worker_id: int) -> None:
+    def init(self, worker_id: int, first: int = 0) -> None:
+        """Number this worker's contexts from ``first`` (a later incarnation of a
+        rank in a dynamic group starts past every id an earlier one may have used)."""
         if not 0 <= worker_id < (1 << 16):
             raise ValueError(f"worker id {worker_id} does not fit in 16 bits")
         with self.lock:
             self.worker_id = worker_id
-            self._counter = itertools.count()
-            self._msg_counter = itertools.count()
+            self.first = first
+            self._counter = itertools.count(first)
+            self._msg_counter = itertools.count(first)
 
     def _check_init(self) -> None:
         if self.worker_id < 0:
@@ -316,6 +319,11 @@ class Container:
         with self.lock:
             ctx = self.contexts.get(context_id)
             if ctx is None:
+                if context_id >> _COUNTER_BITS == self.worker_id and \
+                        context_id & _COUNTER_MASK < getattr(self, "first", 0):
+                    raise RuntimeError(f"autograd context {context_id} was created by an earlier "
+                                       f"process under this worker's rank {self.worker_id}, which "
+                                       "left or was lost: it is not this process's")
                 ctx = self.contexts[context_id] = DistAutogradContext(context_id)
             return ctx
 

@@ -46,7 +46,7 @@ class AutogradExtension(AgentExtension):
 
     def __init__(self, agent) -> None:
         self.agent = agent
-        CONTAINER.init(agent.rank)
+        CONTAINER.init(agent.rank, (getattr(agent, "incarnation", 1) - 1) << 40)
         _node_types()
         agent.control_handlers["ag_release"] = _release_remote
         agent.control_handlers["ag_report"] = on_report

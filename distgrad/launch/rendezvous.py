@@ -28,9 +28,13 @@ from ..errors import DistgradError
 _PREFIX = "distgrad/"
 
 
-def resolve(init_method: str, rank: int, world_size: int | None) -> tuple[str, int, int]:
+def resolve(init_method: str, rank: int | None, world_size: int | None) -> tuple[str, int | None, int | None]:
     """Fill rank and world size from the environment for ``env://``; returns
     ``(init_method, rank, world_size)`` or raises ValueError naming what is missing.
+
+    ``world_size`` None (and, for ``env://``, no WORLD_SIZE in the environment)
+    means a dynamic group, as in torch; there ``rank`` None asks the group for
+    the smallest free rank.
 
     Example::
 
@@ -42,13 +46,18 @@ def resolve(init_method: str, rank: int, world_size: int | None) -> tuple[str, i
     if scheme not in ("env", "tcp", "file"):
         raise ValueError(f"init_method must be env://, tcp://host:port or file://path, got {init_method!r}")
     if scheme == "env":
-        if rank is None or rank < 0:
+        if rank is not None and rank < 0:
             rank = _env_int("RANK")
-        if world_size is None:
+        if world_size is None and "WORLD_SIZE" in os.environ:
             world_size = _env_int("WORLD_SIZE")
+    if world_size is None:  # a dynamic group
+        if rank is not None and rank < 0:
+            raise ValueError(f"rank must be given (>= 0, or None to be given one) for a dynamic "
+                             f"group, got {rank!r}")
+        return init_method, rank, None
     if rank is None or rank < 0:
         raise ValueError(f"rank must be given (>= 0) for init_method {init_method!r}, got {rank!r}")
-    if world_size is None or world_size < 1:
+    if world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if rank >= world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
@@ -75,7 +84,7 @@ def master_host(init_method: str) -> str | None:
     return None
 
 
-def make_store(init_method: str, rank: int, world_size: int, timeout: float,
+def make_store(init_method: str, rank: int | None, world_size: int | None, timeout: float,
                name: str | None = None) -> dist.Store:
     """A store every worker of this cluster reaches, opened as torch's own
     rendezvous opens it: for tcp/env rank 0 hosts it, shared (``multi_tenant``)
@@ -94,7 +103,7 @@ def make_store(init_method: str, rank: int, world_size: int, timeout: float,
     td = timedelta(seconds=timeout)
     if url.scheme == "file":
         path = url.path if not url.netloc else url.netloc + url.path
-        return dist.FileStore(path, world_size)
+        return dist.FileStore(path, world_size if world_size is not None else -1)
     if url.scheme == "env":
         host = os.environ.get("MASTER_ADDR")
         port = os.environ.get("MASTER_PORT")
@@ -104,12 +113,31 @@ def make_store(init_method: str, rank: int, world_size: int, timeout: float,
         host, port = url.hostname, url.port
         if not host or not port:
             raise ValueError(f"init_method {init_method!r} must name host and port")
-    host_it = rank == 0 and not agent_hosts_store(int(port))
+    host_it = hosts_store(init_method, rank, world_size)
     try:
         return dist.TCPStore(host, int(port), world_size, is_master=host_it, timeout=td,
                              wait_for_workers=False, multi_tenant=host_it)
     except dist.DistError as e:
         raise _store_error(name, rank, host, int(port), host_it, e) from e
+
+
+def hosts_store(init_method: str, rank: int | None, world_size: int | None) -> bool:
+    """Whether this worker hosts the rendezvous store: rank 0 for tcp:// and env://,
+    unless torchrun's agent serves it, or (a dynamic group) DISTGRAD_STORE_HOSTED=1
+    says a program of its own does (``distgrad store``).
+
+    Example::
+
+        >>> hosts_store("tcp://127.0.0.1:29500", 0, 2), hosts_store("file:///tmp/s", 0, 2)
+        (True, False)
+    """
+    url = urlparse(init_method)
+    if url.scheme == "file" or rank != 0:
+        return False
+    port = os.environ.get("MASTER_PORT") if url.scheme == "env" else url.port
+    if port is None or agent_hosts_store(int(port)):
+        return False
+    return not (world_size is None and os.environ.get("DISTGRAD_STORE_HOSTED", "0") == "1")
 
 
 def agent_hosts_store(port: int) -> bool:

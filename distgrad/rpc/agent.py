@@ -54,12 +54,22 @@ _DEDUP_WINDOW = 1 << 16
 class RpcAgent(FastPath, Serving):
     """Sends requests, serves requests, tracks pending calls and lost peers."""
 
-    def __init__(self, name: str, rank: int, world_size: int, workers: list[WorkerInfo],
-                 transport: Transport, options: Any) -> None:
-        self.name, self.rank, self.world_size = name, rank, world_size
-        self.info = workers[rank]
-        self.workers = workers
+    def __init__(self, name: str, rank: int, world_size: int | None, workers: list[WorkerInfo],
+                 transport: Transport, options: Any, incarnation: int = 1) -> None:
+        self.name, self.rank = name, rank
+        # a dynamic group (no world_size): members join and leave (see membership.py)
+        self.dynamic = world_size is None
+        self.world_size = len(workers) if world_size is None else world_size
+        # every rank ever a member, by rank (its latest incarnation's WorkerInfo: names
+        # in errors about members that left); by_name holds the current members only
+        self.workers: dict[int, WorkerInfo] = {w.id: w for w in workers}
+        self.info = self.workers[rank]
         self.by_name = {w.name: w for w in workers}
+        self.departed: dict[str, int] = {}  # names of members that left or were lost -> rank
+        self.leaving: set[int] = set()      # members that announced they leave (dynamic)
+        self.group = None                   # the membership table (dynamic groups)
+        self.incarnation = incarnation  # this process's under its rank (dynamic groups)
+        self.incarnations: dict[int, int] = {}  # a dynamic group's members' incarnations
         self.transport = transport
         self.options = options
         self.rpc_timeout = options.rpc_timeout
@@ -95,29 +105,76 @@ class RpcAgent(FastPath, Serving):
         self.gil_wait: list | None = None  # [seconds, requests] while GIL profiling is on
 
     # -- start/stop ----------------------------------------------------------
-    def start(self, addresses: dict[int, str]) -> None:
-        self.transport.start(self, addresses)
+    def start(self, addresses: dict[int, str], **dynamic: Any) -> None:
+        self.transport.start(self, addresses, **dynamic)
+
+    # -- membership (dynamic groups) ---------------------------------------------
+    def add_member(self, info: WorkerInfo, incarnation: int = 1) -> None:
+        """A member joined (a new process, perhaps under a former member's name and
+        rank): nothing of an earlier incarnation under this rank applies to it."""
+        old = self.workers.get(info.id)
+        if old is not None and self.by_name.get(old.name) is old and old.name != info.name:
+            del self.by_name[old.name]
+        self.workers[info.id] = info
+        self.incarnations[info.id] = incarnation
+        self.by_name[info.name] = info
+        self.departed.pop(info.name, None)
+        self.lost.pop(info.id, None)
+        self.left.discard(info.id)
+        self.leaving.discard(info.id)
+        self._seen_rids.pop(info.id, None)  # its request ids start over
+        self.world_size = len(self.by_name)
+        self.members_changed()
+        for ext in self.extensions:
+            try:
+                ext.on_peer_joined(info.id)
+            except Exception:
+                log.exception("extension failed handling the arrival of worker %d", info.id)
+
+    def remove_member(self, rank: int) -> None:
+        """A member left or was lost: it is no longer one (get_worker_infos, names)."""
+        info = self.workers.get(rank)
+        if info is not None and self.by_name.get(info.name) is info:
+            del self.by_name[info.name]
+            self.departed[info.name] = rank
+        self.world_size = len(self.by_name)
+        self.members_changed()
+
+    def members_changed(self) -> None:
+        """Called when a member joined or left (a dynamic group's lifecycle sets it)."""
 
     # -- sending ---------------------------------------------------------------
     def resolve(self, to: Any) -> WorkerInfo:
         """WorkerInfo for a name, rank or WorkerInfo; ValueError when unknown."""
         if isinstance(to, WorkerInfo):
-            if 0 <= to.id < len(self.workers) and self.workers[to.id] == to:
+            if self.by_name.get(to.name) == to:
                 return to
+            self._check_departed(to.name)
             raise DistgradError(f"name:{self.name},rank:{self.rank} could not find destination {to}")
         if isinstance(to, str):
             info = self.by_name.get(to)
             if info is None:
+                self._check_departed(to)
                 raise DistgradError(f"name:{self.name},rank:{self.rank} could not find destination "
                                     f"name {to}")
             return info
         if isinstance(to, int) and not isinstance(to, bool):
-            if 0 <= to < len(self.workers):
-                return self.workers[to]
+            info = self.workers.get(to)
+            if info is not None and self.by_name.get(info.name) is info:
+                return info
+            if info is not None:
+                self._check_departed(info.name)
             raise DistgradError(f"name:{self.name},rank:{self.rank} could not find destination id "
                                 f"{to} (world size {self.world_size})")
         raise ValueError(f"Cannot get WorkerInfo from name {to!r}: 'to' must be a worker name, rank or "
                          f"WorkerInfo, got {type(to).__name__}")
+
+    def _check_departed(self, name: str) -> None:
+        """A name of a member that left or was lost: WorkerLostError naming it."""
+        rank = self.departed.get(name)
+        if rank is not None:
+            raise WorkerLostError(f"worker {name} (rank {rank}) is no longer a member of the group: "
+                                  f"{self.lost.get(rank, 'it left')}", name)
 
     def effective_timeout(self, timeout: float) -> float:
         if timeout is None or timeout < 0:
@@ -136,6 +193,10 @@ class RpcAgent(FastPath, Serving):
         p = _Pending(dest.id, what, timeout, sync, ctx)
         if dest.id in self.lost:
             self._fail(p, self._lost_error(dest.id))
+            return p
+        if dest.id in self.leaving:
+            self._fail(p, WorkerLostError(f"worker {dest.name} (rank {dest.id}) is leaving the group "
+                                          f"(shutdown): {what} was not sent", dest.name))
             return p
         self.pending[rid] = p
         if timeout > 0:
@@ -304,6 +365,13 @@ class RpcAgent(FastPath, Serving):
         except Exception:
             log.exception("worker %s: bad control message from worker %d", self.name, peer)
 
+    def on_peer_joined(self, peer: int) -> None:
+        """The transport accepted a member that joins (dynamic groups): the
+        lifecycle's admission looked it up (see lifecycle.start_dynamic)."""
+        entry = getattr(self, "admitted", {}).pop(peer, None)
+        if entry is not None:
+            self.add_member(*entry)
+
     def on_peer_lost(self, peer: int, reason: str, graceful: bool) -> None:
         self.lost[peer] = reason
         if graceful:
@@ -322,6 +390,21 @@ class RpcAgent(FastPath, Serving):
                 ext.on_peer_lost(peer, reason)
             except Exception:
                 log.exception("extension failed handling the loss of worker %d", peer)
+        if self.dynamic and not self.shutting_down:
+            self.remove_member(peer)
+            if not graceful and self.group is not None:
+                # the survivors take a crashed member out of the table (off this thread:
+                # the store may be slow); only the incarnation that was lost
+                self.callbacks.submit(self._untable, peer, self.incarnations.get(peer))
+
+    def _untable(self, peer: int, incarnation: int | None) -> None:
+        try:
+            if incarnation is not None and self.group.leave(peer, incarnation):
+                log.info("worker %s: took lost worker %s out of the group", self.name,
+                         self.workers[peer].name)
+        except Exception as e:  # noqa: BLE001 - the store may be gone too
+            log.warning("worker %s: could not take lost worker %d out of the group's table: %s",
+                        self.name, peer, e)
 
     def _lost_error(self, peer: int) -> WorkerLostError:
         w = self.workers[peer]
@@ -384,13 +467,16 @@ class RpcAgent(FastPath, Serving):
             "agent.thread_pool_size": self.options.num_worker_threads,
             "agent.num_busy_threads": self.busy_threads,
             "agent.num_idle_threads": self.options.num_worker_threads - self.busy_threads,
-            "agent.lost_workers": {self.workers[p].name: r for p, r in self.lost.items()},
+            "agent.lost_workers": {self.workers[p].name: r for p, r in self.lost.items()
+                                   if p in self.workers},
         }
         if self.gil_wait is not None:
             total, n = self.gil_wait
             info["agent.gil_average_wait_time_us"] = str(int(total / n * 1e6) if n else 0)
         link_info = getattr(self.transport, "link_info", None)
         for peer, (ms, bs, mr, br, *_) in sorted(stats.items()):
+            if peer not in self.workers:
+                continue
             name = self.workers[peer].name
             info[f"peer.{name}"] = {"messages_sent": ms, "bytes_sent": bs,
                                     "messages_received": mr, "bytes_received": br}
@@ -403,8 +489,8 @@ class RpcAgent(FastPath, Serving):
         return self.info if worker_name is None else self.resolve(worker_name)
 
     def get_worker_infos(self) -> list[WorkerInfo]:
-        """Every worker's WorkerInfo, by rank."""
-        return list(self.workers)
+        """Every member's WorkerInfo, by rank (in a dynamic group: the members now)."""
+        return sorted(self.by_name.values(), key=lambda w: w.id)
 
     def get_debug_info(self) -> dict[str, Any]:
         """The agent's own counters (torch's agent API; see rpc._get_debug_info)."""

@@ -23,7 +23,7 @@ import torch
 from ..errors import WorkerLostError
 from ..launch import rendezvous
 from ..wire import Kind
-from . import backend_registry, collective, lifecycle, profiling, script
+from . import backend_registry, collective, dynamic, lifecycle, profiling, script
 from .agent import RpcAgent, _holder, _qualname, agent_or_none, current_agent
 from .debug import _get_debug_info, _rref_context_get_debug_info, enable_gil_profiling  # noqa: F401
 from .internal import PythonUDF, RPCExecMode, _internal_rpc_pickler, _run_serialized
@@ -50,13 +50,19 @@ _default_pickler = _internal_rpc_pickler
 _thread_local_var = threading.local()
 
 
-def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
+def init_rpc(name: str, backend: Any = None, rank: int | None = -1, world_size: int | None = None,
              rpc_backend_options: RpcBackendOptions | None = None) -> None:
     """Start this process's RPC agent and meet the other workers.
 
     Workers rendezvous through a torch.distributed store named by
     ``rpc_backend_options.init_method`` (``env://`` by default, reading
     MASTER_ADDR, MASTER_PORT and, when not given, RANK and WORLD_SIZE).
+
+    Without ``world_size`` (and no WORLD_SIZE for ``env://``) the worker joins
+    a dynamic group, as in torch: members join and leave (``shutdown()``) at any
+    time, one that crashes is taken out, and a new process may take its name
+    and rank. ``rank=None`` there asks for the smallest free rank. See
+    :mod:`distgrad.rpc.membership`.
 
     Example (in each of two processes, rank 0 and 1)::
 
@@ -70,7 +76,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     with _init_lock:
         if agent_or_none() is not None:
             raise RuntimeError("RPC is already initialized")
-        _check_rank(opts.init_method, rank)
+        _check_rank(opts.init_method, rank, world_size)
         init_method, rank, world_size = rendezvous.resolve(opts.init_method, rank, world_size)
         if not backend_registry.is_builtin(backend):
             # as torch does for any backend: a store every worker reached
@@ -80,7 +86,8 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
                 rpc_backend_options=opts))
             return
         store = rendezvous.make_store(init_method, rank, world_size, lifecycle.rdv_timeout(opts), name)
-        lifecycle.start_agent(store, name, rank, world_size, opts, rendezvous.master_host(init_method))
+        lifecycle.start_agent(store, name, rank, world_size, opts, rendezvous.master_host(init_method),
+                              hosts_store=rendezvous.hosts_store(init_method, rank, world_size))
 
 
 def _set_and_start_rpc_agent(agent: Any) -> None:
@@ -128,9 +135,10 @@ def _check_init_args(name: Any, backend: Any, opts: Any) -> TensorPipeRpcBackend
     return opts
 
 
-def _check_rank(init_method: str, rank: Any) -> None:
-    """torch's messages for a missing rank (before any rendezvous)."""
-    if rank is not None and rank >= 0:
+def _check_rank(init_method: str, rank: Any, world_size: Any) -> None:
+    """torch's messages for a missing rank (before any rendezvous). ``rank=None``
+    in a dynamic group (no ``world_size``) asks for the smallest free rank."""
+    if rank is None and world_size is None or rank is not None and rank >= 0:
         return
     if str(init_method).startswith("env://"):
         if "RANK" not in os.environ:
@@ -157,7 +165,14 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     if agent is None:
         return
     try:
-        if graceful:
+        if agent.dynamic:  # leave the group; the others go on (see rpc/dynamic.py)
+            if graceful:
+                limit = timeout if timeout and timeout > 0 else _DEFAULT_SHUTDOWN_TIMEOUT
+                dynamic.leave(agent, time.monotonic() + limit, _delete_all_user_and_unforked_owner_rrefs,
+                              check_leak=not _ignore_rref_leak)
+            else:
+                dynamic.untable(agent)
+        elif graceful:
             limit = timeout if timeout and timeout > 0 else _DEFAULT_SHUTDOWN_TIMEOUT
             deadline = time.monotonic() + limit
             _wait_all_workers(timeout)

@@ -76,7 +76,7 @@ def all_gather(agent: Any, obj: Any, worker_names: Any, timeout: float, rpc_sync
                rpc_async: Callable, gather_fn: Callable, broadcast_fn: Callable) -> dict:
     """See :func:`distgrad.rpc.api._all_gather`; ``gather_fn``/``broadcast_fn``
     are what the calls run on the leader and on the followers."""
-    names = set(worker_names) if worker_names else {w.name for w in agent.workers}
+    names = set(worker_names) if worker_names else {w.name for w in agent.get_worker_infos()}
     leader = min(names)
     me = agent.name
     with _lock:
@@ -130,7 +130,7 @@ def _wait(agent: Any, states: _States, names: set, leader: str, timeout: float |
             deadline = None if timeout is None else time.monotonic() + timeout
         if deadline is not None and time.monotonic() >= deadline:
             return set()  # as torch: go on with what arrived
-        lost = {agent.workers[r].name for r in list(agent.lost)}
+        lost = {agent.workers[r].name for r in list(agent.lost) if r in agent.workers}
         if leader == agent.name:
             with _lock:
                 missing = names - set(states.gathered_objects)
@@ -157,7 +157,7 @@ def _send_to_followers(agent: Any, states: _States, followers: set, sequence_id:
         except WorkerLostError as e:
             # a follower that crashed is given up on (the caller decides); one that
             # left on purpose without answering failed the all-gather, as in torch
-            rank = agent.by_name[name].id if hasattr(agent, "by_name") else None
+            rank = agent.by_name[name].id if name in getattr(agent, "by_name", ()) else None
             if rank in getattr(agent, "shutdown_arrivals", ()):
                 continue  # it had the result and went on to shut down
             (errors if rank in getattr(agent, "left", ()) else crashed).append((name, e))
@@ -177,7 +177,7 @@ def _await_reply(agent: Any, name: str, fut: Any) -> bool:
     its reply may be lost or still on its way)."""
     done = threading.Event()
     fut.add_done_callback(lambda f: done.set())
-    rank = agent.by_name[name].id if hasattr(agent, "by_name") else None
+    rank = agent.by_name[name].id if name in getattr(agent, "by_name", ()) else None
     while not done.wait(_POLL):
         if rank is not None and rank in getattr(agent, "shutdown_arrivals", ()):
             return False

@@ -21,7 +21,7 @@ from ..launch import rendezvous
 from ..transport import SocketTransport, netaddr
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
-from . import collective, remote_profiling
+from . import collective, dynamic, membership, remote_profiling
 from .agent import RpcAgent, _holder
 from .options import RpcBackendOptions
 from .worker_info import WorkerInfo
@@ -35,10 +35,11 @@ def rdv_timeout(opts: RpcBackendOptions) -> float:
     return max(opts.rpc_timeout, 60.0) if opts.rpc_timeout > 0 else 300.0
 
 
-def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBackendOptions,
-                default_host: str | None) -> None:
+def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
+                opts: RpcBackendOptions, default_host: str | None, hosts_store: bool = False) -> None:
     """Listen, meet the other workers through ``store``, install the agent (so
-    that it is current before anything can reach it), then start the transport."""
+    that it is current before anything can reach it), then start the transport.
+    ``world_size`` None joins a dynamic group (see :mod:`.dynamic`)."""
     timeout = rdv_timeout(opts)
     try:  # an address the other hosts reach: see transport/netaddr.py
         host = netaddr.listen_address(opts.listen_addr, default_host or os.environ.get("MASTER_ADDR"))
@@ -48,25 +49,41 @@ def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBack
     if secret is None:
         # once per cluster (rank 0 speaks for it), not once per worker: the others log it at INFO
         log.log(logging.WARNING if rank == 0 else logging.INFO,
-                "worker %s: no cluster secret (DISTGRAD_SECRET): messages between the %d workers are "
-                "not authenticated and anyone who can connect can run code on them", name, world_size)
-    faults = config_from(opts)
-    encrypt = getattr(opts, "encrypt", False)
-    if faults is not None:  # tests only: see distgrad/transport/faults.py
-        transport = FaultyTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
-                                    opts.max_message_size, secret=secret, faults=faults, encrypt=encrypt,
-                                    num_threads=opts.num_worker_threads)
-    else:
-        transport = SocketTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
-                                    opts.max_message_size, secret=secret, encrypt=encrypt,
-                                    num_threads=opts.num_worker_threads)
+                "worker %s: no cluster secret (DISTGRAD_SECRET): messages between the workers are "
+                "not authenticated and anyone who can connect can run code on them", name)
+
+    def make_transport(rank: int):
+        faults = config_from(opts)
+        encrypt = getattr(opts, "encrypt", False)
+        if faults is not None:  # tests only: see distgrad/transport/faults.py
+            return FaultyTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
+                                   opts.max_message_size, secret=secret, faults=faults, encrypt=encrypt,
+                                   num_threads=opts.num_worker_threads)
+        return SocketTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
+                               opts.max_message_size, secret=secret, encrypt=encrypt,
+                               num_threads=opts.num_worker_threads)
+
+    if world_size is None:
+        try:
+            agent = dynamic.start(store, name, rank, make_transport, host, opts, timeout, hosts_store)
+        except BaseException:
+            remote_profiling.detach()
+            raise
+        remote_profiling.attach(agent.rank)
+        return
+    transport = make_transport(rank)
+    raw, counted = store, False
     try:
         address = transport.listen(host)
+        membership.check_static_join(store, name)
+        store.add(membership.static_key(), 1)  # a dynamic joiner sees a static group runs
+        counted = True
         store = rendezvous.session(store, rank)  # this init_rpc's keys only
         peers = rendezvous.exchange(store, rank, world_size, name, address, timeout)
         workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
         agent = RpcAgent(name, rank, world_size, workers, transport, opts)
         agent.store = store
+        agent.static_store = raw
         agent.shutdown_arrivals = set()  # ranks that announced their shutdown (see shutdown)
         agent.control_handlers["shutdown_arrived"] = lambda peer: agent.shutdown_arrivals.add(peer)
         # Installed before the transport accepts anything: a request that arrives
@@ -79,7 +96,16 @@ def start_agent(store: Any, name: str, rank: int, world_size: int, opts: RpcBack
         _holder.pop("agent", None)
         remote_profiling.detach()
         transport.close(0)
+        if counted:
+            _uncount(raw)
         raise
+
+
+def _uncount(store: Any) -> None:
+    try:
+        store.add(membership.static_key(), -1)
+    except Exception:  # noqa: BLE001 - the store's host may be gone
+        pass
 
 
 def join(agent: RpcAgent, deadline: float, check_leak: bool = False) -> None:
@@ -147,6 +173,10 @@ def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
         agent.pool.shutdown(wait=graceful, cancel_futures=not graceful)
         agent.callbacks.shutdown(wait=graceful)
     finally:
+        static_store = getattr(agent, "static_store", None)
+        if static_store is not None:
+            agent.static_store = None
+            _uncount(static_store)
         # Let go of the store: on rank 0 its server closes once nothing else in this
         # process (a process group on the same port) holds it.
         agent.store = None

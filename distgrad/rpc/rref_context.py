@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,8 @@ import torch
 
 from . import remote_profiling
 from .extensions import AgentExtension, register_extension
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .agent import RpcAgent
@@ -52,7 +55,9 @@ class RRefContext(AgentExtension):
         self.local_owned: dict[tuple, list] = {}
         # rref_id -> value future of an owner RRef whose remote() to this worker is in flight
         self.local_targets: dict[tuple, torch.futures.Future] = {}
-        self._ids = itertools.count(0)
+        # a later incarnation of a rank (dynamic groups) numbers past the earlier ones'
+        self._first = (getattr(agent, "incarnation", 1) - 1) << 40
+        self._ids = itertools.count(self._first)
         self.lock = threading.RLock()
         agent.control_handlers.update(fork_add=self._on_fork_add, fork_del=self._on_fork_del,
                                       fork_confirm=self._on_fork_confirm)
@@ -96,12 +101,25 @@ class RRefContext(AgentExtension):
         if not entry.forks:
             del self.owned[rref_id]
 
+    def _earlier(self, rref_id) -> bool:
+        """An RRef of an earlier process under this rank (it left or was lost): a
+        late fork_add/fork_del about it is not about anything this process owns."""
+        if rref_id[0] == self.agent.rank and rref_id[1] < self._first:
+            log.info("worker %s: ignored a message about RRef %s of an earlier incarnation",
+                     self.agent.name, rref_id)
+            return True
+        return False
+
     def _on_fork_add(self, sender: int, rref_id, fork_id, child: int) -> None:
+        if self._earlier(rref_id):
+            return
         self.add_fork(rref_id, fork_id, child)
         if child != self.agent.rank:
             self.agent.send_control(child, "fork_confirm", rref_id, fork_id)
 
     def _on_fork_del(self, sender: int, rref_id, fork_id) -> None:
+        if self._earlier(rref_id):
+            return
         self.del_fork(rref_id, fork_id, sender)
 
     def _pre_dispatch(self, peer: int, msg) -> bool:

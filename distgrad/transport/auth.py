@@ -63,9 +63,15 @@ class Authenticator:
         return hmac.new(self._secret, b"%d>%d|" % (sender, receiver) + nonce, hashlib.sha256).digest()
 
     def set_peer_nonce(self, peer: int, nonce: bytes) -> None:
-        """Learn the nonce ``peer`` published; keys for both directions follow."""
-        self._send_keys[peer] = self._key(self.rank, peer, nonce)
-        self._recv_keys[peer] = self._key(peer, self.rank, self.nonce)
+        """Learn the nonce ``peer`` published; keys for both directions follow.
+
+        Each key covers both processes' nonces: a new process under a rank (a
+        member that rejoined a dynamic group) gets new keys both ways, so nothing
+        sealed for or by the earlier one opens, and sequence numbers start over."""
+        self._send_keys[peer] = self._key(self.rank, peer, nonce + self.nonce)
+        self._recv_keys[peer] = self._key(peer, self.rank, self.nonce + nonce)
+        self._send_seq.pop(peer, None)
+        self._recv_seq.pop(peer, None)
 
     @staticmethod
     def _tag(key: bytes, head: bytes, full: int, frames) -> bytes:

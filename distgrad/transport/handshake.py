@@ -27,6 +27,7 @@ import hmac
 import os
 import socket
 import struct
+from collections.abc import Callable, Collection
 
 MAGIC = b"DGT1"
 _HELLO = struct.Struct("!4sIIB16s")
@@ -86,9 +87,10 @@ def client_handshake(sock: socket.socket, my_rank: int, peer_rank: int, secret: 
 
 
 def server_handshake(sock: socket.socket, my_rank: int, secret: bytes | None, encrypt: bool,
-                     expect: set[int]) -> tuple[int, bytes, bytes]:
-    """Run the accepting side for a peer whose rank must be in ``expect``;
-    returns (peer rank, client challenge, server challenge)."""
+                     expect: Collection[int] | Callable[[int], bool]) -> tuple[int, bytes, bytes]:
+    """Run the accepting side for a peer whose rank must be in ``expect`` (or for
+    which ``expect(rank)`` is true, asked once its proof checked out); returns
+    (peer rank, client challenge, server challenge)."""
     magic, rank, expected, cflags, cc = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
     if magic != MAGIC:
         raise HandshakeError("not a distgrad worker (bad magic)")
@@ -103,7 +105,7 @@ def server_handshake(sock: socket.socket, my_rank: int, secret: bytes | None, en
                              f"with {_describe(flags)}")
     if not hmac.compare_digest(_recv_exact(sock, _PROOF), _proof(secret, b"C", rank, my_rank, cc, sc)):
         raise HandshakeError(f"a peer claiming rank {rank} does not know the cluster secret")
-    if rank not in expect:
+    if not (expect(rank) if callable(expect) else rank in expect):
         raise HandshakeError(f"a peer claiming rank {rank} is not expected (already connected, or "
                              "not a lower rank of this cluster)")
     return rank, cc, sc

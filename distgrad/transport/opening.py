@@ -24,7 +24,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from . import framing, netaddr, shm
 from .base import TransportHandler
@@ -111,30 +111,36 @@ class Opening:
             addr += f"#{_ENC_TAG}=1"
         return addr
 
-    def start(self, handler: TransportHandler, peers: Mapping[int, str]) -> None:
-        """Connect to every peer (lower ranks connect, higher ones accept), then start reading."""
+    def start(self, handler: TransportHandler, peers: Mapping[int, str],
+              admit: Callable[[int], str | None] | None = None,
+              listed: Callable[[int], bool] | None = None) -> None:
+        """Connect to every peer (lower ranks connect, higher ones accept), then start reading.
+
+        With ``admit`` (a dynamic group) this worker joins a running group: it
+        connects to every peer, whatever its rank, and later connections are
+        offered to ``admit(rank)``, which returns the joiner's published address
+        (with its tags) to accept it, or None to refuse it; a peer this one cannot
+        reach while it joins is skipped when ``listed(rank)`` says it left."""
         self._handler = handler
+        self._admit = admit
         self._addresses = dict(peers)
-        plan = {}
-        for peer, full in peers.items():
-            addr, *tagged = full.split("#")
-            tags = dict(t.partition("=")[::2] for t in tagged)
-            self._check_peer(peer, addr, tags)
-            same = bool(self.host_id) and tags.get(_HOST_TAG) == self.host_id
-            if same and _SHM_TAG in tags and self.shm_threshold > 0 and shm.host_id():
-                self._shm_peers[peer] = shm.owner_prefix(int(tags[_SHM_TAG]), peer)
-            plan[peer] = (tags[_UNIX_TAG] if same and _UNIX_TAG in tags and self._unix else None, addr)
+        plan = {peer: self._plan(peer, full) for peer, full in peers.items()}
         self._peers = set(plan)
         deadline = time.monotonic() + _CONNECT_TIMEOUT
         accepted: dict[int, _Conn] = {}
         errors: list[BaseException] = []
-        lower = {p for p in plan if p < self.rank}
+        lower = {p for p in plan if p < self.rank} if admit is None else set()
         acceptor = threading.Thread(target=self._accept_all, args=(lower, accepted, errors, deadline),
                                     daemon=True, name=f"distgrad-accept-{self.rank}")
         acceptor.start()
         try:
-            for peer in sorted(p for p in plan if p > self.rank):
-                self._add(self._connect(peer, *plan[peer], deadline))
+            for peer in sorted(p for p in plan if p > self.rank or admit is not None):
+                try:
+                    self._add(self._connect(peer, *plan[peer], deadline))
+                except RuntimeError:
+                    if listed is None or listed(peer):
+                        raise
+                    self._peers.discard(peer)  # it left the group while this one joined
         finally:
             acceptor.join(max(0.0, deadline - time.monotonic()) + 1)
         if errors:
@@ -153,6 +159,17 @@ class Opening:
             self._last_sent[peer] = 0.0
         self._running = True
         self.pool.start()
+
+    def _plan(self, peer: int, full: str) -> tuple[str | None, str]:
+        """Check a peer's published address and choose how to reach it: (Unix
+        socket name or None, TCP address)."""
+        addr, *tagged = full.split("#")
+        tags = dict(t.partition("=")[::2] for t in tagged)
+        self._check_peer(peer, addr, tags)
+        same = bool(self.host_id) and tags.get(_HOST_TAG) == self.host_id
+        if same and _SHM_TAG in tags and self.shm_threshold > 0 and shm.host_id():
+            self._shm_peers[peer] = shm.owner_prefix(int(tags[_SHM_TAG]), peer)
+        return (tags[_UNIX_TAG] if same and _UNIX_TAG in tags and self._unix else None, addr)
 
     def _check_peer(self, peer: int, addr: str, tags: dict) -> None:
         if self._secret and _AUTH_TAG not in tags:
@@ -241,8 +258,10 @@ class Opening:
             errors.append(e)
 
     def _accept_late(self, fd: int) -> None:
-        """A connection after start-up: every peer is connected, so it is refused
-        (after its handshake, on a short-lived thread, so that the refusal says why)."""
+        """A connection after start-up, handshaken on a short-lived thread (so that
+        a refusal says why, and no reading thread waits for a stranger). In a
+        dynamic group a member that joins is admitted (see :meth:`start`);
+        otherwise every peer is connected and it is refused."""
         ls = self._tcp if self._tcp is not None and fd == self._tcp.fileno() else self._unix
         try:
             sock, _ = ls.accept()
@@ -253,15 +272,64 @@ class Opening:
                 sock.close()
                 return
             self._handshakes += 1
+        threading.Thread(target=self._handshake_late, args=(sock,), daemon=True).start()
 
-        def refuse():
+    def _handshake_late(self, sock: socket.socket) -> None:
+        def expect(rank: int) -> bool:
+            # a joiner: a rank not connected now, that the group lists (see start)
+            if self._admit is None or self._closing or rank == self.rank:
+                return False
+            conn = self._conns.get(rank)
+            if conn is not None and not conn.lost:
+                return False
+            full = self._admit(rank)
+            if full is None:
+                return False
+            self.forget(rank)  # what is left of an earlier incarnation under this rank
+            self._addresses[rank] = full
+            self._plan(rank, full)  # its nonce and shared memory, before any message
+            return True
+
+        try:
+            sock.settimeout(5)
+            peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt, expect)
+            conn = self._conn(peer, sock, cc, sc)
+            now = time.monotonic()
+            self._last_recv[peer], self._last_sent[peer] = now, 0.0
+            with self._lose_lock:
+                self._lost.discard(peer)
+                self._peers.add(peer)
+                self._add(conn)
+            joined = getattr(self._handler, "on_peer_joined", None)
+            if joined is not None:  # before anything it sends is read
+                with self._dispatch:
+                    self._guard(lambda: joined(peer))
+            self._register(conn)
+            log.debug("worker %d: worker %d joined", self.rank, peer)
+        except (HandshakeError, OSError, RuntimeError) as e:
+            log.warning("worker %d: refused a connection: %s", self.rank, e)
+            sock.close()
+        finally:
+            with self._lose_lock:
+                self._handshakes -= 1
+
+    def forget(self, peer: int) -> None:
+        """Drop what is left of a lost peer (its connection, counters, shared
+        memory), so that its rank can connect again as a new process."""
+        with self._lose_lock:
+            conn = self._conns.get(peer)
+            if conn is not None and not conn.lost:
+                return
+            self._conns.pop(peer, None)
+            if conn is not None:
+                self._by_fd.pop(conn.fd, None)
+            self._peers.discard(peer)
+            self._lost.discard(peer)
+        self._shm_peers.pop(peer, None)
+        self._last_recv.pop(peer, None)
+        self._last_sent.pop(peer, None)
+        if conn is not None:
             try:
-                sock.settimeout(5)
-                server_handshake(sock, self.rank, self._secret, self.encrypt, set())
-            except (HandshakeError, OSError) as e:
-                log.warning("worker %d: refused a connection: %s", self.rank, e)
-            finally:
-                sock.close()
-                with self._lose_lock:
-                    self._handshakes -= 1
-        threading.Thread(target=refuse, daemon=True).start()
+                conn.sock.close()
+            except OSError:
+                pass

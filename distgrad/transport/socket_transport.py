@@ -117,6 +117,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         self._running = False
         self._closing = False
         self._handshakes = 0
+        self._admit = None  # a dynamic group's admission (see Opening.start)
         self._last_beat = time.monotonic()
         self._next_beat = 0.0
         self._inbox_lock = threading.Lock()
@@ -166,6 +167,16 @@ class SocketTransport(Sending, Reading, Opening, Transport):
                     self._poller.register(ls, selectors.EVENT_READ)
             for conn in self._conns.values():
                 self._poller.register(conn.sock, selectors.EVENT_READ)
+
+    def _register(self, conn: _Conn) -> None:
+        """Start reading a connection opened after start-up (a member that joined)."""
+        if _EPOLL:
+            self._poller.register(conn.fd, _IN | _ONESHOT)
+        else:
+            import selectors
+            with self._plock:
+                self._poller.register(conn.sock, selectors.EVENT_READ)
+        self._wake()
 
     def _arm(self, conn: _Conn, out: bool = True) -> None:
         """Re-register ``conn`` for what it waits for now (read unless a caller owns
@@ -253,7 +264,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         if stalled > self.heartbeat_interval:
             # this process did not run for a while (starved, stopped): peers'
             # silence over that time is not theirs to answer for
-            for p in self._last_recv:
+            for p in list(self._last_recv):
                 self._last_recv[p] += stalled
         tick = getattr(self._handler, "on_tick", None)
         if tick is not None:
@@ -264,10 +275,10 @@ class SocketTransport(Sending, Reading, Opening, Transport):
                 conn = self._conns.get(peer)
                 if conn is not None and not conn.lost:
                     self._send(conn, [shm.names_frame(names)])
-        for peer, conn in self._conns.items():
+        for peer, conn in list(self._conns.items()):
             if conn.lost:
                 continue
-            silent = now - self._last_recv[peer]
+            silent = now - self._last_recv.get(peer, now)
             if silent > deadline and not conn.owned and conn.rlock.acquire(False):
                 try:  # read what already arrived before calling anyone silent
                     work: list = []
@@ -276,11 +287,11 @@ class SocketTransport(Sending, Reading, Opening, Transport):
                         self.pool.submit(fn, *args)
                 finally:
                     conn.rlock.release()
-                silent = now - self._last_recv[peer] if not conn.lost else 0
+                silent = now - self._last_recv.get(peer, now) if not conn.lost else 0
             if silent > deadline:
                 self._lose(peer, f"no heartbeat for {silent:.1f} s", graceful=False)
                 continue
-            if now - self._last_sent[peer] >= self.heartbeat_interval:
+            if now - self._last_sent.get(peer, 0.0) >= self.heartbeat_interval:
                 self._send(conn, [_HEARTBEAT])
 
     def _lose(self, peer: int, reason: str, graceful: bool) -> None:
@@ -347,7 +358,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         end = time.monotonic() + 2
         while self.pool.readers() and time.monotonic() < end:
             time.sleep(0.002)
-        for conn in self._conns.values():
+        for conn in list(self._conns.values()):
             conn.lost = True
             try:
                 # FIN after the goodbye, and nothing left unread: closing a socket with

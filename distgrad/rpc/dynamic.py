@@ -1,0 +1,153 @@
+"""Joining and leaving a dynamic group (``init_rpc`` without ``world_size``);
+the table in the store is :mod:`.membership`'s.
+
+Joining: take a rank in the table, connect to every member listed (each admits
+the connection after reading the joiner's entry, so it knows the joiner's name
+before anything the joiner sends), then one call to each member: when
+``init_rpc`` returns, every member lists the joiner in ``get_worker_infos()``.
+
+Leaving (``shutdown()``): tell every member ("leaving"); each stops sending it
+new calls (they fail at once with WorkerLostError) and answers; every call
+sent before the answer has arrived by then. Wait for the calls to and from
+this worker to finish, release the RRefs held here, leave the table, say
+goodbye: the members take it out of the group. A member that crashes is taken
+out by the survivors (see ``RpcAgent.on_peer_lost``).
+
+Example::
+
+    >>> dynamic.start(store, "trainer3", None, make_transport, "10.0.0.5", opts, timeout=60)
+    >>> dynamic.leave(current_agent(), time.monotonic() + 60)
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..errors import DistgradError, WorkerLostError
+from . import collective
+from .agent import RpcAgent, _holder
+from .membership import Group
+from .worker_info import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+def hello() -> bool:
+    """What a joiner calls on every member once connected (see the module docstring)."""
+    return True
+
+
+def start(store: Any, name: str, rank: int | None, make_transport: Any, host: str, opts: Any,
+          timeout: float, hosts_store: bool = False) -> RpcAgent:
+    """Join the dynamic group on ``store``; install and start this process's agent
+    (``make_transport(rank)`` builds its transport once the rank is known)."""
+    group = Group(store, timeout)
+    rank, incarnation, others = group.join(name, rank)
+    transport = None
+    try:
+        transport = make_transport(rank)
+        group.publish(rank, incarnation, transport.listen(host))
+        others = group.addresses(others, time.monotonic() + timeout)
+        workers = [WorkerInfo(n, r) for r, (n, _, _) in sorted(others.items())]
+        workers.append(WorkerInfo(name, rank))
+        agent = RpcAgent(name, rank, None, sorted(workers, key=lambda w: w.id), transport, opts,
+                         incarnation=incarnation)
+        agent.incarnations = {r: i for r, (_, _, i) in others.items()}
+        agent.incarnations[rank] = incarnation
+        agent.group, agent.store, agent.hosts_store = group, store, hosts_store
+        agent.admitted = {}
+        agent.leave_acks = set()
+        agent.control_handlers["leaving"] = lambda peer: _on_leaving(agent, peer)
+        agent.control_handlers["leave_ack"] = lambda peer: agent.leave_acks.add(peer)
+        agent.members_changed = lambda: collective.set_members(set(agent.by_name))
+
+        def admit(peer: int) -> str | None:  # a handshake thread: the store may be read
+            entry = group.entry(peer)
+            if entry is None:
+                return None
+            n, addr, inc = entry
+            if inc <= agent.incarnations.get(peer, 0) and (peer in agent.lost or peer in agent.workers):
+                return None  # listed still, but that process is the one that was lost
+            agent.admitted[peer] = (WorkerInfo(n, peer), inc)
+            return addr
+
+        def listed(peer: int) -> bool:
+            entry = group.entry(peer)
+            return entry is not None and entry[2] == others[peer][2]
+
+        _holder["agent"] = agent
+        collective.set_members(set(agent.by_name))
+        agent.start({r: a for r, (_, a, _) in others.items()}, admit=admit, listed=listed)
+        connected = getattr(transport, "_peers", set(others))
+        for r in others:
+            if r not in connected:  # it left while this worker joined
+                agent.remove_member(r)
+        futures = [agent.call(r, hello, (), {}, timeout, sync=False) for r in others if r in connected]
+        for fut in futures:
+            try:
+                fut.wait()
+            except WorkerLostError:
+                pass  # it left or crashed meanwhile: the loss took it out
+        log.info("worker %s joined the dynamic group as rank %d (incarnation %d) with %d members",
+                 name, rank, incarnation, len(agent.by_name))
+        return agent
+    except BaseException:
+        _holder.pop("agent", None)
+        if transport is not None:
+            transport.close(0)
+        try:
+            group.leave(rank, incarnation)
+        except Exception:  # noqa: BLE001 - the join's error is the one to raise
+            pass
+        raise
+
+
+def _on_leaving(agent: RpcAgent, peer: int) -> None:
+    """Control handler (reading thread): ``peer`` leaves; send it nothing new."""
+    agent.leaving.add(peer)
+    agent.send_control(peer, "leave_ack")
+
+
+def leave(agent: RpcAgent, deadline: float, release_rrefs: Any, check_leak: bool = False) -> None:
+    """The graceful part of a dynamic member's shutdown (see the module docstring)."""
+    peers = [w.id for w in agent.get_worker_infos() if w.id != agent.rank]
+    for peer in peers:
+        agent.send_control(peer, "leaving")
+    while not all(p in agent.leave_acks or p in agent.lost for p in peers):
+        if time.monotonic() >= deadline:
+            log.warning("worker %s: members %s did not answer its leaving", agent.name,
+                        [p for p in peers if p not in agent.leave_acks and p not in agent.lost])
+            break
+        time.sleep(0.001)
+    while not agent.idle() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    if not agent.idle():
+        log.warning("worker %s: left with %d calls pending", agent.name, len(agent.pending))
+    release_rrefs()
+    owned = agent.rrefs.debug_info()
+    leak = None
+    if owned["num_owner_rrefs"]:
+        leak = (f"Leaking RRef on worker {agent.name}: it leaves the group owning "
+                f"{owned['num_owner_rrefs']} RRefs other members still hold (their uses will raise "
+                "WorkerLostError)")
+        log.log(logging.ERROR if check_leak else logging.INFO, "%s", leak)
+    try:
+        agent.group.leave(agent.rank, agent.incarnation)
+        if agent.hosts_store:
+            # the store lives in this process: the others must be out of the table first
+            if not agent.group.wait_empty(agent.rank, deadline, lost=agent.lost):
+                log.warning("worker %s hosts the group's store and leaves before members %s",
+                            agent.name, sorted(set(agent.group.members()) - {agent.rank}))
+    except Exception as e:  # noqa: BLE001 - a store that is gone must not make shutdown hang
+        log.warning("worker %s: could not leave the group's table: %s", agent.name, e)
+    if leak is not None and check_leak:
+        raise DistgradError(leak, agent.name)
+
+
+def untable(agent: RpcAgent) -> None:
+    """A non-graceful shutdown: leave the table at least (best effort)."""
+    try:
+        agent.group.leave(agent.rank, agent.incarnation)
+    except Exception as e:  # noqa: BLE001
+        log.info("worker %s: could not leave the group's table: %s", agent.name, e)
