@@ -49,8 +49,9 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
     if secret is None:
         # once per cluster (rank 0 speaks for it), not once per worker: the others log it at INFO
         log.log(logging.WARNING if rank == 0 else logging.INFO,
-                "worker %s: no cluster secret (DISTGRAD_SECRET): messages between the workers are "
-                "not authenticated and anyone who can connect can run code on them", name)
+                "worker %s: no cluster secret (DISTGRAD_SECRET): messages between the %s are "
+                "not authenticated and anyone who can connect can run code on them", name,
+                f"{world_size} workers" if world_size else "dynamic group's members")
 
     def make_transport(rank: int):
         faults = config_from(opts)
