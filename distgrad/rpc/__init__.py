@@ -27,6 +27,7 @@ from .api import (
                       get_worker_info,
                       init_rpc,
                       is_available,
+                      membership_events,
                       remote,
                       rpc_async,
                       rpc_sync,
@@ -43,7 +44,7 @@ from .worker_info import WorkerInfo
 PyRRef = RRef
 TensorPipeAgent = RpcAgent  # torch's name of the agent class
 
-__all__ = ["init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info",
+__all__ = ["init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info", "membership_events",
            "WorkerInfo", "RRef", "PyRRef", "functions", "BackendType", "RpcBackendOptions",
            "TensorPipeRpcBackendOptions", "TensorPipeAgent", "get_rpc_timeout", "is_available",
            "enable_gil_profiling", "DistgradError", "RPCTimeoutError", "WorkerLostError", "RemoteError",

@@ -70,6 +70,8 @@ class RpcAgent(FastPath, Serving):
         self.group = None                   # the membership table (dynamic groups)
         self.incarnation = incarnation  # this process's under its rank (dynamic groups)
         self.incarnations: dict[int, int] = {}  # a dynamic group's members' incarnations
+        # (wall time, "joined" | "left" | "lost", name, rank, incarnation): see membership_events()
+        self.events: collections.deque = collections.deque(maxlen=4096)
         self.transport = transport
         self.options = options
         self.rpc_timeout = options.rpc_timeout
@@ -124,6 +126,7 @@ class RpcAgent(FastPath, Serving):
         self.leaving.discard(info.id)
         self._seen_rids.pop(info.id, None)  # its request ids start over
         self.world_size = len(self.by_name)
+        self.events.append((time.time(), "joined", info.name, info.id, incarnation))
         self.members_changed()
         for ext in self.extensions:
             try:
@@ -131,12 +134,13 @@ class RpcAgent(FastPath, Serving):
             except Exception:
                 log.exception("extension failed handling the arrival of worker %d", info.id)
 
-    def remove_member(self, rank: int) -> None:
+    def remove_member(self, rank: int, how: str = "left") -> None:
         """A member left or was lost: it is no longer one (get_worker_infos, names)."""
         info = self.workers.get(rank)
         if info is not None and self.by_name.get(info.name) is info:
             del self.by_name[info.name]
             self.departed[info.name] = rank
+            self.events.append((time.time(), how, info.name, rank, self.incarnations.get(rank, 1)))
         self.world_size = len(self.by_name)
         self.members_changed()
 
@@ -391,7 +395,7 @@ class RpcAgent(FastPath, Serving):
             except Exception:
                 log.exception("extension failed handling the loss of worker %d", peer)
         if self.dynamic and not self.shutting_down:
-            self.remove_member(peer)
+            self.remove_member(peer, "left" if graceful else "lost")
             if not graceful and self.group is not None:
                 # the survivors take a crashed member out of the table (off this thread:
                 # the store may be slow); only the incarnation that was lost

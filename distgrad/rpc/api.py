@@ -250,6 +250,20 @@ def _delete_all_user_and_unforked_owner_rrefs(timeout: Any = None) -> None:
     current_agent().rrefs.delete_all_user_rrefs()
 
 
+def membership_events() -> list[tuple[float, str, str, int, int]]:
+    """What this worker saw of its dynamic group's membership, oldest first:
+    ``(time.time(), "joined" | "left" | "lost", name, rank, incarnation)``
+    ("lost": it crashed or went silent and was taken out). Empty in a static group.
+
+    Example::
+
+        >>> rpc.membership_events()
+        [(1764633600.1, 'joined', 'trainer3', 3, 1), (1764633612.4, 'lost', 'trainer2', 2, 1),
+         (1764633613.0, 'joined', 'trainer2', 2, 2)]
+    """
+    return list(current_agent().events)
+
+
 def _get_current_rpc_agent() -> RpcAgent:
     """The running agent (torch's accessor); RuntimeError when RPC is not initialized.
 

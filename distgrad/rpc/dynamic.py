@@ -43,7 +43,9 @@ def start(store: Any, name: str, rank: int | None, make_transport: Any, host: st
     """Join the dynamic group on ``store``; install and start this process's agent
     (``make_transport(rank)`` builds its transport once the rank is known)."""
     group = Group(store, timeout)
-    rank, incarnation, others = group.join(name, rank)
+    # a crashed member is out of the table within its heartbeat deadline (at once when
+    # its connections closed): a replacement that starts sooner waits that long
+    rank, incarnation, others = group.join(name, rank, wait=2 * opts.heartbeat_deadline + 2)
     transport = None
     try:
         transport = make_transport(rank)

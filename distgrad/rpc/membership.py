@@ -66,6 +66,10 @@ def _read(store: Any, key: str) -> dict:
     return pickle.loads(raw) if raw else {}
 
 
+class _Taken(Exception):
+    pass
+
+
 class Group:
     """One dynamic group's table in ``store`` (see the module docstring)."""
 
@@ -109,12 +113,24 @@ class Group:
     def _write(self, table: dict) -> None:
         self.raw.set(self.root + "dyn/members", pickle.dumps(table))
 
-    def join(self, name: str, rank: int | None) -> tuple[int, int, dict]:
+    def join(self, name: str, rank: int | None, wait: float = 0.0) -> tuple[int, int, dict]:
         """Enter the table (with no address yet: see :meth:`publish`); returns
         ``(rank, incarnation, the other members)``.
 
         Raises RuntimeError with torch's message when a static group runs on this
-        store, or when the name or the rank is taken by a member."""
+        store, or when the name or the rank is taken by a member. A name or rank
+        taken is waited for up to ``wait`` seconds first: a replacement may start
+        before the survivors took the crashed member it replaces out."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self._join(name, rank)
+            except _Taken as e:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(str(e)) from None
+                time.sleep(0.05)
+
+    def _join(self, name: str, rank: int | None) -> tuple[int, int, dict]:
         with self.locked():
             if int(self.raw.add(static_key(), 0)) > 0:
                 raise RuntimeError(f"{MIXED} (worker {name!r} has no world_size; a static group "
@@ -122,12 +138,12 @@ class Group:
             table = self.members()
             for r, (n, _, _) in table.items():
                 if n == name:
-                    raise RuntimeError(f"RPC worker name {name} is not unique. Workers {r} and "
+                    raise _Taken(f"RPC worker name {name} is not unique. Workers {r} and "
                                        f"{rank if rank is not None else '(new)'} share the same name.")
             if rank is None:
                 rank = next(r for r in range(len(table) + 1) if r not in table)
             elif rank in table:
-                raise RuntimeError(f"rank {rank} of the dynamic group is taken by worker "
+                raise _Taken(f"rank {rank} of the dynamic group is taken by worker "
                                    f"{table[rank][0]!r}; worker {name!r} cannot join under it")
             if not 0 <= rank < (1 << 16):
                 raise ValueError(f"rank {rank} does not fit in 16 bits")
