@@ -51,6 +51,9 @@ class DistAutogradContext:
         self._pending: list = []
         self.passes: dict[tuple, Any] = {}         # backward passes' state on this worker
         self.released = False
+        # workers this context's RPCs reached that were lost since (rank -> the error): a
+        # process that later joins under such a rank has none of this context
+        self.lost_peers: dict[int, BaseException] = {}
 
     def _context_id(self) -> int:
         """This context's id."""

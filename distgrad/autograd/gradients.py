@@ -50,6 +50,9 @@ def ship_gradients(dg_info: tuple, grads: Sequence, reached: Sequence[bool] | No
         unreached = [] if fed is None else [i for i in range(len(grads)) if i not in fed]
     else:
         unreached = [i for i, r in enumerate(reached) if not r]
+    gone = state.ctx.lost_peers.get(sender)
+    if gone is not None:  # lost since (a process under its rank now is another one)
+        raise gone
     _tls.exp += 1
     _tls.targets.add(sender)
     _tls.shipped.add(msg_id)

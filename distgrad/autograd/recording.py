@@ -105,10 +105,12 @@ class AutogradExtension(AgentExtension):
         backward passes started here that ``peer`` took part in."""
         fail_passes(peer, self.agent._lost_error)
         with CONTAINER.lock:
-            doomed = [c for c in CONTAINER.contexts.values()
-                      if peer in c.known_workers and (c.id >> 48) != CONTAINER.worker_id]
-        for ctx in doomed:
-            CONTAINER.release(ctx.id)
+            involved = [c for c in CONTAINER.contexts.values() if peer in c.known_workers]
+        for ctx in involved:
+            if (ctx.id >> 48) != CONTAINER.worker_id:
+                CONTAINER.release(ctx.id)
+            else:
+                ctx.lost_peers[peer] = self.agent._lost_error(peer)
 
     def debug_info(self) -> dict[str, int]:
         return debug_info()

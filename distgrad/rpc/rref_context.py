@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import WorkerLostError
 from . import remote_profiling
 from .extensions import AgentExtension, register_extension
 
@@ -75,6 +76,10 @@ class RRefContext(AgentExtension):
         creates it here, which comes from another worker. As torch's owner does, hold
         an unset value that the creating request fills in. Caller holds the lock."""
         entry = self.owned.get(rref_id)
+        if entry is None and self._earlier(rref_id):
+            raise WorkerLostError(f"RRef {rref_id} was owned by an earlier process under rank "
+                                  f"{rref_id[0]} (worker {self.agent.name} now), which left or was "
+                                  "lost: its value is gone", self.agent.name)
         if entry is None:
             entry = self.owned[rref_id] = _Entry(future if future is not None else torch.futures.Future())
         return entry

@@ -1,0 +1,294 @@
+"""Dynamic groups (init_rpc without world_size): members that join at different
+times, leave, rejoin under their name, crash and are replaced; distributed
+autograd across them checked against local autograd; mixing static and dynamic
+members refused within seconds. Real processes on 127.0.0.1 (tests/mp_utils.py);
+a coordination store hosted by the test process orders their steps."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp_utils import free_port, run_workers
+
+
+def _coord(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=60),
+                         wait_for_workers=False)
+
+
+def _wait(store, key: str) -> None:
+    store.wait([key], timedelta(seconds=60))
+
+
+def _names() -> list[str]:
+    import distgrad.rpc as rpc
+    return sorted(w.name for w in rpc.api._get_current_rpc_agent().get_worker_infos())
+
+
+def _until(pred, limit: float = 20.0) -> float:
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < limit, "timed out"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def _double(x):
+    return x * 2
+
+
+def _local_chain(x, y):
+    return ((x * 2) + y).tanh().sum()
+
+
+def _join_leave_rejoin(rank, world_size, rdv_port, coord_port):
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    from distgrad.errors import WorkerLostError
+    store = _coord(coord_port)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rdv_port}")
+    out = {}
+    if rank == 0:
+        rpc.init_rpc("w0", rank=0, rpc_backend_options=opts)   # hosts the store, leaves last
+        store.set("w0_up", "1")
+        _wait(store, "w2_up")
+        out["names_all"] = _names()
+        _wait(store, "w1_left")
+        out["names_after_leave"] = _names()
+        _wait(store, "w1_back")
+        out["names_after_rejoin"] = _names()
+        out["call_rejoined"] = rpc.rpc_sync("w1", torch.add, args=(torch.ones(2), 1)).tolist()
+        store.set("w0_called", "1")
+        _wait(store, "w2_done")
+    elif rank == 1:
+        _wait(store, "w0_up")
+        rpc.init_rpc("w1", rank=1, rpc_backend_options=opts)
+        store.set("w1_up", "1")
+        _wait(store, "w2_ctx")          # w2 holds a live context that reached this worker
+        t0 = time.monotonic()
+        rpc.shutdown()                  # leave: the others go on
+        out["leave_s"] = time.monotonic() - t0
+        store.set("w1_left", "1")
+        _wait(store, "w2_checked")
+        rpc.init_rpc("w1", rank=1, rpc_backend_options=opts)  # the same name and rank again
+        store.set("w1_back", "1")
+        out["names_rejoined"] = _names()
+        _wait(store, "w0_called")
+        out["call_from_rejoined"] = rpc.rpc_sync("w2", torch.mul, args=(torch.ones(2), 3)).tolist()
+        rpc.shutdown()
+        # a static member on a store where a dynamic group runs: torch's message, at once
+        t0 = time.monotonic()
+        try:
+            rpc.init_rpc("s1", rank=1, world_size=2, rpc_backend_options=opts)
+            out["mixed"] = "no error"
+            rpc.shutdown()
+        except RuntimeError as e:
+            out["mixed"] = str(e)
+        out["mixed_s"] = time.monotonic() - t0
+        store.set("w1_gone", "1")
+    else:
+        _wait(store, "w1_up")
+        rpc.init_rpc("w2", rank=None, rpc_backend_options=opts)   # a rank given by the group
+        out["rank"] = rpc.get_worker_info().id
+        store.set("w2_up", "1")
+        out["names_all"] = _names()
+        # a context spanning the member that joined first and the one that joined since
+        x = torch.randn(4, requires_grad=True)
+        y = torch.randn(4, requires_grad=True)
+        with dist_autograd.context() as cid:
+            t = rpc.rpc_sync("w0", _double, args=(x,))
+            loss = rpc.rpc_sync("w1", torch.add, args=(t, y)).tanh().sum()
+            dist_autograd.backward(cid, [loss])
+            grads = dist_autograd.get_gradients(cid)
+        xr, yr = x.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
+        _local_chain(xr, yr).backward()
+        out["exact"] = torch.equal(grads[x], xr.grad) and torch.equal(grads[y], yr.grad)
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync("w1", torch.add, args=(x * 2, y)).tanh().sum()
+            store.set("w2_ctx", "1")
+            _until(lambda: "w1" not in _names())
+            t0 = time.monotonic()
+            try:
+                dist_autograd.backward(cid, [loss])
+                out["backward"] = "no error"
+            except WorkerLostError as e:
+                out["backward"] = f"{type(e).__name__}: {e}"
+            out["backward_s"] = time.monotonic() - t0
+        try:
+            rpc.rpc_sync("w1", torch.add, args=(torch.ones(1), 1))
+            out["call_departed"] = "no error"
+        except WorkerLostError as e:
+            out["call_departed"] = f"{type(e).__name__}: {e}"
+        store.set("w2_checked", "1")
+        _wait(store, "w0_called")
+        _wait(store, "w1_gone")
+        store.set("w2_done", "1")
+    if rpc.api.agent_or_none() is not None:
+        out["contexts_left"] = dist_autograd._get_debug_info()["num_autograd_contexts"]
+        out["events"] = [e[1:] for e in rpc.membership_events()]
+        rpc.shutdown()
+    return out
+
+
+def test_join_leave_rejoin_autograd_and_mixing():
+    rdv, coord = free_port(), free_port()
+    host = dist.TCPStore("127.0.0.1", coord, None, is_master=True, timeout=timedelta(seconds=60),
+                         wait_for_workers=False)
+    w0, w1, w2 = run_workers(_join_leave_rejoin, world_size=3, init=False, timeout=150,
+                             args=(rdv, coord))
+    del host
+    assert w0["names_all"] == ["w0", "w1", "w2"] == w2["names_all"]
+    assert w2["rank"] == 2
+    assert w2["exact"] is True
+    # the leaver's departure: every member's table drops it; a backward needing it and a
+    # call to it fail fast with WorkerLostError naming it
+    assert w0["names_after_leave"] == ["w0", "w2"]
+    assert w2["backward"].startswith("WorkerLostError") and "w1" in w2["backward"], w2["backward"]
+    assert w2["backward_s"] < 5, w2
+    assert w2["call_departed"].startswith("WorkerLostError") and "w1" in w2["call_departed"]
+    # back under its name and rank (torch: every call to it then fails with eof)
+    assert w0["names_after_rejoin"] == ["w0", "w1", "w2"] == w1["names_rejoined"]
+    assert w0["call_rejoined"] == [2.0, 2.0] and w1["call_from_rejoined"] == [3.0, 3.0]
+    assert "RPC group mixes statically and dynamically initialized members which is not supported" \
+        in w1["mixed"], w1["mixed"]
+    assert w1["mixed_s"] < 10, w1
+    assert w0["contexts_left"] == 0 and w2["contexts_left"] == 0
+    assert ("joined", "w1", 1, 2) in w0["events"] and ("left", "w1", 1, 1) in w0["events"]
+
+
+def _owned_value():
+    return torch.arange(3.0)
+
+
+def _crash_and_replace(rank, world_size, rdv_port, coord_port):
+    import gc
+
+    import distgrad.rpc as rpc
+    from distgrad.errors import WorkerLostError
+    store = _coord(coord_port)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rdv_port}")
+    out = {}
+    if rank == 0:
+        rpc.init_rpc("w0", rank=0, rpc_backend_options=opts)
+        store.set("w0_up", "1")
+        _wait(store, "w1_up")
+        old = rpc.remote("w1", _owned_value)          # owned by w1's first process
+        assert old.to_here().tolist() == [0.0, 1.0, 2.0]
+        slow = rpc.rpc_async("w1", time.sleep, args=(30,))
+        store.set("go_crash", "1")
+        t0 = time.monotonic()
+        try:
+            slow.wait()
+            out["pending"] = "no error"
+        except WorkerLostError as e:
+            out["pending"] = f"{type(e).__name__}: {e}"
+        out["pending_s"] = time.monotonic() - t0
+        out["removed_s"] = _until(lambda: "w1" not in _names())
+        store.set("w1_out", "1")
+        _wait(store, "w1_replaced")
+        out["names"] = _names()
+        out["call"] = rpc.rpc_sync("w1", torch.add, args=(torch.ones(1), 1)).tolist()
+        # the old process's RRef: using it reaches the new process, which refuses it
+        try:
+            old.to_here(timeout=10)
+            out["old_rref"] = "no error"
+        except Exception as e:  # noqa: BLE001
+            out["old_rref"] = f"{type(e).__name__}: {e}"
+        del old  # its release (a fork_del about the old process's RRef) is ignored
+        gc.collect()
+        out["replacement_rrefs"] = rpc.rpc_sync("w1", rpc._rref_context_get_debug_info)
+        store.set("w0_done", "1")
+        _wait(store, "w1_checked")
+    elif rank == 1:
+        _wait(store, "w0_up")
+        rpc.init_rpc("w1", rank=1, rpc_backend_options=opts)
+        store.set("w1_up", "1")
+        _wait(store, "go_crash")
+        time.sleep(0.2)  # the slow call is running here
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        _wait(store, "w1_out")
+        rpc.init_rpc("w1", rank=1, rpc_backend_options=opts)   # the replacement
+        out["incarnation"] = rpc.api._get_current_rpc_agent().incarnation
+        store.set("w1_replaced", "1")
+        _wait(store, "w0_done")
+        out["rrefs"] = rpc._rref_context_get_debug_info()
+        store.set("w1_checked", "1")
+    rpc.shutdown()
+    return out
+
+
+def test_crashed_member_removed_and_replaced_as_new_incarnation():
+    rdv, coord = free_port(), free_port()
+    host = dist.TCPStore("127.0.0.1", coord, None, is_master=True, timeout=timedelta(seconds=60),
+                         wait_for_workers=False)
+    w0, _, w1b = run_workers(_crash_and_replace, world_size=3, init=False, timeout=150,
+                             args=(rdv, coord), expect_exit={1})
+    del host
+    assert w0["pending"].startswith("WorkerLostError") and "w1" in w0["pending"], w0["pending"]
+    assert w0["pending_s"] < 5 and w0["removed_s"] < 5, w0
+    assert w0["names"] == ["w0", "w1"] and w0["call"] == [2.0]
+    assert w1b["incarnation"] == 2
+    assert "earlier process" in w0["old_rref"], w0["old_rref"]
+    # nothing of the old process's RRef was taken for the new one's
+    assert int(w0["replacement_rrefs"]["num_owner_rrefs"]) == 0
+    assert int(w1b["rrefs"]["num_owner_rrefs"]) == 0 and int(w1b["rrefs"]["num_forks"]) == 0
+
+
+def test_elastic_parameter_server_example():
+    """The issue's pattern: a trainer joins at step 50, one is SIGKILLed at step 100 and
+    replaced under its name, on to step 200; every step's gradients exact."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, DISTGRAD_SECRET="distgrad-tests", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(root / "examples" / "elastic_parameter_server.py")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    story = f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and "ELASTIC OK" in proc.stdout, story
+    # 49 steps x 2 trainers, 50 x 3, step 100 without the crashed one (2), 100 x 3
+    assert "steps 200, gradients checked 550, mismatched 0" in proc.stdout, story
+    assert "left on the server: 0 contexts, 0 owner RRefs, 0 forks" in proc.stdout, story
+    assert "event lost   trainer2 (rank 2, incarnation 1)" in proc.stdout, story
+    assert "event joined trainer2 (rank 2, incarnation 2)" in proc.stdout, story
+
+
+@pytest.mark.parametrize("first_static", [True, False])
+def test_unit_mixing_refused(tmp_path, first_static):
+    """The table's own checks, both directions, with torch's message."""
+    from distgrad.rpc import membership
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    group = membership.Group(store, timeout=5)
+    if first_static:
+        store.add(membership.static_key(), 1)
+        with pytest.raises(RuntimeError, match="mixes statically and dynamically"):
+            group.join("d", 0)
+    else:
+        group.join("d", 0)
+        with pytest.raises(RuntimeError, match="mixes statically and dynamically"):
+            membership.check_static_join(store, "s")
+
+
+def test_unit_table_names_ranks_incarnations(tmp_path):
+    from distgrad.rpc import membership
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    group = membership.Group(store, timeout=5)
+    assert group.join("a", None)[:2] == (0, 1)
+    assert group.join("b", None)[:2] == (1, 1)
+    with pytest.raises(RuntimeError, match="RPC worker name a is not unique"):
+        group.join("a", 5)
+    with pytest.raises(RuntimeError, match="rank 1 of the dynamic group is taken by worker 'b'"):
+        group.join("c", 1)
+    assert group.leave(1, 1) and not group.leave(1, 1)
+    rank, inc, others = group.join("b", 1)
+    assert (rank, inc, sorted(others)) == (1, 2, [0])
+    assert not group.leave(1, 1)   # the old incarnation cannot take the new one out
+    assert group.members()[1][0] == "b" and group.members()[1][2] == 2
