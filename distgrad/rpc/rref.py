@@ -38,7 +38,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ..errors import RPCTimeoutError
+from ..errors import RPCTimeoutError, WorkerLostError
 from ..wire import Kind
 from ..wire.pickler import current_destination, current_pins
 from . import profiling
@@ -117,6 +117,15 @@ class RRef(Generic[T]):
         """WorkerInfo of the owner."""
         return self._agent.workers[self._owner]
 
+    def _live_owner(self) -> WorkerInfo:
+        """The owner, to send it a request about this RRef: WorkerLostError when the
+        owner was lost since this reference was made (a process that took its rank
+        since does not hold the value)."""
+        why = self._agent.rrefs.orphaned.get((self._rref_id, self._fork_id))
+        if why is not None:
+            raise WorkerLostError(why, self.owner_name())
+        return self.owner()
+
     def owner_name(self) -> str:
         """Name of the owner."""
         return self.owner().name
@@ -147,7 +156,7 @@ class RRef(Generic[T]):
         self._check_alive("to_here()")
         self._check_created()
         agent = self._agent
-        p = agent.send_request(self.owner(), Kind.CALL, (_rref_fetch, (), {}), "RRef.to_here",
+        p = agent.send_request(self._live_owner(), Kind.CALL, (_rref_fetch, (), {}), "RRef.to_here",
                                timeout, sync=True, extra={"rref": self._rref_id})
         return agent.wait(p)
 
@@ -174,7 +183,7 @@ class RRef(Generic[T]):
                 raise AttributeError(f"type object '{value_type.__name__}' has no attribute '{method}'")
             return api._remote_with(self.owner(), payload, f"RRef.{method}", timeout,
                                     {"rref": self._rref_id})
-        p = self._agent.send_request(self.owner(), Kind.CALL, payload, f"RRef.{method}", timeout,
+        p = self._agent.send_request(self._live_owner(), Kind.CALL, payload, f"RRef.{method}", timeout,
                                      sync=(mode == "rpc_sync"), extra={"rref": self._rref_id})
         return self._agent.wait(p) if mode == "rpc_sync" else p.future
 
@@ -251,6 +260,8 @@ class RRef(Generic[T]):
             agent = self._agent
             if agent.rrefs.user_forks.pop((self._rref_id, self._fork_id), None) is not None:
                 agent.rrefs.unconfirmed.discard((self._rref_id, self._fork_id))
+                if agent.rrefs.orphaned.pop((self._rref_id, self._fork_id), None) is not None:
+                    return  # its owner is gone: nobody to tell
                 if agent_or_none() is agent:
                     agent.send_control(self._owner, "fork_del", self._rref_id, self._fork_id)
         except Exception:
@@ -280,7 +291,7 @@ class RRef(Generic[T]):
         if dist_autograd_ctx_id == -1:
             raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
         agent = self._agent
-        p = agent.send_request(self.owner(), Kind.CALL, (_rref_backward, args[1:], {}),
+        p = agent.send_request(self._live_owner(), Kind.CALL, (_rref_backward, args[1:], {}),
                                "RRef.backward", -1, sync=True, extra={"rref": self._rref_id})
         agent.wait(p)
 
@@ -311,8 +322,8 @@ class RRef(Generic[T]):
         """The owner's answer to "what type is the value" (an RPC, profiled as
         torch's ``_rref_typeof_on_owner``)."""
         def send() -> torch.futures.Future:
-            return self._agent.send_request(self.owner(), Kind.CALL, (_rref_type, (), {}), "RRef._get_type",
-                                            timeout, extra={"rref": self._rref_id}).future
+            return self._agent.send_request(self._live_owner(), Kind.CALL, (_rref_type, (), {}),
+                                            "RRef._get_type", timeout, extra={"rref": self._rref_id}).future
         if not profiling.legacy_profiler_on():
             return send()
         with profiling.rpc_scope(RPCExecMode.ASYNC, _rref_typeof_on_owner, self._agent.name,

@@ -46,6 +46,8 @@ class RRefContext(AgentExtension):
         self.agent = agent
         self.owned: dict[tuple, _Entry] = {}
         self.user_forks: dict[tuple, int] = {}       # (rref_id, fork_id) -> owner, live here
+        # user forks whose owner was lost -> why: never sent to a process that took its rank
+        self.orphaned: dict[tuple, str] = {}
         self.unconfirmed: set[tuple] = set()          # (rref_id, fork_id) awaiting the owner
         # confirmations that overtook the message carrying their fork (a fork_confirm
         # travels sender -> owner -> here and can win): applied when the fork arrives
@@ -205,6 +207,12 @@ class RRefContext(AgentExtension):
                 self.confirmed_cv.wait(left)
 
     def on_peer_lost(self, peer: int, reason: str) -> None:
+        name = self.agent.workers[peer].name if peer in self.agent.workers else str(peer)
+        for key, owner in list(self.user_forks.items()) if self.agent.dynamic else ():
+            if owner == peer:  # (a static group never takes the rank again)
+                self.orphaned[key] = (f"worker {name} (rank {peer}) is lost: {reason} (it owned RRef "
+                                      f"{key[0]}, whose value is gone; a process that joins under its "
+                                      "rank is another one)")
         with self.confirmed_cv:
             self.confirmed_cv.notify_all()  # requests waiting for that owner's confirmation
         with self.lock:
@@ -219,6 +227,8 @@ class RRefContext(AgentExtension):
         for (rref_id, fork_id), owner in list(self.user_forks.items()):
             if self.user_forks.pop((rref_id, fork_id), None) is not None:
                 self.unconfirmed.discard((rref_id, fork_id))
+                if self.orphaned.pop((rref_id, fork_id), None) is not None:
+                    continue
                 self.agent.send_control(owner, "fork_del", rref_id, fork_id)
 
     def debug_info(self) -> dict[str, int]:
