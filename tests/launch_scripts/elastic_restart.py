@@ -1,9 +1,11 @@
 """For tests/test_launch.py: distributed autograd training between two ranks under
 torchrun with --max-restarts. On attempt 0 (TORCHELASTIC_RESTART_COUNT) rank 1
 SIGKILLs itself inside the RPC of step 3; torchrun restarts the group and
-attempt 1 runs every step, each gradient checked against local autograd."""
+attempt 1 runs every step, each gradient checked against local autograd.
+An optional argument names a directory for pid files (pid<rank>.<attempt>)."""
 import os
 import signal
+import sys
 
 import torch
 
@@ -27,6 +29,9 @@ def stage(x: torch.Tensor, w: torch.Tensor, step: int) -> torch.Tensor:
 
 
 torch.set_num_threads(1)
+if sys.argv[1:]:
+    with open(os.path.join(sys.argv[1], f"pid{rank}.{attempt}"), "w") as f:
+        f.write(str(os.getpid()))
 print(f"START rank={rank} attempt={attempt} store={os.environ['MASTER_ADDR']}:"
       f"{os.environ['MASTER_PORT']} agent_store={os.environ['TORCHELASTIC_USE_AGENT_STORE']}",
       flush=True)
