@@ -141,7 +141,7 @@ def launch(args: argparse.Namespace) -> int:
         return 0
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr, flush=True)
-        code = e.get_first_failure()[1].exitcode
+        code = e.get_first_failure()[1].exitcode  # the root cause; < 0: killed by a signal
         return code if code > 0 else 128 - code if code < 0 else 1
     except SignalException as e:
         print(f"distgrad launch: received {e.sigval.name}; the workers were stopped",
