@@ -4,8 +4,9 @@ Examples::
 
     distgrad demo                                  # train the demo on a 4-process local cluster
     distgrad demo --workers 5 --steps 300 --out /tmp/demo
-    distgrad launch --nproc-per-node 2 train.py    # like torchrun --nproc-per-node 2
-    distgrad launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc-per-node 2 train.py
+    distgrad launch --nproc-per-node 2 train.py    # torchrun --standalone --nproc-per-node 2 --tee 3
+    distgrad launch --nnodes 1:4 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \\
+        --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job1 train.py   # elastic, as torchrun
     python -m distgrad demo                        # same as `distgrad demo`
 """
 from __future__ import annotations
@@ -30,11 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a local cluster (driver, parameter server, model stages) and train a "
                     "model-parallel classifier on scikit-learn's digits with distributed autograd "
                     "and DistributedOptimizer; writes training curves and the autograd graph."))
-    build_launch_parser(sub.add_parser(
-        "launch", help="start this node's worker processes (like torchrun --nproc-per-node N, "
-                       "--nnodes, --node-rank)",
-        description="Start this node's worker processes with torchrun-style environment variables "
-                    "(one launcher per node with --nnodes > 1)."))
+    sub.add_parser(
+        "launch", parents=[build_launch_parser()], add_help=False,
+        help="torchrun (torch.distributed.run) plus a generated DISTGRAD_SECRET",
+        description="torchrun with torchrun's options (--nnodes 1:4, --max-restarts, "
+                    "--rdzv-backend/--rdzv-endpoint/--rdzv-id, --log-dir, --redirects, --tee, "
+                    "--local-ranks-filter, -m, ...). distgrad adds: DISTGRAD_SECRET generated when "
+                    "unset on a one-node job; --tee 3 with lines prefixed '[rank<R>]: ' unless "
+                    "--tee/--redirects is given; --standalone with MASTER_ADDR 127.0.0.1 (or "
+                    "--master-addr) and a free port on one node without --rdzv-endpoint or "
+                    "--master-port. Exit code: the first failed worker's.")
     return parser
 
 
