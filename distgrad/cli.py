@@ -7,6 +7,7 @@ Examples::
     distgrad launch --nproc-per-node 2 train.py    # torchrun --standalone --nproc-per-node 2 --tee 3
     distgrad launch --nnodes 1:4 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \\
         --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job1 train.py   # elastic, as torchrun
+    distgrad store --port 29500                    # a store that outlives a dynamic group's members
     python -m distgrad demo                        # same as `distgrad demo`
 """
 from __future__ import annotations
@@ -41,7 +42,35 @@ def build_parser() -> argparse.ArgumentParser:
                     "--tee/--redirects is given; --standalone with MASTER_ADDR 127.0.0.1 (or "
                     "--master-addr) and a free port on one node without --rdzv-endpoint or "
                     "--master-port. Exit code: the first failed worker's.")
+    store = sub.add_parser(
+        "store", help="serve a torch.distributed TCPStore for dynamic groups (until interrupted)",
+        description="Serve the rendezvous store of a dynamic group (init_rpc without world_size) "
+                    "in a process of its own, so that every member, rank 0 included, may leave, "
+                    "crash and be replaced. Members then set DISTGRAD_STORE_HOSTED=1 and "
+                    "init_method tcp://HOST:PORT.")
+    store.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    store.add_argument("--port", type=int, default=29500, help="port (default: 29500)")
     return parser
+
+
+def _serve_store(host: str, port: int) -> int:
+    import time
+
+    from .rpc.membership import serve_store
+    try:
+        store = serve_store(host, port)
+    except Exception as e:  # noqa: BLE001 - a port in use: say so
+        print(f"distgrad store: cannot serve on {host}:{port}: {e}", file=sys.stderr)
+        return 1
+    print(f"distgrad store: serving on {host}:{port} (DISTGRAD_STORE_HOSTED=1 on the members)",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        del store
 
 
 def _version() -> str:
@@ -58,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch":
         from .launch.launcher import launch
         return launch(args)
+    if args.command == "store":
+        return _serve_store(args.host, args.port)
     raise AssertionError(args.command)  # pragma: no cover
 
 

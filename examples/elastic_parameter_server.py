@@ -39,7 +39,6 @@ import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
@@ -345,7 +344,7 @@ def main(argv=None) -> int:
           if result["crash_noticed_s"] is not None else "no crash seen")
     for m in sorted(result["members"], key=lambda m: m["role"]):
         print(f"  {m['role']:9s} pid {m['pid']}: joined in {m['join_s']:.3f} s, left in {m['leave_s']:.3f} s")
-    for t, what, name, rank, inc in result["events"]:
+    for _, what, name, rank, inc in result["events"]:
         print(f"  event {what:6s} {name} (rank {rank}, incarnation {inc})")
     print(f"left on the server: {result['contexts_left']} contexts, {result['owner_rrefs_left']} "
           f"owner RRefs, {result['forks_left']} forks")
