@@ -42,6 +42,11 @@ def _double(x):
     return x * 2
 
 
+def _sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
 def _local_chain(x, y):
     return ((x * 2) + y).tanh().sum()
 
@@ -58,6 +63,9 @@ def _join_leave_rejoin(rank, world_size, rdv_port, coord_port):
         store.set("w0_up", "1")
         _wait(store, "w2_up")
         out["names_all"] = _names()
+        slow = rpc.rpc_async("w1", _sleep_then, args=(1.0, "served"))  # in flight as w1 leaves
+        store.set("w0_slow_sent", "1")
+        out["slow_to_leaver"] = slow.wait()
         _wait(store, "w1_left")
         out["names_after_leave"] = _names()
         _wait(store, "w1_back")
@@ -70,9 +78,12 @@ def _join_leave_rejoin(rank, world_size, rdv_port, coord_port):
         rpc.init_rpc("w1", rank=1, rpc_backend_options=opts)
         store.set("w1_up", "1")
         _wait(store, "w2_ctx")          # w2 holds a live context that reached this worker
+        _wait(store, "w0_slow_sent")
+        mine = rpc.rpc_async("w0", _sleep_then, args=(0.5, "answered"))
         t0 = time.monotonic()
         rpc.shutdown()                  # leave: the others go on
         out["leave_s"] = time.monotonic() - t0
+        out["slow_from_leaver"] = mine.wait()
         store.set("w1_left", "1")
         _wait(store, "w2_checked")
         rpc.init_rpc("w1", rank=1, rpc_backend_options=opts)  # the same name and rank again
@@ -97,6 +108,8 @@ def _join_leave_rejoin(rank, world_size, rdv_port, coord_port):
         out["rank"] = rpc.get_worker_info().id
         store.set("w2_up", "1")
         out["names_all"] = _names()
+        held = rpc.remote("w1", _owned_value)    # owned by w1, which leaves while w2 holds it
+        assert held.to_here().tolist() == [0.0, 1.0, 2.0]
         # a context spanning the member that joined first and the one that joined since
         x = torch.randn(4, requires_grad=True)
         y = torch.randn(4, requires_grad=True)
@@ -124,6 +137,12 @@ def _join_leave_rejoin(rank, world_size, rdv_port, coord_port):
             out["call_departed"] = "no error"
         except WorkerLostError as e:
             out["call_departed"] = f"{type(e).__name__}: {e}"
+        try:
+            held.to_here()
+            out["held_rref"] = "no error"
+        except WorkerLostError as e:
+            out["held_rref"] = f"{type(e).__name__}: {e}"
+        del held  # nothing to send: its owner is gone
         store.set("w2_checked", "1")
         _wait(store, "w0_called")
         _wait(store, "w1_gone")
@@ -144,6 +163,8 @@ def test_join_leave_rejoin_autograd_and_mixing():
     del host
     assert w0["names_all"] == ["w0", "w1", "w2"] == w2["names_all"]
     assert w2["rank"] == 2
+    # calls to and from the leaver in flight when it left finished first
+    assert w0["slow_to_leaver"] == "served" and w1["slow_from_leaver"] == "answered"
     assert w2["exact"] is True
     # the leaver's departure: every member's table drops it; a backward needing it and a
     # call to it fail fast with WorkerLostError naming it
@@ -151,6 +172,7 @@ def test_join_leave_rejoin_autograd_and_mixing():
     assert w2["backward"].startswith("WorkerLostError") and "w1" in w2["backward"], w2["backward"]
     assert w2["backward_s"] < 5, w2
     assert w2["call_departed"].startswith("WorkerLostError") and "w1" in w2["call_departed"]
+    assert w2["held_rref"].startswith("WorkerLostError") and "owned RRef" in w2["held_rref"], w2
     # back under its name and rank (torch: every call to it then fails with eof)
     assert w0["names_after_rejoin"] == ["w0", "w1", "w2"] == w1["names_rejoined"]
     assert w0["call_rejoined"] == [2.0, 2.0] and w1["call_from_rejoined"] == [3.0, 3.0]

@@ -10,9 +10,11 @@ pickles, the shared-memory descriptor), so it is always covered in full; the
 frames after it are raw tensor bytes, never parsed, covered by length only
 (hashing them cost ~100 us per 100 KB). A receiver built with ``mac_bulk``
 demands every frame in full. The key of the direction S->R is derived from the
-secret, both ranks and a nonce R chose at start-up and keeps in memory, so
-messages recorded in an earlier session never verify again, and sequence
-numbers must grow, so a message is never accepted twice.
+secret, both ranks and the nonces R and S chose at start-up and keep in
+memory, so messages recorded in an earlier session, or sealed by or for an
+earlier process under one of the ranks (a dynamic group's member replaced),
+never verify again, and sequence numbers must grow, so a message is never
+accepted twice.
 
 Example::
 

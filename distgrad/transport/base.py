@@ -20,6 +20,10 @@ class TransportHandler(Protocol):
     def on_peer_lost(self, peer: int, reason: str, graceful: bool) -> None:
         """Called once when ``peer`` is gone (``graceful``: said goodbye)."""
 
+    def on_peer_joined(self, peer: int) -> None:
+        """(Optional; dynamic groups) ``peer`` connected after start-up and was
+        admitted; called before anything it sends is handed up."""
+
 
 class Timer:
     """Handle of a :meth:`Transport.call_later` callback."""
@@ -44,8 +48,11 @@ class Transport(ABC):
         """Bind a listening endpoint on ``host``; returns the address peers connect to."""
 
     @abstractmethod
-    def start(self, handler: TransportHandler, peers: Mapping[int, str]) -> None:
-        """Connect to ``peers`` (rank -> address) and start reading."""
+    def start(self, handler: TransportHandler, peers: Mapping[int, str], admit=None, listed=None) -> None:
+        """Connect to ``peers`` (rank -> address) and start reading. A dynamic group's
+        member passes ``admit(rank)`` (the address of a member that connects later, or
+        None to refuse it) and ``listed(rank)`` (whether a peer it cannot reach is
+        still a member); see :meth:`~.socket_transport.SocketTransport.start`."""
 
     @abstractmethod
     def send(self, peer: int, frames: Sequence) -> None:
