@@ -313,3 +313,68 @@ def test_unit_table_names_ranks_incarnations(tmp_path):
     assert (rank, inc, sorted(others)) == (1, 2, [0])
     assert not group.leave(1, 1)   # the old incarnation cannot take the new one out
     assert group.members()[1][0] == "b" and group.members()[1][2] == 2
+
+
+def _hosted_store(rank, world_size, store_port, coord_port):
+    import distgrad.rpc as rpc
+    os.environ["DISTGRAD_STORE_HOSTED"] = "1"
+    store = _coord(coord_port)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{store_port}")
+    out = {}
+    if rank == 0:
+        rpc.init_rpc("w0", rank=0, rpc_backend_options=opts)
+        store.set("w0_up", "1")
+        _wait(store, "w1_up")
+        t0 = time.monotonic()
+        rpc.shutdown()          # rank 0 leaves first: the store lives elsewhere
+        out["leave_s"] = time.monotonic() - t0
+        store.set("w0_left", "1")
+        _wait(store, "w2_up")
+        rpc.init_rpc("w0", rank=None, rpc_backend_options=opts)   # w2 holds rank 0 now
+        out["rank_back"] = rpc.get_worker_info().id
+        out["names_back"] = _names()
+        out["call"] = rpc.rpc_sync("w2", torch.add, args=(torch.ones(1), 4)).tolist()
+        store.set("w0_back", "1")
+    elif rank == 1:
+        _wait(store, "w0_up")
+        rpc.init_rpc("w1", rank=1, rpc_backend_options=opts)
+        store.set("w1_up", "1")
+        _wait(store, "w0_left")
+        out["names_without_0"] = _until(lambda: _names() == ["w1"]) >= 0 and _names()
+        _wait(store, "w0_back")
+    else:
+        _wait(store, "w0_left")
+        rpc.init_rpc("w2", rank=None, rpc_backend_options=opts)   # rank 0 is free now
+        out["rank"] = rpc.get_worker_info().id
+        out["call"] = rpc.rpc_sync("w1", torch.add, args=(torch.ones(1), 1)).tolist()
+        store.set("w2_up", "1")
+        _wait(store, "w0_back")
+    rpc.shutdown()
+    return out
+
+
+def test_store_of_its_own_lets_rank_0_come_and_go():
+    """``distgrad store`` serves the store; with DISTGRAD_STORE_HOSTED=1 rank 0 is a member
+    like the others: it leaves first, its rank is given to a joiner meanwhile, ... ."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    store_port, coord = free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    server = subprocess.Popen([sys.executable, "-m", "distgrad", "store", "--host", "127.0.0.1",
+                               "--port", str(store_port)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "serving on 127.0.0.1" in server.stdout.readline()
+        host = dist.TCPStore("127.0.0.1", coord, None, is_master=True, timeout=timedelta(seconds=60),
+                             wait_for_workers=False)
+        w0, w1, w2 = run_workers(_hosted_store, world_size=3, init=False, timeout=120,
+                                 args=(store_port, coord))
+        del host
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert w0["leave_s"] < 5, w0
+    assert w1["names_without_0"] == ["w1"]
+    assert w2["rank"] == 0 and w2["call"] == [2.0]   # the smallest free rank, while w0 was out
+    assert w0["rank_back"] == 2 and w0["call"] == [5.0] and w0["names_back"] == ["w0", "w1", "w2"], w0
