@@ -31,6 +31,9 @@ from .membership import Group
 from .worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
+# Stores this process hosts for dynamic groups it left: kept until the process exits
+# (as torch's rank 0 keeps its store), since a member may still be on its way in
+_kept_stores: list = []
 
 
 def hello() -> bool:
@@ -106,8 +109,11 @@ def start(store: Any, name: str, rank: int | None, make_transport: Any, host: st
 
 
 def _on_leaving(agent: RpcAgent, peer: int) -> None:
-    """Control handler (reading thread): ``peer`` leaves; send it nothing new."""
+    """Control handler (reading thread): ``peer`` leaves; send it nothing new. It is
+    no longer listed from here on, so that when its ``shutdown()`` returns (it waits
+    for every member's answer) no member lists it."""
     agent.leaving.add(peer)
+    agent.remove_member(peer, "left")
     agent.send_control(peer, "leave_ack")
 
 
@@ -137,6 +143,7 @@ def leave(agent: RpcAgent, deadline: float, release_rrefs: Any, check_leak: bool
     try:
         agent.group.leave(agent.rank, agent.incarnation)
         if agent.hosts_store:
+            _kept_stores.append(agent.store)
             # the store lives in this process: the others must be out of the table first
             if not agent.group.wait_empty(agent.rank, deadline, lost=agent.lost):
                 log.warning("worker %s hosts the group's store and leaves before members %s",

@@ -194,16 +194,25 @@ class Group:
         """What the table lists under ``rank`` (None when nobody)."""
         return self.members().get(rank)
 
-    def wait_empty(self, but: int, deadline: float, lost: Any = ()) -> bool:
-        """Wait until no member but ``but`` (and those in ``lost``) is listed: the
-        store's host leaves last. False at the deadline."""
-        pause = 0.005
+    def wait_empty(self, but: int, deadline: float, lost: Any = (), linger: float | None = None) -> bool:
+        """Wait until no member but ``but`` (and those in ``lost``) is listed, and none
+        came for ``linger`` seconds (``DISTGRAD_STORE_LINGER``, 5 s by default): the
+        store's host leaves last, and members still on their way cannot be known.
+        False at the deadline."""
+        if linger is None:
+            linger = float(os.environ.get("DISTGRAD_STORE_LINGER", "5"))
+        pause, quiet_since = 0.005, None
         while True:
             left = set(self.members()) - {but} - set(lost)
-            if not left:
+            now = time.monotonic()
+            if left:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            if quiet_since is not None and now - quiet_since >= linger:
                 return True
-            if time.monotonic() >= deadline:
-                return False
+            if now >= deadline:
+                return not left
             time.sleep(pause)
             pause = min(pause * 1.5, 0.1)
 
