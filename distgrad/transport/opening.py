@@ -7,7 +7,9 @@ offers shared memory, whether it has the cluster secret and encryption. Then
 the lower rank of each pair connects (Unix socket when both have the same host
 key, TCP otherwise) and the two run the handshake (:mod:`.handshake`); the
 higher rank accepts. A connection after start-up is refused after its
-handshake, so the refusal says why.
+handshake, so the refusal says why, except in a dynamic group: there a joiner
+connects to every member, and a member admits it when the group's table lists
+its rank (``start(admit=...)``); ``forget`` frees a lost rank for a new process.
 
 Example::
 
