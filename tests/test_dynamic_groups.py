@@ -378,3 +378,16 @@ def test_store_of_its_own_lets_rank_0_come_and_go():
     assert w1["names_without_0"] == ["w1"]
     assert w2["rank"] == 0 and w2["call"] == [2.0]   # the smallest free rank, while w0 was out
     assert w0["rank_back"] == 2 and w0["call"] == [5.0] and w0["names_back"] == ["w0", "w1", "w2"], w0
+
+
+def test_unit_a_joiner_that_died_before_listening_is_skipped(tmp_path):
+    from distgrad.rpc import membership
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    group = membership.Group(store, timeout=5)
+    r0, i0, _ = group.join("alive", None)
+    group.publish(r0, i0, "tcp://127.0.0.1:1")
+    group.join("died", None)                      # took rank 1, never published
+    _, _, others = group.join("late", None)
+    t0 = time.monotonic()
+    ready = group.addresses(others, time.monotonic() + 30, patience=0.3)
+    assert sorted(ready) == [0] and time.monotonic() - t0 < 5

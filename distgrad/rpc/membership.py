@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import time
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from ..errors import DistgradError
 
+log = logging.getLogger(__name__)
 MIXED = "RPC group mixes statically and dynamically initialized members which is not supported."
 _LOCK_STALE = 30.0  # a lock older than this was held by a process that died
 
@@ -163,18 +165,23 @@ class Group:
             table[rank] = (name, address, inc)
             self._write(table)
 
-    def addresses(self, others: dict, deadline: float) -> dict[int, tuple[str, str, int]]:
+    def addresses(self, others: dict, deadline: float,
+                  patience: float = 10.0) -> dict[int, tuple[str, str, int]]:
         """The entries of ``others`` once each has an address (a member that joins
-        at the same time publishes it a moment later); those that left are dropped."""
-        pause = 0.002
+        at the same time publishes it a moment later); those that left are dropped,
+        and so are those still without one after ``patience`` seconds (a joiner that
+        died between taking its rank and listening: it never connected to anyone)."""
+        pause, start = 0.002, time.monotonic()
         while True:
             table = self.members()
             ready = {r: e for r, e in table.items() if r in others and e[2] == others[r][2]}
             if all(e[1] for e in ready.values()):
                 return ready
-            if time.monotonic() >= deadline:
-                raise DistgradError(f"members {[e[0] for e in ready.values() if not e[1]]} of the "
-                                    "dynamic group never published their address")
+            if time.monotonic() - start >= patience or time.monotonic() >= deadline:
+                silent = sorted(e[0] for e in ready.values() if not e[1])
+                log.warning("members %s of the dynamic group never published their address: "
+                            "joining without them", silent)
+                return {r: e for r, e in ready.items() if e[1]}
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
