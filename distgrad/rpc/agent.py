@@ -68,6 +68,7 @@ class RpcAgent(FastPath, Serving):
         self.departed: dict[str, int] = {}  # names of members that left or were lost -> rank
         self.leaving: set[int] = set()      # members that announced they leave (dynamic)
         self.group = None                   # the membership table (dynamic groups)
+        self.admitted: dict[int, tuple] = {}  # rank -> (WorkerInfo, incarnation) being admitted
         self.incarnation = incarnation  # this process's under its rank (dynamic groups)
         self.incarnations: dict[int, int] = {}  # a dynamic group's members' incarnations
         # (wall time, "joined" | "left" | "lost", name, rank, incarnation): see membership_events()
@@ -128,11 +129,6 @@ class RpcAgent(FastPath, Serving):
         self.world_size = len(self.by_name)
         self.events.append((time.time(), "joined", info.name, info.id, incarnation))
         self.members_changed()
-        for ext in self.extensions:
-            try:
-                ext.on_peer_joined(info.id)
-            except Exception:
-                log.exception("extension failed handling the arrival of worker %d", info.id)
 
     def remove_member(self, rank: int, how: str = "left") -> None:
         """A member left or was lost: it is no longer one (get_worker_infos, names)."""
@@ -371,8 +367,8 @@ class RpcAgent(FastPath, Serving):
 
     def on_peer_joined(self, peer: int) -> None:
         """The transport accepted a member that joins (dynamic groups): the
-        lifecycle's admission looked it up (see lifecycle.start_dynamic)."""
-        entry = getattr(self, "admitted", {}).pop(peer, None)
+        admission looked its entry up in the table (see dynamic.start)."""
+        entry = self.admitted.pop(peer, None)
         if entry is not None:
             self.add_member(*entry)
 

@@ -61,7 +61,6 @@ def start(store: Any, name: str, rank: int | None, make_transport: Any, host: st
         agent.incarnations = {r: i for r, (_, _, i) in others.items()}
         agent.incarnations[rank] = incarnation
         agent.group, agent.store, agent.hosts_store = group, store, hosts_store
-        agent.admitted = {}
         agent.leave_acks = set()
         agent.control_handlers["leaving"] = lambda peer: _on_leaving(agent, peer)
         agent.control_handlers["leave_ack"] = lambda peer: agent.leave_acks.add(peer)

@@ -45,10 +45,6 @@ class AgentExtension:
         """What ``outgoing`` needs of the calling thread (e.g. its autograd context)."""
         return None
 
-    def on_peer_joined(self, peer: int) -> None:
-        """A member joined a dynamic group under ``peer`` (perhaps a former member's
-        rank: a new process, nothing of the old one applies to it)."""
-
     def on_peer_lost(self, peer: int, reason: str) -> None:
         pass
 
