@@ -391,3 +391,66 @@ def test_unit_a_joiner_that_died_before_listening_is_skipped(tmp_path):
     t0 = time.monotonic()
     ready = group.addresses(others, time.monotonic() + 30, patience=0.3)
     assert sorted(ready) == [0] and time.monotonic() - t0 < 5
+
+
+def _silent_member(rank, world_size, rdv_port, coord_port):
+    import distgrad.rpc as rpc
+    from distgrad.errors import WorkerLostError
+    store = _coord(coord_port)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rdv_port}",
+                                           heartbeat_interval=0.2, heartbeat_deadline=1.5)
+    out = {}
+    if rank == 0:
+        rpc.init_rpc("w0", rank=0, rpc_backend_options=opts)
+        store.set("w0_up", "1")
+        _wait(store, "w1_up")
+        pid = int(store.get("w1_pid"))
+        os.kill(pid, signal.SIGSTOP)      # silent, not dead: only the heartbeats can tell
+        t0 = time.monotonic()
+        out["removed_s"] = _until(lambda: "w1" not in _names(), 30) and time.monotonic() - t0
+        store.set("w1_out", "1")
+        _wait(store, "w1_replaced")
+        out["call"] = rpc.rpc_sync("w1", torch.add, args=(torch.ones(1), 2)).tolist()
+        os.kill(pid, signal.SIGCONT)      # the old process wakes up to a group without it
+        _wait(store, "old_done")
+        out["names"] = _names()
+        out["call_again"] = rpc.rpc_sync("w1", torch.add, args=(torch.ones(1), 3)).tolist()
+        store.set("w0_done", "1")
+    elif rank == 1:
+        _wait(store, "w0_up")
+        rpc.init_rpc("w1", rank=1, rpc_backend_options=opts)
+        store.set("w1_pid", str(os.getpid()))
+        store.set("w1_up", "1")
+        _wait(store, "w1_replaced")   # (stopped in here, then continued)
+        t0 = time.monotonic()
+        try:
+            rpc.rpc_sync("w0", torch.add, args=(torch.ones(1), 1), timeout=10)
+            out["old_call"] = "no error"
+        except (WorkerLostError, RuntimeError) as e:
+            out["old_call"] = f"{type(e).__name__}: {e}"
+        out["old_call_s"] = time.monotonic() - t0
+        store.set("old_done", "1")
+        _wait(store, "w0_done")
+    else:
+        _wait(store, "w1_out")
+        rpc.init_rpc("w1", rank=1, rpc_backend_options=opts)   # the replacement
+        store.set("w1_replaced", "1")
+        _wait(store, "w0_done")
+    rpc.shutdown()
+    return out
+
+
+def test_silent_member_removed_by_heartbeats_and_its_wakeup_harmless():
+    """A SIGSTOPped member is taken out by the heartbeats and replaced; when the old
+    process continues, nothing it sends reaches the group, and it cannot hang it."""
+    rdv, coord = free_port(), free_port()
+    host = dist.TCPStore("127.0.0.1", coord, None, is_master=True, timeout=timedelta(seconds=60),
+                         wait_for_workers=False)
+    w0, old, _ = run_workers(_silent_member, world_size=3, init=False, timeout=150,
+                             args=(rdv, coord))
+    del host
+    assert w0["removed_s"] < 6, w0   # heartbeat deadline 1.5 s
+    assert w0["call"] == [3.0] and w0["call_again"] == [4.0] and w0["names"] == ["w0", "w1"], w0
+    # the old process finds its connections closed: it lost the group, at once
+    assert old["old_call"].startswith("WorkerLostError") and "w0" in old["old_call"], old
+    assert old["old_call_s"] < 10, old
