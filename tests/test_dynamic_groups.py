@@ -21,6 +21,18 @@ def _coord(port: int) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
+def _run(fn, rdv_port: int, timeout: float = 150, **kw) -> list:
+    """``fn(rank, 3, rdv_port, coord_port)`` on three workers, ordered through a
+    coordination store this process hosts for the run."""
+    coord = free_port()
+    host = dist.TCPStore("127.0.0.1", coord, None, is_master=True, timeout=timedelta(seconds=60),
+                         wait_for_workers=False)
+    try:
+        return run_workers(fn, world_size=3, init=False, timeout=timeout, args=(rdv_port, coord), **kw)
+    finally:
+        del host
+
+
 def _wait(store, key: str) -> None:
     store.wait([key], timedelta(seconds=60))
 
@@ -155,12 +167,8 @@ def _join_leave_rejoin(rank, world_size, rdv_port, coord_port):
 
 
 def test_join_leave_rejoin_autograd_and_mixing():
-    rdv, coord = free_port(), free_port()
-    host = dist.TCPStore("127.0.0.1", coord, None, is_master=True, timeout=timedelta(seconds=60),
-                         wait_for_workers=False)
-    w0, w1, w2 = run_workers(_join_leave_rejoin, world_size=3, init=False, timeout=150,
-                             args=(rdv, coord))
-    del host
+    rdv = free_port()
+    w0, w1, w2 = _run(_join_leave_rejoin, rdv)
     assert w0["names_all"] == ["w0", "w1", "w2"] == w2["names_all"]
     assert w2["rank"] == 2
     # calls to and from the leaver in flight when it left finished first
@@ -246,12 +254,8 @@ def _crash_and_replace(rank, world_size, rdv_port, coord_port):
 
 
 def test_crashed_member_removed_and_replaced_as_new_incarnation():
-    rdv, coord = free_port(), free_port()
-    host = dist.TCPStore("127.0.0.1", coord, None, is_master=True, timeout=timedelta(seconds=60),
-                         wait_for_workers=False)
-    w0, _, w1b = run_workers(_crash_and_replace, world_size=3, init=False, timeout=150,
-                             args=(rdv, coord), expect_exit={1})
-    del host
+    rdv = free_port()
+    w0, _, w1b = _run(_crash_and_replace, rdv, expect_exit={1})
     assert w0["pending"].startswith("WorkerLostError") and "w1" in w0["pending"], w0["pending"]
     assert w0["pending_s"] < 5 and w0["removed_s"] < 5, w0
     assert w0["names"] == ["w0", "w1"] and w0["call"] == [2.0]
@@ -360,17 +364,13 @@ def test_store_of_its_own_lets_rank_0_come_and_go():
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    store_port, coord = free_port(), free_port()
+    store_port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     server = subprocess.Popen([sys.executable, "-m", "distgrad", "store", "--host", "127.0.0.1",
                                "--port", str(store_port)], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert "serving on 127.0.0.1" in server.stdout.readline()
-        host = dist.TCPStore("127.0.0.1", coord, None, is_master=True, timeout=timedelta(seconds=60),
-                             wait_for_workers=False)
-        w0, w1, w2 = run_workers(_hosted_store, world_size=3, init=False, timeout=120,
-                                 args=(store_port, coord))
-        del host
+        w0, w1, w2 = _run(_hosted_store, store_port, timeout=120)
     finally:
         server.terminate()
         server.wait(10)
@@ -443,12 +443,8 @@ def _silent_member(rank, world_size, rdv_port, coord_port):
 def test_silent_member_removed_by_heartbeats_and_its_wakeup_harmless():
     """A SIGSTOPped member is taken out by the heartbeats and replaced; when the old
     process continues, nothing it sends reaches the group, and it cannot hang it."""
-    rdv, coord = free_port(), free_port()
-    host = dist.TCPStore("127.0.0.1", coord, None, is_master=True, timeout=timedelta(seconds=60),
-                         wait_for_workers=False)
-    w0, old, _ = run_workers(_silent_member, world_size=3, init=False, timeout=150,
-                             args=(rdv, coord))
-    del host
+    rdv = free_port()
+    w0, old, _ = _run(_silent_member, rdv)
     assert w0["removed_s"] < 6, w0   # heartbeat deadline 1.5 s
     assert w0["call"] == [3.0] and w0["call_again"] == [4.0] and w0["names"] == ["w0", "w1"], w0
     # the old process finds its connections closed: it lost the group, at once

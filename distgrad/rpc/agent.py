@@ -6,6 +6,7 @@ autograd and RRefs plug in through :class:`~.extensions.AgentExtension` objects.
 Its parts: this module (sending, the in-order receiving, pending calls,
 timeouts, lost peers), :mod:`.fast_path` (the frames of requests and replies,
 fast layout or general), :mod:`.serving` (running requests, replying),
+:mod:`.members` (a dynamic group's members: joined, left, lost),
 :mod:`.pending` (the pending entry, RpcFuture, the current agent).
 
 Example::
@@ -33,6 +34,7 @@ from ..wire import Kind, decode, dumps, encode, loads
 from ..wire.messages import peek_header, request_id
 from .extensions import EXTENSION_TYPES, AgentExtension
 from .fast_path import FastPath
+from .members import Members
 from .pending import RpcFuture, _holder, _Pending, agent_or_none, current_agent
 from .pool import WorkerPool
 from .serving import AsyncResult, AsyncReturnTypeError, Serving, UnknownFunctionError, _load_call
@@ -51,7 +53,7 @@ _SWEPT_TIMEOUT = 5.0
 _DEDUP_WINDOW = 1 << 16
 
 
-class RpcAgent(FastPath, Serving):
+class RpcAgent(FastPath, Serving, Members):
     """Sends requests, serves requests, tracks pending calls and lost peers."""
 
     def __init__(self, name: str, rank: int, world_size: int | None, workers: list[WorkerInfo],
@@ -111,38 +113,6 @@ class RpcAgent(FastPath, Serving):
     def start(self, addresses: dict[int, str], **dynamic: Any) -> None:
         self.transport.start(self, addresses, **dynamic)
 
-    # -- membership (dynamic groups) ---------------------------------------------
-    def add_member(self, info: WorkerInfo, incarnation: int = 1) -> None:
-        """A member joined (a new process, perhaps under a former member's name and
-        rank): nothing of an earlier incarnation under this rank applies to it."""
-        old = self.workers.get(info.id)
-        if old is not None and self.by_name.get(old.name) is old and old.name != info.name:
-            del self.by_name[old.name]
-        self.workers[info.id] = info
-        self.incarnations[info.id] = incarnation
-        self.by_name[info.name] = info
-        self.departed.pop(info.name, None)
-        self.lost.pop(info.id, None)
-        self.left.discard(info.id)
-        self.leaving.discard(info.id)
-        self._seen_rids.pop(info.id, None)  # its request ids start over
-        self.world_size = len(self.by_name)
-        self.events.append((time.time(), "joined", info.name, info.id, incarnation))
-        self.members_changed()
-
-    def remove_member(self, rank: int, how: str = "left") -> None:
-        """A member left or was lost: it is no longer one (get_worker_infos, names)."""
-        info = self.workers.get(rank)
-        if info is not None and self.by_name.get(info.name) is info:
-            del self.by_name[info.name]
-            self.departed[info.name] = rank
-            self.events.append((time.time(), how, info.name, rank, self.incarnations.get(rank, 1)))
-        self.world_size = len(self.by_name)
-        self.members_changed()
-
-    def members_changed(self) -> None:
-        """Called when a member joined or left (a dynamic group's lifecycle sets it)."""
-
     # -- sending ---------------------------------------------------------------
     def resolve(self, to: Any) -> WorkerInfo:
         """WorkerInfo for a name, rank or WorkerInfo; ValueError when unknown."""
@@ -168,13 +138,6 @@ class RpcAgent(FastPath, Serving):
                                 f"{to} (world size {self.world_size})")
         raise ValueError(f"Cannot get WorkerInfo from name {to!r}: 'to' must be a worker name, rank or "
                          f"WorkerInfo, got {type(to).__name__}")
-
-    def _check_departed(self, name: str) -> None:
-        """A name of a member that left or was lost: WorkerLostError naming it."""
-        rank = self.departed.get(name)
-        if rank is not None:
-            raise WorkerLostError(f"worker {name} (rank {rank}) is no longer a member of the group: "
-                                  f"{self.lost.get(rank, 'it left')}", name)
 
     def effective_timeout(self, timeout: float) -> float:
         if timeout is None or timeout < 0:
@@ -365,13 +328,6 @@ class RpcAgent(FastPath, Serving):
         except Exception:
             log.exception("worker %s: bad control message from worker %d", self.name, peer)
 
-    def on_peer_joined(self, peer: int) -> None:
-        """The transport accepted a member that joins (dynamic groups): the
-        admission looked its entry up in the table (see dynamic.start)."""
-        entry = self.admitted.pop(peer, None)
-        if entry is not None:
-            self.add_member(*entry)
-
     def on_peer_lost(self, peer: int, reason: str, graceful: bool) -> None:
         self.lost[peer] = reason
         if graceful:
@@ -396,15 +352,6 @@ class RpcAgent(FastPath, Serving):
                 # the survivors take a crashed member out of the table (off this thread:
                 # the store may be slow); only the incarnation that was lost
                 self.callbacks.submit(self._untable, peer, self.incarnations.get(peer))
-
-    def _untable(self, peer: int, incarnation: int | None) -> None:
-        try:
-            if incarnation is not None and self.group.leave(peer, incarnation):
-                log.info("worker %s: took lost worker %s out of the group", self.name,
-                         self.workers[peer].name)
-        except Exception as e:  # noqa: BLE001 - the store may be gone too
-            log.warning("worker %s: could not take lost worker %d out of the group's table: %s",
-                        self.name, peer, e)
 
     def _lost_error(self, peer: int) -> WorkerLostError:
         w = self.workers[peer]
