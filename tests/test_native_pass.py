@@ -179,7 +179,7 @@ def _user_owned(rank, world):
     kept_ok = True
     for extra in (lambda: 0 * d.sum(), lambda: (c + d).sum()):
         stash = []
-        h = c.register_hook(lambda g: stash.append(g))
+        h = c.register_hook(lambda g, stash=stash: stash.append(g))
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [(c * 2).sum() + extra()])
             expect = stash[0].clone()
