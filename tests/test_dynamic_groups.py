@@ -289,11 +289,14 @@ def test_elastic_parameter_server_example():
 @pytest.mark.parametrize("first_static", [True, False])
 def test_unit_mixing_refused(tmp_path, first_static):
     """The table's own checks, both directions, with torch's message."""
-    from distgrad.rpc import membership
+    import socket
+
+    from distgrad.rpc import membership, mixing
     store = dist.FileStore(str(tmp_path / "s"), -1)
     group = membership.Group(store, timeout=5)
     if first_static:
-        store.add(membership.static_key(), 1)
+        live = socket.create_server(("127.0.0.1", 0))   # the static member listens: it lives
+        mixing.count_in(store, "s", f"tcp://127.0.0.1:{live.getsockname()[1]}#host=x")
         with pytest.raises(RuntimeError, match="mixes statically and dynamically"):
             group.join("d", 0)
     else:
