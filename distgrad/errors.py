@@ -14,6 +14,8 @@ name in ``.worker_name`` and in the message.
     │   │                                    backward ("Error on Node N: ...")
     │   └── AnomalyError                     detect_anomaly(): a node returned NaN/Inf
     ├── ProtocolError                        malformed or unexpected frames
+    ├── IncarnationsExhaustedError           a dynamic group's rank was held by as
+    │                                        many processes as its ids allow
     └── SerializationError (also TypeError)  an argument or result cannot be
                                              pickled; nothing was sent
 
@@ -120,6 +122,22 @@ class ProtocolError(DistgradError):
     """A peer sent bytes that do not form a valid distgrad message."""
 
 
+class IncarnationsExhaustedError(DistgradError):
+    """``init_rpc`` of a dynamic group: the rank asked for (or, with ``rank=None``,
+    every rank) already had as many incarnations (processes, one after another) as
+    the id layout gives a rank (see :mod:`distgrad.ids`). ``rank`` and ``limit``
+    are attributes."""
+
+    def __init__(self, message: str, worker_name: str | None = None, rank: int = -1,
+                 limit: int = 0) -> None:
+        super().__init__(message, worker_name)
+        self.rank = rank
+        self.limit = limit
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.worker_name, self.rank, self.limit))
+
+
 class SerializationError(DistgradError, TypeError):
     """An object could not be pickled (caller side) or unpickled (callee side)."""
 
@@ -184,4 +202,5 @@ def serialization_error(message: str, cause: BaseException,
 
 
 __all__ = ["AnomalyError", "BackwardError", "DistgradError", "RPCTimeoutError", "WorkerLostError",
-           "RemoteError", "ProtocolError", "SerializationError", "serialization_error"]
+           "RemoteError", "ProtocolError", "IncarnationsExhaustedError", "SerializationError",
+           "serialization_error"]

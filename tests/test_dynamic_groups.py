@@ -178,7 +178,7 @@ def test_join_leave_rejoin_autograd_and_mixing():
     # call to it fail fast with WorkerLostError naming it
     assert w0["names_after_leave"] == ["w0", "w2"]
     assert w2["backward"].startswith("WorkerLostError") and "w1" in w2["backward"], w2["backward"]
-    assert w2["backward_s"] < 5, w2
+    assert w2["backward_s"] < 30, w2   # at the loss, not after a call timeout (60 s)
     assert w2["call_departed"].startswith("WorkerLostError") and "w1" in w2["call_departed"]
     assert w2["held_rref"].startswith("WorkerLostError") and "w1" in w2["held_rref"], w2
     # back under its name and rank (torch: every call to it then fails with eof)
@@ -186,7 +186,7 @@ def test_join_leave_rejoin_autograd_and_mixing():
     assert w0["call_rejoined"] == [2.0, 2.0] and w1["call_from_rejoined"] == [3.0, 3.0]
     assert "RPC group mixes statically and dynamically initialized members which is not supported" \
         in w1["mixed"], w1["mixed"]
-    assert w1["mixed_s"] < 10, w1
+    assert w1["mixed_s"] < 45, w1      # refused, not a rendezvous that timed out (60 s)
     assert w0["contexts_left"] == 0 and w2["contexts_left"] == 0
     assert ("joined", "w1", 1, 2) in w0["events"] and ("left", "w1", 1, 1) in w0["events"]
 
@@ -232,6 +232,7 @@ def _crash_and_replace(rank, world_size, rdv_port, coord_port):
         del old  # its release (a fork_del about the old process's RRef) is ignored
         gc.collect()
         out["replacement_rrefs"] = rpc.rpc_sync("w1", rpc._rref_context_get_debug_info)
+        out["events"] = [e[1:] for e in rpc.membership_events()]
         store.set("w0_done", "1")
         _wait(store, "w1_checked")
     elif rank == 1:
@@ -257,7 +258,8 @@ def test_crashed_member_removed_and_replaced_as_new_incarnation():
     rdv = free_port()
     w0, _, w1b = _run(_crash_and_replace, rdv, expect_exit={1})
     assert w0["pending"].startswith("WorkerLostError") and "w1" in w0["pending"], w0["pending"]
-    assert w0["pending_s"] < 5 and w0["removed_s"] < 5, w0
+    assert w0["pending_s"] < 25, w0    # failed at the loss, before the 30 s call ended
+    assert ("lost", "w1", 1, 1) in w0["events"], w0["events"]
     assert w0["names"] == ["w0", "w1"] and w0["call"] == [2.0]
     assert w1b["incarnation"] == 2
     assert w0["old_rref"].startswith("WorkerLostError") and "owned RRef" in w0["old_rref"], w0["old_rref"]
@@ -289,11 +291,14 @@ def test_elastic_parameter_server_example():
 @pytest.mark.parametrize("first_static", [True, False])
 def test_unit_mixing_refused(tmp_path, first_static):
     """The table's own checks, both directions, with torch's message."""
-    from distgrad.rpc import membership
+    import socket
+
+    from distgrad.rpc import membership, mixing
     store = dist.FileStore(str(tmp_path / "s"), -1)
     group = membership.Group(store, timeout=5)
     if first_static:
-        store.add(membership.static_key(), 1)
+        live = socket.create_server(("127.0.0.1", 0))   # the static member listens: it lives
+        mixing.count_in(store, "s", f"tcp://127.0.0.1:{live.getsockname()[1]}#host=x")
         with pytest.raises(RuntimeError, match="mixes statically and dynamically"):
             group.join("d", 0)
     else:
@@ -374,7 +379,7 @@ def test_store_of_its_own_lets_rank_0_come_and_go():
     finally:
         server.terminate()
         server.wait(10)
-    assert w0["leave_s"] < 5, w0
+    assert w0["leave_s"] < 30, w0      # without waiting for the others (deadline 60 s)
     assert w1["names_without_0"] == ["w1"]
     assert w2["rank"] == 0 and w2["call"] == [2.0]   # the smallest free rank, while w0 was out
     assert w0["rank_back"] == 2 and w0["call"] == [5.0] and w0["names_back"] == ["w0", "w1", "w2"], w0
@@ -390,7 +395,8 @@ def test_unit_a_joiner_that_died_before_listening_is_skipped(tmp_path):
     _, _, others = group.join("late", None)
     t0 = time.monotonic()
     ready = group.addresses(others, time.monotonic() + 30, patience=0.3)
-    assert sorted(ready) == [0] and time.monotonic() - t0 < 5
+    assert sorted(ready) == [0] and time.monotonic() - t0 < 30
+    assert sorted(n for n, _, _ in group.members().values()) == ["alive", "late"]  # taken out
 
 
 def _silent_member(rank, world_size, rdv_port, coord_port):
@@ -415,6 +421,7 @@ def _silent_member(rank, world_size, rdv_port, coord_port):
         _wait(store, "old_done")
         out["names"] = _names()
         out["call_again"] = rpc.rpc_sync("w1", torch.add, args=(torch.ones(1), 3)).tolist()
+        out["events"] = [e[1:] for e in rpc.membership_events()]
         store.set("w0_done", "1")
     elif rank == 1:
         _wait(store, "w0_up")
@@ -445,8 +452,279 @@ def test_silent_member_removed_by_heartbeats_and_its_wakeup_harmless():
     process continues, nothing it sends reaches the group, and it cannot hang it."""
     rdv = free_port()
     w0, old, _ = _run(_silent_member, rdv)
-    assert w0["removed_s"] < 6, w0   # heartbeat deadline 1.5 s
+    assert ("lost", "w1", 1, 1) in w0["events"], w0["events"]   # by the heartbeats
+    assert w0["removed_s"] < 25, w0   # heartbeat deadline 1.5 s; a generous bound
     assert w0["call"] == [3.0] and w0["call_again"] == [4.0] and w0["names"] == ["w0", "w1"], w0
     # the old process finds its connections closed: it lost the group, at once
     assert old["old_call"].startswith("WorkerLostError") and "w0" in old["old_call"], old
-    assert old["old_call_s"] < 10, old
+
+
+# -- issue 26 item 4: incarnations, the table's compare-and-set, slow joiners, static members
+
+
+def _ids_of_incarnation(monkeypatch, k: int) -> tuple[list, object]:
+    """Autograd context/message ids and RRef ids of incarnation ``k`` of rank 3 (a
+    dynamic group's process), each counter driven to the end of its slice and one past."""
+    import importlib
+    import itertools
+    from types import SimpleNamespace
+
+    from distgrad.autograd import recording
+    from distgrad.rpc.rref_context import RRefContext
+    container = importlib.import_module("distgrad.autograd.context").Container()
+    monkeypatch.setattr(recording, "CONTAINER", container)
+    agent = SimpleNamespace(rank=3, name="w3", incarnation=k, dynamic=True, world_size=None,
+                            control_handlers={})
+    recording.AutogradExtension(agent)
+    rrefs = RRefContext(agent)
+    end = k << 40                        # incarnation k numbers in [(k-1) << 40, k << 40)
+    ids, errors = [], []
+    ids.append(container.new_context().id & ((1 << 48) - 1))
+    container.release(container.current_id())
+    ids.append(container.new_message_id() & ((1 << 48) - 1))
+    ids.append(rrefs.new_id()[1])
+    container._counter = itertools.count(end - 1)
+    container._msg_counter = itertools.count(end - 1)
+    rrefs._ids = itertools.count(end - 1)
+    for make in (lambda: container.new_context().id, container.new_message_id,
+                 lambda: rrefs.new_id()[1]):
+        for _ in range(2):               # the last id of the slice, then one past it
+            try:
+                ids.append(make() & ((1 << 48) - 1))
+            except RuntimeError as e:
+                errors.append(str(e))
+            if container.current_id() is not None:
+                container.release(container.current_id())
+    return ids, errors
+
+
+@pytest.mark.parametrize("k", [1, 2, 255, 256])
+def test_unit_ids_of_one_incarnation_never_reach_the_next(monkeypatch, k):
+    """Incarnation k's context, message and RRef ids stay in its slice of the 48-bit
+    counter up to its very end: past it they are refused, never wrapped onto
+    incarnation 1's or spilled into k+1's."""
+    ids, errors = _ids_of_incarnation(monkeypatch, k)
+    first, end = (k - 1) << 40, k << 40
+    assert all(first <= i < end for i in ids), [hex(i) for i in ids if not first <= i < end]
+    assert len(ids) == 6 and len(errors) == 3, (ids, errors)   # 3 first ids, 3 last ones
+    assert all("exhausted" in e for e in errors), errors
+    ids_next, _ = _ids_of_incarnation(monkeypatch, k + 1) if k < 256 else ([], [])
+    assert not set(ids) & set(ids_next)
+
+
+def _past_the_incarnations(rank, world_size, path):
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{path}")
+    out = {}
+    try:
+        rpc.init_rpc("client", rank=0, rpc_backend_options=opts)   # rank 0 had 256 already
+        out["explicit"] = "joined"
+        rpc.shutdown()
+    except Exception as e:  # noqa: BLE001
+        out["explicit"] = f"{type(e).__name__}: {e}"
+        out["explicit_is_runtime"] = isinstance(e, RuntimeError)
+    rpc.init_rpc("client", rank=None, rpc_backend_options=opts)
+    me = rpc.get_worker_info()
+    out["rank"] = me.id
+    out["incarnation"] = rpc.api._get_current_rpc_agent().incarnation
+    with dist_autograd.context() as cid:          # ids work in the rank it was given
+        out["cid_ok"] = cid >> 48 == me.id
+    out["rref"] = rpc.remote("client", torch.add, args=(torch.ones(1), 1)).to_here().tolist()
+    rpc.shutdown()
+    return out
+
+
+def test_join_past_the_incarnation_limit_fails_at_init_rpc(tmp_path):
+    """256 short-lived clients, each taking the smallest free rank (0), use up rank 0's
+    incarnations; the next join under rank 0 fails at init_rpc with an error naming the
+    rank, the limit and what to do, and rank=None goes on to a rank with incarnations left."""
+    from distgrad.rpc import membership
+    path = tmp_path / "store"
+    group = membership.Group(dist.FileStore(str(path), -1), timeout=10)
+    for _ in range(256):
+        r, inc, _ = group.join("client", None)
+        assert r == 0
+        assert group.leave(r, inc)
+    (out,) = run_workers(_past_the_incarnations, world_size=1, init=False, timeout=90,
+                         args=(str(path),))
+    assert out["explicit"].startswith("IncarnationsExhaustedError"), out
+    assert out["explicit_is_runtime"] is True
+    assert "rank 0" in out["explicit"] and "256 incarnations" in out["explicit"], out
+    assert "another rank" in out["explicit"] and "fresh store" in out["explicit"], out
+    assert out["rank"] == 1 and out["incarnation"] == 1 and out["cid_ok"] is True, out
+    assert out["rref"] == [2.0]
+
+
+class _PausingStore:
+    """A store whose first write of the member table stops until ``release`` is set (a
+    process paused between reading the table and writing it: SIGSTOP, a VM pause)."""
+
+    def __init__(self, store) -> None:
+        import threading
+        self.store, self.paused, self.release = store, threading.Event(), threading.Event()
+
+    def _pause(self, key: str) -> None:
+        if key.endswith("dyn/members") and not self.paused.is_set():
+            self.paused.set()
+            assert self.release.wait(30)
+
+    def set(self, key, value):
+        self._pause(key)
+        return self.store.set(key, value)
+
+    def compare_set(self, key, expected, desired):
+        self._pause(key)
+        return self.store.compare_set(key, expected, desired)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_unit_a_paused_table_writer_loses_nothing_and_revives_no_one(tmp_path, monkeypatch):
+    """Joiner "a" reads the table, then stalls before its write (longer than the old
+    lock's 30 s staleness, shortened here). Meanwhile "b" joins and "x" leaves. When "a"
+    continues, the table lists a and b: b is not lost and x does not come back."""
+    import threading
+
+    from distgrad.rpc import membership
+    monkeypatch.setattr(membership, "_LOCK_STALE", 0.2, raising=False)  # the old lock's
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    group = membership.Group(store, timeout=20)
+    rx, ix, _ = group.join("x", None)
+    pausing = _PausingStore(dist.FileStore(str(tmp_path / "s"), -1))
+    result = {}
+    a = threading.Thread(target=lambda: result.update(a=membership.Group(pausing, 20).join("a", None)))
+    a.start()
+    try:
+        assert pausing.paused.wait(20)        # "a" read {x} and stalls before writing
+        time.sleep(0.5)
+        group.join("b", None)
+        assert group.leave(rx, ix)            # "x" leaves meanwhile
+    finally:
+        pausing.release.set()
+        a.join(30)
+    assert not a.is_alive() and "a" in result
+    names = sorted(n for n, _, _ in group.members().values())
+    assert names == ["a", "b"], names
+    # and both ranks distinct, each with its incarnation
+    ranks = {n: r for r, (n, _, _) in group.members().items()}
+    assert result["a"][0] == ranks["a"] and len(set(ranks.values())) == 2
+
+
+def _slow_joiner(rank, world_size, rdv_port, coord_port):
+    import distgrad.rpc as rpc
+    from distgrad.rpc import membership
+    store = _coord(coord_port)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rdv_port}")
+    out = {}
+    if rank == 0:
+        rpc.init_rpc("w0", rank=0, rpc_backend_options=opts)
+        store.set("w0_up", "1")
+    elif rank == 1:                       # slow: 3 s from taking its rank to publishing
+        publish = membership.Group.publish
+
+        def slow_publish(self, *args):
+            store.set("slow_in_table", "1")
+            _wait(store, "late_waiting")
+            time.sleep(3)
+            return publish(self, *args)
+
+        membership.Group.publish = slow_publish
+        _wait(store, "w0_up")
+        rpc.init_rpc("slow", rank=None, rpc_backend_options=opts)
+    else:                                 # joins while "slow" is in the table without an address
+        addresses = membership.Group.addresses
+
+        def impatient(self, others, deadline, patience=None):
+            store.set("late_waiting", "1")
+            return addresses(self, others, deadline, patience=1.0)   # instead of 10 s
+
+        membership.Group.addresses = impatient
+        _wait(store, "slow_in_table")
+        rpc.init_rpc("late", rank=None, rpc_backend_options=opts)
+    store.add("up", 1)
+    _until(lambda: int(store.add("up", 0)) == 3, 60)
+    out["names"] = _names()
+    other = {1: "late", 2: "slow"}.get(rank)
+    if other is not None:
+        try:
+            out["call"] = rpc.rpc_sync(other, torch.add, args=(torch.ones(1), rank), timeout=20).tolist()
+        except Exception as e:  # noqa: BLE001
+            out["call"] = f"{type(e).__name__}: {e}"
+    store.add("called", 1)
+    _until(lambda: int(store.add("called", 0)) == 3, 60)
+    rpc.shutdown()
+    return out
+
+
+def test_a_slow_but_live_joiner_is_not_skipped():
+    """A joiner 3 s from taking its rank to publishing its address, and a later joiner
+    whose patience is 1 s: the slow one's lease shows it lives, so the later one waits
+    for it; all three list each other and the two joiners call each other."""
+    rdv = free_port()
+    w0, slow, late = _run(_slow_joiner, rdv, timeout=120)
+    assert w0["names"] == slow["names"] == late["names"] == ["late", "slow", "w0"], (w0, slow, late)
+    assert slow["call"] == [2.0] and late["call"] == [3.0], (slow, late)
+
+
+def _static_then_dynamic(rank, world_size, path, coord_port):
+    import distgrad.rpc as rpc
+    store = _coord(coord_port)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{path}")
+    out = {}
+    if rank < 2:                          # a static group of two on the file store
+        rpc.init_rpc(f"s{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+        assert rpc.rpc_sync(f"s{1 - rank}", torch.add, args=(torch.ones(1), 1)).tolist() == [2.0]
+        store.add("static_up", 1)
+        _until(lambda: int(store.add("static_up", 0)) == 2, 60)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)      # never counts itself out
+        rpc.shutdown()                    # the survivor shuts down (its peer is lost)
+        store.set("static_gone", "1")
+        return out
+    _wait(store, "static_up")
+    try:                                  # the static group lives: torch's refusal
+        rpc.init_rpc("d0", rank=None, rpc_backend_options=opts)
+        out["while_static"] = "joined"
+        rpc.shutdown()
+    except RuntimeError as e:
+        out["while_static"] = str(e)
+    _wait(store, "static_gone")
+    rpc.init_rpc("d0", rank=None, rpc_backend_options=opts)   # it is gone: a dynamic group starts
+    out["rank"] = rpc.get_worker_info().id
+    out["call"] = rpc.rpc_sync("d0", torch.add, args=(torch.ones(1), 2)).tolist()
+    rpc.shutdown()
+    return out
+
+
+def test_dynamic_group_starts_on_a_file_store_after_a_killed_static_group(tmp_path):
+    """A static group on a file:// store loses a member to SIGKILL (it never counts
+    itself out) and the other shuts down; a dynamic group then starts on the same
+    file. While the static group was live, a dynamic joiner was refused (torch)."""
+    path = tmp_path / "store"
+    w = _run(_static_then_dynamic, str(path), expect_exit={1}, timeout=120)
+    dyn = w[2]
+    assert "mixes statically and dynamically" in dyn["while_static"], dyn
+    assert dyn["rank"] == 0 and dyn["call"] == [3.0], dyn
+
+
+def test_unit_static_ledger_counts_out_members_nobody_listens_for(tmp_path):
+    """The ledger's liveness evidence: an entry whose address accepts a connection is
+    a live static member (refusal); one whose address refuses is counted out."""
+    import socket
+
+    from distgrad.rpc import membership, mixing
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    dead = socket.create_server(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()                                    # nobody listens there any more
+    with socket.create_server(("127.0.0.1", 0)) as live:
+        mixing.count_in(store, "dead", f"tcp://127.0.0.1:{dead_port}#host=x")
+        slot = mixing.count_in(store, "live", f"tcp://127.0.0.1:{live.getsockname()[1]}#host=x")
+        assert mixing.live_static_member(store) == "live"
+        with pytest.raises(RuntimeError, match="static member 'live' runs on this store"):
+            membership.Group(store, timeout=5).join("d", None)
+        assert mixing.count_out(store, slot) and not mixing.count_out(store, slot)
+    assert mixing.live_static_member(store) is None
+    assert membership.Group(store, timeout=5).join("d", None)[:2] == (0, 2)

@@ -1,7 +1,9 @@
 """Distributed autograd contexts and the per-process container.
 
 A context id carries the creating worker's id in its top 16 bits and a
-counter in the low 48, so ids are unique across the cluster without talking.
+counter in the low 48, so ids are unique across the cluster without talking
+(a dynamic group's rank numbers each incarnation in its own slice of the
+counter: see :mod:`distgrad.ids`).
 Each worker holds its own copy of every context it saw; the copies share the
 id. A context records the send and recv functions of its RPCs (by autograd
 message id), the workers it talked to, and the gradients of this worker's
@@ -17,8 +19,8 @@ from typing import Any
 
 import torch
 
-_COUNTER_BITS = 48
-_COUNTER_MASK = (1 << _COUNTER_BITS) - 1
+from ..ids import COUNTER_BITS as _COUNTER_BITS
+from ..ids import COUNTER_MASK as _COUNTER_MASK
 
 
 class DistAutogradContext:
@@ -292,14 +294,15 @@ class Container:
         self._msg_counter = itertools.count()
         self._tls = threading.local()
 
-    def init(self, worker_id: int, first: int = 0) -> None:
-        """Number this worker's contexts from ``first`` (a later incarnation of a
-        rank in a dynamic group starts past every id an earlier one may have used)."""
+    def init(self, worker_id: int, first: int = 0, end: int = 1 << _COUNTER_BITS) -> None:
+        """Number this worker's contexts and messages from ``first`` up to ``end``
+        (a later incarnation of a rank in a dynamic group numbers in its own slice,
+        past every id an earlier one may have used: see :mod:`distgrad.ids`)."""
         if not 0 <= worker_id < (1 << 16):
             raise ValueError(f"worker id {worker_id} does not fit in 16 bits")
         with self.lock:
             self.worker_id = worker_id
-            self.first = first
+            self.first, self.end = first, end
             self._counter = itertools.count(first)
             self._msg_counter = itertools.count(first)
 
@@ -317,8 +320,8 @@ class Container:
         if self.current_id() is not None:
             raise RuntimeError("Already have an autograd context id for this thread.")
         n = next(self._counter)
-        if n > _COUNTER_MASK:
-            raise RuntimeError("distributed autograd context ids exhausted on this worker")
+        if n >= getattr(self, "end", 1 << _COUNTER_BITS):
+            raise RuntimeError(f"distributed autograd context ids exhausted on worker {self.worker_id}")
         ctx = DistAutogradContext((self.worker_id << _COUNTER_BITS) + n)
         with self.lock:
             self.contexts[ctx.id] = ctx
@@ -326,17 +329,24 @@ class Container:
         return ctx
 
     def new_message_id(self) -> int:
-        return (self.worker_id << _COUNTER_BITS) + (next(self._msg_counter) & _COUNTER_MASK)
+        """The next autograd message id of this worker (never one of an earlier
+        incarnation's: exhausting the slice raises instead of wrapping)."""
+        n = next(self._msg_counter)
+        if n >= getattr(self, "end", 1 << _COUNTER_BITS):
+            raise RuntimeError(f"distributed autograd message ids exhausted on worker {self.worker_id}")
+        return (self.worker_id << _COUNTER_BITS) + n
 
     def get_or_create(self, context_id: int) -> DistAutogradContext:
         with self.lock:
             ctx = self.contexts.get(context_id)
             if ctx is None:
+                n = context_id & _COUNTER_MASK
                 if context_id >> _COUNTER_BITS == self.worker_id and \
-                        context_id & _COUNTER_MASK < getattr(self, "first", 0):
-                    raise RuntimeError(f"autograd context {context_id} was created by an earlier "
-                                       f"process under this worker's rank {self.worker_id}, which "
-                                       "left or was lost: it is not this process's")
+                        not getattr(self, "first", 0) <= n < getattr(self, "end", n + 1):
+                    when = "an earlier" if n < getattr(self, "first", 0) else "a later"
+                    raise RuntimeError(f"autograd context {context_id} was created by {when} "
+                                       f"process under this worker's rank {self.worker_id} (another "
+                                       "incarnation of it): it is not this process's")
                 ctx = self.contexts[context_id] = DistAutogradContext(context_id)
             return ctx
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..ids import agent_range
 from ..rpc.agent import agent_or_none
 from ..rpc.extensions import AgentExtension, register_extension
 from . import anomaly as anomaly_mode
@@ -46,7 +47,7 @@ class AutogradExtension(AgentExtension):
 
     def __init__(self, agent) -> None:
         self.agent = agent
-        CONTAINER.init(agent.rank, (getattr(agent, "incarnation", 1) - 1) << 40)
+        CONTAINER.init(agent.rank, *agent_range(agent))  # its incarnation's ids (distgrad/ids.py)
         _node_types()
         agent.control_handlers["ag_release"] = _release_remote
         agent.control_handlers["ag_report"] = on_report

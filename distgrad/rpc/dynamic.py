@@ -1,7 +1,8 @@
 """Joining and leaving a dynamic group (``init_rpc`` without ``world_size``);
 the table in the store is :mod:`.membership`'s.
 
-Joining: take a rank in the table, connect to every member listed (each admits
+Joining: take a rank in the table, listen and publish the address (a lease in
+the store says the joiner lives meanwhile), connect to every member listed (each admits
 the connection after reading the joiner's entry, so it knows the joiner's name
 before anything the joiner sends), then one call to each member: when
 ``init_rpc`` returns, every member lists the joiner in ``get_worker_infos()``.
@@ -27,7 +28,7 @@ from typing import Any
 from ..errors import DistgradError, WorkerLostError
 from . import collective
 from .agent import RpcAgent, _holder
-from .membership import Group
+from .membership import Group, Lease
 from .worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,9 @@ def start(store: Any, name: str, rank: int | None, make_transport: Any, host: st
     rank, incarnation, others = group.join(name, rank, wait=2 * opts.heartbeat_deadline + 2)
     transport = None
     try:
-        transport = make_transport(rank)
-        group.publish(rank, incarnation, transport.listen(host))
+        with Lease(group, rank, time.monotonic() + timeout):  # alive while it gets ready
+            transport = make_transport(rank)
+            group.publish(rank, incarnation, transport.listen(host))
         others = group.addresses(others, time.monotonic() + timeout)
         workers = [WorkerInfo(n, r) for r, (n, _, _) in sorted(others.items())]
         workers.append(WorkerInfo(name, rank))

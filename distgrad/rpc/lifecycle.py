@@ -1,5 +1,6 @@
 """Starting and stopping this process's agent (the parts of init_rpc and
-shutdown below torch's API; see :mod:`.api`).
+shutdown below torch's API; see :mod:`.api`). A static group's worker is in
+the store's ledger of static members while it runs (:mod:`.mixing`).
 
 Example::
 
@@ -21,7 +22,7 @@ from ..launch import rendezvous
 from ..transport import SocketTransport, netaddr
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
-from . import collective, dynamic, membership, remote_profiling
+from . import collective, dynamic, membership, mixing, remote_profiling
 from .agent import RpcAgent, _holder
 from .options import RpcBackendOptions
 from .worker_info import WorkerInfo
@@ -73,18 +74,19 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         remote_profiling.attach(agent.rank)
         return
     transport = make_transport(rank)
-    raw, counted = store, False
+    raw, slot = store, None
     try:
         address = transport.listen(host)
+        # in the ledger first, then the check: a dynamic joiner that starts at the same
+        # time checks the ledger once in its table, so one of the two sees the other
+        slot = mixing.count_in(store, name, address)
         membership.check_static_join(store, name)
-        store.add(membership.static_key(), 1)  # a dynamic joiner sees a static group runs
-        counted = True
         store = rendezvous.session(store, rank)  # this init_rpc's keys only
         peers = rendezvous.exchange(store, rank, world_size, name, address, timeout)
         workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
         agent = RpcAgent(name, rank, world_size, workers, transport, opts)
         agent.store = store
-        agent.static_store = raw
+        agent.static_store, agent.static_slot = raw, slot
         agent.shutdown_arrivals = set()  # ranks that announced their shutdown (see shutdown)
         agent.control_handlers["shutdown_arrived"] = lambda peer: agent.shutdown_arrivals.add(peer)
         # Installed before the transport accepts anything: a request that arrives
@@ -97,14 +99,14 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         _holder.pop("agent", None)
         remote_profiling.detach()
         transport.close(0)
-        if counted:
-            _uncount(raw)
+        if slot is not None:
+            _uncount(raw, slot)
         raise
 
 
-def _uncount(store: Any) -> None:
+def _uncount(store: Any, slot: int) -> None:
     try:
-        store.add(membership.static_key(), -1)
+        mixing.count_out(store, slot)
     except Exception:  # noqa: BLE001 - the store's host may be gone
         pass
 
@@ -177,7 +179,7 @@ def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
         static_store = getattr(agent, "static_store", None)
         if static_store is not None:
             agent.static_store = None
-            _uncount(static_store)
+            _uncount(static_store, agent.static_slot)
         # Let go of the store: on rank 0 its server closes once nothing else in this
         # process (a process group on the same port) holds it.
         agent.store = None

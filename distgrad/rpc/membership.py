@@ -1,71 +1,99 @@
 """Dynamic groups: the member table a running group keeps in its store.
 
 ``init_rpc`` without ``world_size`` joins a dynamic group (torch's name for
-it): the store holds one table, ``{rank: (name, address, incarnation)}``,
-changed only under a lock in the same store. A joiner takes a rank (given, or
-the smallest free one), checks its name is not taken, writes itself into the
+it): the store holds one table, ``{rank: (name, address, incarnation)}`` with
+the last incarnation given to every rank and a version. Every change is one
+compare-and-set of the whole table on the version it read (:meth:`Group.update`):
+a writer that was overtaken (a process paused between its read and its write,
+SIGSTOP or a VM pause) fails its compare-and-set, reads again and redoes its
+change, so no joiner is lost and no removed member comes back. No lock, no
+clock. A joiner takes a rank (given, or the smallest free one with
+incarnations left), checks its name is not taken, writes itself into the
 table, then connects to every member listed. A member leaves by taking itself
 out (``shutdown()``); one that crashed is taken out by the survivors that saw
 it go (its incarnation must still be the one listed, so a replacement that
-already joined under its rank is never removed). A rank's incarnation counts
-its joins: a replacement is a new process with a new incarnation, and nothing
-the old one sent or created is taken for the new one's (see
-:mod:`.lifecycle`).
+already joined under its rank is never removed).
+
+A rank's incarnation counts its joins: a replacement is a new process with a
+new incarnation, and nothing the old one sent or created is taken for the new
+one's. Each incarnation numbers its ids in its own slice of the id counter
+(:mod:`distgrad.ids`), so a rank has ``MAX_INCARNATIONS`` (256) of them on one
+store: a join past them fails at once with IncarnationsExhaustedError
+(``rank=None`` takes a rank with incarnations left).
+
+Between taking its rank and publishing its address a joiner moves a lease
+counter in the store (:class:`Lease`); a later joiner waits for every member's
+address as long as its lease moves, and takes out one whose lease stood still
+for ``JOIN_PATIENCE`` seconds (it died before publishing; should it wake up,
+its publish fails).
 
 The store must outlive every member: under torchrun the agent hosts it; with
 ``tcp://`` or ``env://`` rank 0 hosts it (and, as in torch, leaves last) unless
 ``DISTGRAD_STORE_HOSTED=1`` says a program of its own serves it (``distgrad
-store --port P``); ``file://`` outlives everyone.
+store --port P``); ``file://`` outlives everyone. Static and dynamic members
+on one store are refused (torch's message): see :mod:`.mixing`.
 
 Example::
 
     >>> group = Group(store)
     >>> rank, incarnation, others = group.join("trainer3", None)
-    >>> group.publish(rank, incarnation, "tcp://10.0.0.5:41234#...")
+    >>> with Lease(group, rank, time.monotonic() + 60):
+    ...     group.publish(rank, incarnation, "tcp://10.0.0.5:41234#...")
     >>> group.leave(rank, incarnation)
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
+import random
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import DistgradError
+from ..errors import DistgradError, IncarnationsExhaustedError
+from ..ids import INCARNATION_BITS, MAX_INCARNATIONS
+from . import mixing
+from .mixing import MIXED
 
 log = logging.getLogger(__name__)
-MIXED = "RPC group mixes statically and dynamically initialized members which is not supported."
-_LOCK_STALE = 30.0  # a lock older than this was held by a process that died
+JOIN_PATIENCE = 10.0   # a joiner whose lease stood still this long died before publishing
+LEASE_INTERVAL = 0.5   # how often a joiner moves its lease
 
 
-def _root(attempt: str | None = None) -> str:
-    return f"distgrad/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') if attempt is None else attempt}/"
+class Table:
+    """One version of the member table: ``members`` ``{rank: (name, address,
+    incarnation)}``, ``incarnations`` ``{rank: the last incarnation given}``."""
+
+    __slots__ = ("version", "members", "incarnations")
+
+    def __init__(self, version: int = 0, members: dict | None = None,
+                 incarnations: dict | None = None) -> None:
+        self.version = version
+        self.members: dict[int, tuple[str, str, int]] = dict(members or {})
+        self.incarnations: dict[int, int] = dict(incarnations or {})
 
 
-def static_key() -> str:
-    """The counter of live members of static groups on a store (see :func:`check_static_join`)."""
-    return _root() + "static_live"
+def encode(table: Table) -> bytes:
+    """The table as the store holds it (its format lives here and in :func:`decode`)."""
+    return pickle.dumps((table.version, table.members, table.incarnations))
+
+
+def decode(raw: bytes) -> Table:
+    """The table from the store's bytes (empty bytes: no table yet)."""
+    if not raw:
+        return Table()
+    version, members, incarnations = pickle.loads(raw)
+    return Table(version, members, incarnations)
 
 
 def check_static_join(store: Any, name: str) -> None:
     """A static member may not join a store where a dynamic group runs (torch's message)."""
-    table = _read(store, _root() + "dyn/members")
-    if table:
-        raise RuntimeError(f"{MIXED} (worker {name!r} has world_size set; the dynamic group on "
-                           f"this store has {sorted(n for n, _, _ in table.values())})")
-
-
-def _read(store: Any, key: str) -> dict:
-    if not store.check([key]):
-        return {}
-    raw = store.get(key)
-    return pickle.loads(raw) if raw else {}
+    mixing.check_static_join(store, name, Group(store).members())
 
 
 class _Taken(Exception):
@@ -77,125 +105,125 @@ class Group:
 
     def __init__(self, store: Any, timeout: float = 60.0) -> None:
         self.raw = store
-        self.root = _root()
+        self.root = mixing.root()
+        self.key = self.root + "dyn/members"
         self.timeout = timeout
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the table's lock (compare-and-set in the store; a holder that died
-        is overtaken after 30 s)."""
-        key = self.root + "dyn/lock"
-        token = f"{os.getpid()}:{os.urandom(4).hex()}:{time.time():.3f}".encode()
-        deadline = time.monotonic() + self.timeout
-        pause = 0.001
-        while True:
-            held = self.raw.compare_set(key, "", token)
-            if held == token:
-                break
-            try:
-                since = float(held.decode().rsplit(":", 1)[1])
-            except (ValueError, IndexError):
-                since = time.time()
-            if time.time() - since > _LOCK_STALE and self.raw.compare_set(key, held, token) == token:
-                break
-            if time.monotonic() > deadline:
-                raise DistgradError(f"the dynamic group's lock in the store was held for more than "
-                                    f"{self.timeout:.0f} s by {held.decode(errors='replace')}")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        try:
-            yield
-        finally:
-            self.raw.compare_set(key, token, "")
+    def _load(self) -> tuple[bytes, Table]:
+        raw = self.raw.get(self.key) if self.raw.check([self.key]) else b""
+        return raw, decode(raw)
 
     def members(self) -> dict[int, tuple[str, str, int]]:
         """The table now: ``{rank: (name, address, incarnation)}``."""
-        return _read(self.raw, self.root + "dyn/members")
+        return self._load()[1].members
 
-    def _write(self, table: dict) -> None:
-        self.raw.set(self.root + "dyn/members", pickle.dumps(table))
+    def update(self, change: Callable[[Table], Any]) -> Any:
+        """Change the table as one compare-and-set on the version read; returns what
+        ``change`` returns. ``change`` edits the table it is given (or raises to
+        refuse); when another writer got in first it runs again on the new table.
+        Nothing is written when it changed nothing."""
+        deadline, pause = time.monotonic() + self.timeout, 0.001
+        while True:
+            raw, table = self._load()
+            members, incarnations = dict(table.members), dict(table.incarnations)
+            result = change(table)
+            if table.members == members and table.incarnations == incarnations:
+                return result
+            table.version += 1
+            new = encode(table)
+            if self.raw.compare_set(self.key, raw, new) == new:
+                return result
+            if time.monotonic() > deadline:
+                raise DistgradError(f"could not change the dynamic group's table in the store for "
+                                    f"{self.timeout:.0f} s: other writers kept changing it first")
+            time.sleep(pause * random.uniform(0.5, 1.5))
+            pause = min(pause * 2, 0.05)
 
     def join(self, name: str, rank: int | None, wait: float = 0.0) -> tuple[int, int, dict]:
         """Enter the table (with no address yet: see :meth:`publish`); returns
         ``(rank, incarnation, the other members)``.
 
         Raises RuntimeError with torch's message when a static group runs on this
-        store, or when the name or the rank is taken by a member. A name or rank
-        taken is waited for up to ``wait`` seconds first: a replacement may start
-        before the survivors took the crashed member it replaces out."""
+        store, or when the name or the rank is taken by a member; and
+        IncarnationsExhaustedError when the rank had ``MAX_INCARNATIONS`` already.
+        A name or rank taken is waited for up to ``wait`` seconds first: a
+        replacement may start before the survivors took the crashed member it
+        replaces out."""
         deadline = time.monotonic() + wait
         while True:
             try:
-                return self._join(name, rank)
+                got, incarnation, others = self.update(lambda t: _enter(t, name, rank))
+                break
             except _Taken as e:
                 if time.monotonic() >= deadline:
                     raise RuntimeError(str(e)) from None
                 time.sleep(0.05)
-
-    def _join(self, name: str, rank: int | None) -> tuple[int, int, dict]:
-        with self.locked():
-            if int(self.raw.add(static_key(), 0)) > 0:
-                raise RuntimeError(f"{MIXED} (worker {name!r} has no world_size; a static group "
-                                   "runs on this store)")
-            table = self.members()
-            for r, (n, _, _) in table.items():
-                if n == name:
-                    raise _Taken(f"RPC worker name {name} is not unique. Workers {r} and "
-                                       f"{rank if rank is not None else '(new)'} share the same name.")
-            if rank is None:
-                rank = next(r for r in range(len(table) + 1) if r not in table)
-            elif rank in table:
-                raise _Taken(f"rank {rank} of the dynamic group is taken by worker "
-                                   f"{table[rank][0]!r}; worker {name!r} cannot join under it")
-            if not 0 <= rank < (1 << 16):
-                raise ValueError(f"rank {rank} does not fit in 16 bits")
-            incarnation = int(self.raw.add(f"{self.root}dyn/incarnation/{rank}", 1))
-            others = dict(table)
-            table[rank] = (name, "", incarnation)
-            self._write(table)
-        return rank, incarnation, others
+        # checked once listed: a static member checks the table once in the ledger
+        static = mixing.live_static_member(self.raw)
+        if static is not None:
+            self.leave(got, incarnation)
+            raise RuntimeError(f"{MIXED} (worker {name!r} has no world_size; static member "
+                               f"{static!r} runs on this store)")
+        return got, incarnation, others
 
     def publish(self, rank: int, incarnation: int, address: str) -> None:
         """Give this member's entry the address the others connect to."""
-        with self.locked():
-            table = self.members()
-            name, _, inc = table[rank]
-            if inc != incarnation:
-                raise DistgradError(f"worker {name!r} was taken out of the group while it joined")
-            table[rank] = (name, address, inc)
-            self._write(table)
+        def change(table: Table) -> None:
+            entry = table.members.get(rank)
+            if entry is None or entry[2] != incarnation:
+                raise DistgradError(f"rank {rank} (incarnation {incarnation}) was taken out of the "
+                                    "dynamic group while it joined: a later joiner saw no sign of "
+                                    f"life from it for {JOIN_PATIENCE:.0f} s")
+            table.members[rank] = (entry[0], address, incarnation)
+        self.update(change)
+
+    def lease_value(self, rank: int) -> int:
+        """The lease counter of ``rank`` (see :class:`Lease`)."""
+        return int(self.raw.add(f"{self.root}dyn/lease/{rank}", 0))
 
     def addresses(self, others: dict, deadline: float,
-                  patience: float = 10.0) -> dict[int, tuple[str, str, int]]:
-        """The entries of ``others`` once each has an address (a member that joins
-        at the same time publishes it a moment later); those that left are dropped,
-        and so are those still without one after ``patience`` seconds (a joiner that
-        died between taking its rank and listening: it never connected to anyone)."""
-        pause, start = 0.002, time.monotonic()
+                  patience: float | None = None) -> dict[int, tuple[str, str, int]]:
+        """The entries of ``others`` once each has an address (a member that joins at
+        the same time publishes it a moment later); those that left are dropped. One
+        whose lease (:class:`Lease`) stood still for ``patience`` seconds
+        (``JOIN_PATIENCE``) died between taking its rank and listening: it is taken
+        out of the table and skipped. A live one is waited for until ``deadline``
+        (then DistgradError naming it)."""
+        patience = JOIN_PATIENCE if patience is None else patience
+        seen: dict[int, tuple[int, float]] = {}  # rank -> (lease value, when it last moved)
+        pause = 0.002
         while True:
             table = self.members()
             ready = {r: e for r, e in table.items() if r in others and e[2] == others[r][2]}
-            if all(e[1] for e in ready.values()):
+            waiting = [r for r, e in ready.items() if not e[1]]
+            if not waiting:
                 return ready
-            if time.monotonic() - start >= patience or time.monotonic() >= deadline:
-                silent = sorted(e[0] for e in ready.values() if not e[1])
-                log.warning("members %s of the dynamic group never published their address: "
-                            "joining without them", silent)
-                return {r: e for r, e in ready.items() if e[1]}
+            now = time.monotonic()
+            for r in waiting:
+                beat, last = self.lease_value(r), seen.get(r)
+                if last is None or beat != last[0]:
+                    seen[r] = (beat, now)
+                elif now - last[1] >= patience and self.leave(r, ready[r][2]):
+                    log.warning("member %s (rank %d) of the dynamic group showed no sign of life "
+                                "for %.0f s without publishing its address: taken out",
+                                ready[r][0], r, patience)
+            if now >= deadline:
+                raise DistgradError(f"members {sorted(ready[r][0] for r in waiting)} of the dynamic "
+                                    "group are still joining (alive, without an address) at the "
+                                    "deadline of this join")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
     def leave(self, rank: int, incarnation: int) -> bool:
         """Take ``rank`` out if its incarnation is still ``incarnation``; returns
         whether it was there."""
-        with self.locked():
-            table = self.members()
-            entry = table.get(rank)
+        def change(table: Table) -> bool:
+            entry = table.members.get(rank)
             if entry is None or entry[2] != incarnation:
                 return False
-            del table[rank]
-            self._write(table)
+            del table.members[rank]
             return True
+        return self.update(change)
 
     def entry(self, rank: int) -> tuple[str, str, int] | None:
         """What the table lists under ``rank`` (None when nobody)."""
@@ -222,6 +250,76 @@ class Group:
                 return not left
             time.sleep(pause)
             pause = min(pause * 1.5, 0.1)
+
+
+def _enter(table: Table, name: str, rank: int | None) -> tuple[int, int, dict]:
+    """The change of a join (see :meth:`Group.join`)."""
+    for r, (n, _, _) in table.members.items():
+        if n == name:
+            raise _Taken(f"RPC worker name {name} is not unique. Workers {r} and "
+                         f"{rank if rank is not None else '(new)'} share the same name.")
+    if rank is None:
+        rank = next((r for r in range(1 << 16) if r not in table.members
+                     and table.incarnations.get(r, 0) < MAX_INCARNATIONS), None)
+        if rank is None:
+            raise IncarnationsExhaustedError(
+                f"worker {name!r} cannot join the dynamic group: every rank had "
+                f"{MAX_INCARNATIONS} incarnations on this store; start the group on a fresh store",
+                name, -1, MAX_INCARNATIONS)
+    elif not 0 <= rank < (1 << 16):
+        raise ValueError(f"rank {rank} does not fit in 16 bits")
+    elif rank in table.members:
+        raise _Taken(f"rank {rank} of the dynamic group is taken by worker "
+                     f"{table.members[rank][0]!r}; worker {name!r} cannot join under it")
+    elif table.incarnations.get(rank, 0) >= MAX_INCARNATIONS:
+        raise IncarnationsExhaustedError(
+            f"worker {name!r} cannot join the dynamic group as rank {rank}: that rank already had "
+            f"{MAX_INCARNATIONS} incarnations (processes that held it one after another) on this "
+            f"store, as many as distributed ids can tell apart ({INCARNATION_BITS} bits of their "
+            "48-bit counter). Join under another rank (rank=None takes a free rank with "
+            "incarnations left), or start the group on a fresh store (a new file:// path, a "
+            "restarted `distgrad store`)", name, rank, MAX_INCARNATIONS)
+    incarnation = table.incarnations.get(rank, 0) + 1
+    table.incarnations[rank] = incarnation
+    others = dict(table.members)
+    table.members[rank] = (name, "", incarnation)
+    return rank, incarnation, others
+
+
+class Lease:
+    """A joiner's sign of life from taking its rank until it published its address:
+    a counter in the store it moves every ``LEASE_INTERVAL`` seconds, on a thread of
+    its own, until ``until`` at most (see :meth:`Group.addresses`). A context manager.
+
+    Example::
+
+        >>> with Lease(group, rank, time.monotonic() + 60):
+        ...     group.publish(rank, incarnation, transport.listen(host))
+    """
+
+    def __init__(self, group: Group, rank: int, until: float) -> None:
+        self.key = f"{group.root}dyn/lease/{rank}"
+        self.store, self.until = group.raw, until
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"distgrad-lease-{rank}", daemon=True)
+
+    def _run(self) -> None:
+        while time.monotonic() < self.until:
+            try:
+                self.store.add(self.key, 1)
+            except Exception as e:  # noqa: BLE001 - the join itself reports a store that is gone
+                log.info("could not move the join lease %s: %s", self.key, e)
+                return
+            if self.stop.wait(LEASE_INTERVAL):
+                return
+
+    def __enter__(self) -> Lease:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
 
 
 def hosted_elsewhere() -> bool:

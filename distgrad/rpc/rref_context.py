@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import WorkerLostError
+from ..errors import DistgradError, WorkerLostError
+from ..ids import agent_range
 from . import remote_profiling
 from .extensions import AgentExtension, register_extension
 
@@ -58,8 +59,8 @@ class RRefContext(AgentExtension):
         self.local_owned: dict[tuple, list] = {}
         # rref_id -> value future of an owner RRef whose remote() to this worker is in flight
         self.local_targets: dict[tuple, torch.futures.Future] = {}
-        # a later incarnation of a rank (dynamic groups) numbers past the earlier ones'
-        self._first = (getattr(agent, "incarnation", 1) - 1) << 40
+        # each incarnation of a rank (dynamic groups) numbers in its own slice (distgrad/ids.py)
+        self._first, self._end = agent_range(agent)
         self._ids = itertools.count(self._first)
         self.lock = threading.RLock()
         agent.control_handlers.update(fork_add=self._on_fork_add, fork_del=self._on_fork_del,
@@ -69,7 +70,12 @@ class RRefContext(AgentExtension):
         agent.rrefs = self
 
     def new_id(self) -> tuple:
-        return (self.agent.rank, next(self._ids))
+        """A new RRef or fork id, ``(rank, counter)``: never one of another incarnation's."""
+        n = next(self._ids)
+        if n >= self._end:
+            raise DistgradError(f"RRef ids exhausted on worker {self.agent.name} (rank "
+                                f"{self.agent.rank})", self.agent.name)
+        return (self.agent.rank, n)
 
     # -- owner side -----------------------------------------------------------
     def _entry(self, rref_id: tuple, future: torch.futures.Future | None = None) -> _Entry:
@@ -109,10 +115,11 @@ class RRefContext(AgentExtension):
             del self.owned[rref_id]
 
     def _earlier(self, rref_id) -> bool:
-        """An RRef of an earlier process under this rank (it left or was lost): a
-        late fork_add/fork_del about it is not about anything this process owns."""
-        if rref_id[0] == self.agent.rank and rref_id[1] < self._first:
-            log.info("worker %s: ignored a message about RRef %s of an earlier incarnation",
+        """An RRef of another process under this rank (an earlier one left or was
+        lost, or this one is the stale one): a late fork_add/fork_del about it is
+        not about anything this process owns."""
+        if rref_id[0] == self.agent.rank and not self._first <= rref_id[1] < self._end:
+            log.info("worker %s: ignored a message about RRef %s of another incarnation",
                      self.agent.name, rref_id)
             return True
         return False
