@@ -14,7 +14,6 @@ import threading
 import time
 
 import pytest
-
 from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,9 +13,9 @@ import threading
 import time
 
 import pytest
+from mp_utils import run_workers
 
 from distgrad.transport import framing
-from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(120)
 
