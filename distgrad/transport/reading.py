@@ -270,7 +270,6 @@ class Reading:
             tls.reading = False
             self.release(peer)
 
-
     def _hand_off(self, work: list) -> None:
         """Give the pool work read by a thread that does not run it (a caller waiting
         for its reply, the heartbeat's look at a silent peer): every request as a
