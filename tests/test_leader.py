@@ -127,3 +127,36 @@ def test_submitted_work_runs_and_shutdown_stops(shared):
     assert not any(t.is_alive() for t in pool._threads)
     with pytest.raises(RuntimeError, match="shutdown"):
         pool.submit(got.append, 0)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_reply_read_with_a_request_that_waits_for_it_is_not_stuck_behind_it(shared):
+    """One read brings a request and a reply completion; the request waits for that
+    reply (a function waiting on an rpc_async future). The completion must not wait
+    behind the request on the reading thread: nothing here wakes an idle thread but
+    a read (no periodic tick), as with an idle transport."""
+    ready: queue.SimpleQueue = queue.SimpleQueue()
+    pool = LeaderFollowers(ready.get, 4, name="t",
+                           shared=(lambda: ready.put([])) if shared else None)
+    pool.start()
+    completed = threading.Event()
+    got = []
+
+    def request():  # waits for the reply read with it
+        got.append(completed.wait(5))
+
+    def completion():
+        completed.set()
+    completion.batchable = True  # as the agent's reply completion is
+    try:
+        started = threading.Event()
+        ready.put([(started.set, ())])  # the steady state: another thread waits to read
+        assert started.wait(20)
+        _wait(lambda: pool.readers() >= (2 if shared else 1), 20)
+        ready.put([(request, ()), (completion, ())])
+        _wait(lambda: got, 20)
+        assert got == [True]
+    finally:
+        for _ in range(8):
+            ready.put(None)
+        pool.shutdown(wait=True)

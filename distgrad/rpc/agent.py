@@ -353,6 +353,35 @@ class RpcAgent(FastPath, Serving, Members):
                 # the store may be slow); only the incarnation that was lost
                 self.callbacks.submit(self._untable, peer, self.incarnations.get(peer))
 
+    def on_send_failed(self, peer: int, messages: list, error: BaseException) -> None:
+        """Transport callback: ``messages`` to ``peer`` were dropped unsent (``error``
+        raised while the transport sealed them; the connection stays). A call among
+        them fails with an error naming the peer; a reply is replaced by an error
+        reply, so the caller there does not wait for its timeout; anything else
+        (one-way messages) is logged."""
+        w = self.workers.get(peer)
+        to = f"worker {w.name} (rank {peer})" if w is not None else f"rank {peer}"
+        for frames in messages:
+            try:
+                kind, rid, _ = peek_header(frames)
+            except ProtocolError:
+                kind, rid = None, 0
+            p = self.pending.pop(rid, None) if kind in (Kind.CALL, Kind.REMOTE) else None
+            if p is not None:
+                if p.timer is not None:
+                    p.timer.cancel()
+                err = DistgradError(f"{p.what} could not be sent to {to}: {type(error).__name__}: "
+                                    f"{error}", w.name if w is not None else None)
+                err.__cause__ = error
+                self._fail(p, err)
+            elif kind == Kind.REPLY:
+                self._send_error(peer, rid, DistgradError(
+                    f"worker {self.name} could not send its reply to {to}: "
+                    f"{type(error).__name__}: {error}", self.name), None)
+            else:
+                log.error("worker %s: a message (%s) to %s was dropped unsent: %r", self.name,
+                          getattr(kind, "name", "unknown kind"), to, error)
+
     def _lost_error(self, peer: int) -> WorkerLostError:
         w = self.workers[peer]
         return WorkerLostError(f"worker {w.name} (rank {w.id}) is lost: {self.lost[peer]}", w.name)

@@ -20,6 +20,11 @@ class TransportHandler(Protocol):
     def on_peer_lost(self, peer: int, reason: str, graceful: bool) -> None:
         """Called once when ``peer`` is gone (``graceful``: said goodbye)."""
 
+    def on_send_failed(self, peer: int, messages: list, error: BaseException) -> None:
+        """(Optional) ``messages`` (frame lists, as given to ``send``) queued for
+        ``peer`` were dropped unsent: ``error`` was raised while sealing the batch
+        they were in (whichever thread sent them). The connection stays."""
+
     def on_peer_joined(self, peer: int) -> None:
         """(Optional; dynamic groups) ``peer`` connected after start-up and was
         admitted; called before anything it sends is handed up."""

@@ -3,12 +3,14 @@
 One thread at a time is the *leader*: it waits on the sockets (``lead``, given
 by the transport) and handles what must happen in arrival order. When what it
 read includes work (a request to serve, a reply to complete), it passes the
-leader role to an idle thread (a *follower*), or starts one, and runs the first
-piece of work itself: no hand-off between the thread that read a request and
-the one that runs it, and the reply goes out from that same thread. Further
-pieces read in the same batch are queued for the followers (in the shared
-mode, reply completions, marked ``batchable``, are run by the same thread in
-turn with no wake-up; a queued request wakes a thread: it may block).
+leader role to an idle thread (a *follower*), or starts one, and runs the
+work itself: no hand-off between the thread that read a request and the one
+that runs it, and the reply goes out from that same thread. When one read
+brings several pieces, every request still gets a thread of its own, as torch
+serves each request (one may wait for something the next one does): the
+reading thread runs the reply completions (marked ``batchable``) and then the
+first request; each further request is queued and wakes a thread. Reply
+completions alone are run by the reading thread in turn, with no wake-up.
 
 There is always a leader while the pool runs, so the sockets are always read:
 when every thread is busy, the leader keeps the role and queues the work
@@ -182,14 +184,13 @@ class LeaderFollowers:
                             keep_reading = True
                             continue
                     if len(work) > 1:
-                        # several messages from one read: this thread runs them in
-                        # turn (queued, so that an idle thread that wakes anyway takes
-                        # one), with no wake-up per message when they are all
-                        # ``batchable`` (completing replies); a request may block
-                        # (a function waiting on RPCs), so one wakes a thread
-                        self._tasks.extend(work[1:])
-                        extra = self._wake_for(work[1:]) and not self._spare()
-                        work = work[:1]
+                        # several messages from one read (see _split): this thread
+                        # runs its share, the rest is queued; a queued request wakes
+                        # a thread (it may block), reply completions do not
+                        work, queued = self._split(work)
+                        if queued:
+                            self._tasks.extend(queued)
+                            extra = self._wake_for(queued) and not self._spare()
                 if extra:
                     self.wakes += 1
                     self._shared_wake()
@@ -206,6 +207,25 @@ class LeaderFollowers:
             finally:
                 self.busy -= 1
             del fn, args
+
+    def _split(self, work: list) -> tuple[list, list]:
+        """Several pieces of work from one read: (what the thread that read them runs,
+        in turn; what it queues). Every request (work not marked ``batchable``) must
+        run on a thread of its own, as torch serves each request: one may wait for
+        something the next one does (a flag, a reply). Reply completions
+        (``batchable``) run on the reading thread before its request, if any: queued
+        behind a request that waits for one of them, they would wait with it. Only
+        reply completions: the first runs here, the rest are queued for this thread
+        to take next (an idle thread that wakes anyway may take one), with no
+        wake-up. DISTGRAD_BATCH_WAKES=1: one piece here, a wake-up for the rest."""
+        batch = [w for w in work if getattr(w[0], "batchable", False)]
+        if len(batch) == len(work):
+            return work[:1], work[1:]
+        requests = [w for w in work if not getattr(w[0], "batchable", False)]
+        if self._batch_wakes:
+            ordered = batch + requests
+            return ordered[:1], ordered[1:]
+        return batch + requests[:1], requests[1:]
 
     def _wake_for(self, queued) -> bool:
         """Whether queued work needs a thread woken for it: a piece that may block
@@ -255,11 +275,12 @@ class LeaderFollowers:
                 if not work:
                     continue
                 if self._idle or len(self._threads) < self.max_threads:
-                    # step down: another thread leads, this one runs the first piece
+                    # step down: another thread leads, this one runs its share (_split)
                     self._has_leader = False
-                    self._tasks.extend(work[1:])
-                    self._wake(len(work))  # the queued pieces and the leader role
-                    return work[:1]
+                    mine, queued = self._split(work) if len(work) > 1 else (work, [])
+                    self._tasks.extend(queued)
+                    self._wake(1 + len(queued))  # the queued pieces and the leader role
+                    return mine
                 # every thread is busy: keep reading, the work waits for one
                 self._tasks.extend(work)
 

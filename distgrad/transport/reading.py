@@ -5,10 +5,12 @@ Pool threads wait in the poller (:mod:`.leader`); the one the kernel hands a
 ready socket reads everything it has (:class:`~.framing.FrameReader`), opens
 each message (MAC or decryption, shared memory), hands it to the agent's
 ``on_message`` in order and returns the work it read: several messages from
-one read are all served by that thread, in turn, without a wake-up each. A
+one read are served without a wake-up each when they are reply completions;
+every request gets a thread of its own (the reader runs the first). A
 caller waiting for its reply reads its own connection (:meth:`Reading.claim`,
-:meth:`Reading.read_until`); what else it reads on the way goes to the pool
-as one task.
+:meth:`Reading.read_until`); what else it reads on the way goes to the pool:
+each request as a task of its own (one may wait for what the next one does),
+the reply completions together as one.
 
 Example::
 
@@ -240,8 +242,8 @@ class Reading:
         """Read ``peer``'s connection on this thread until ``done()`` (a caller waiting
         for its reply), when nobody else is reading it. Returns False at once when
         someone is (the reader completes the waiter), True once ``done()`` or the
-        peer is lost. Work read on the way goes to the pool, all of one read as one
-        task (one wake-up, not one per message)."""
+        peer is lost. Work read on the way goes to the pool (:meth:`_hand_off`):
+        each request a task of its own, the reply completions of one read one task."""
         conn = self._conns.get(peer)
         tls = self._tls
         if not claimed and not self.claim(peer):
@@ -258,21 +260,40 @@ class Reading:
                 if poll(0) or poll(100):
                     work: list = []
                     self._read(conn, work)
-                    if len(work) == 1:
-                        self.pool.submit(work[0][0], *work[0][1])
-                    elif work:
-                        # not run here: a failed reply's exception would keep this
+                    if work:
+                        # not run here: this thread goes back to waiting for its
+                        # reply, and a failed reply's exception would keep this
                         # caller's frames (and what they hold) alive through its traceback
-                        self.pool.submit(_run_all, work)
+                        self._hand_off(work)
             return True
         finally:
             tls.reading = False
             self.release(peer)
 
+    def _hand_off(self, work: list) -> None:
+        """Give the pool work read by a thread that does not run it (a caller waiting
+        for its reply, the heartbeat's look at a silent peer): every request as a
+        task of its own, so that no request waits behind another (one may wait for
+        something the next one does, as torch serves each on its own thread); the
+        reply completions (work marked ``batchable``) as one task, one wake-up."""
+        submit = self.pool.submit
+        batch = [w for w in work if getattr(w[0], "batchable", False)]
+        if len(batch) == 1:
+            submit(batch[0][0], *batch[0][1])
+        elif batch:
+            submit(_run_batch, batch)
+        for fn, args in work:
+            if not getattr(fn, "batchable", False):
+                submit(fn, *args)
 
-def _run_all(work: list) -> None:
+
+def _run_batch(work: list) -> None:
+    """Run reply completions read together, in turn (one pool task)."""
     for fn, args in work:
         try:
             fn(*args)
         except Exception:
-            log.exception("error running work read by a waiting caller")
+            log.exception("error completing a reply read by a waiting caller")
+
+
+_run_batch.batchable = True  # reply completions only (see Reading._hand_off)

@@ -20,12 +20,15 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
 
 from . import framing, shm
 from .opening import _Conn
+
+log = logging.getLogger("distgrad.transport.socket_transport")
 
 _HEARTBEAT = b"\xffHB"
 _GOODBYE = b"\xffBYE"
@@ -72,13 +75,36 @@ class Sending:
                 return
         else:
             conn.wlock.acquire()
+        popped: list = []  # the batch being sealed (see _write)
+        while True:
+            try:
+                self._drain(conn, reading, me, popped)
+                return
+            except BaseException as e:  # noqa: BLE001 - re-raised below unless an Exception
+                if conn.wowner == me:  # the lock is still this thread's: let go of it
+                    conn.wowner = 0
+                    conn.wlock.release()
+                self._send_broke(conn, popped, e)
+                if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: the caller's
+                    if conn.outq:  # (what others queued meanwhile goes with the next send
+                        self._arm(conn)  # or heartbeat)
+                    raise
+            # the connection stays: send what other threads queued meanwhile
+            if conn.lost or not conn.deferred or not conn.wlock.acquire(False):
+                if conn.outq:
+                    self._arm(conn)
+                return
+
+    def _drain(self, conn: _Conn, reading: bool, me: int, popped: list) -> None:
+        """Send what is queued for ``conn`` (write lock held; released here), again
+        while more arrives and the lock is free."""
         conn.wowner = me
         arm = False
         failed = None
         while True:
             try:
                 if conn.deferred and not conn.lost:
-                    arm |= self._write(conn, reading)
+                    arm |= self._write(conn, reading, popped)
             except OSError as e:
                 failed = e
             if conn.lost or failed:
@@ -94,22 +120,52 @@ class Sending:
         elif arm:
             self._arm(conn)
 
-    def _write(self, conn: _Conn, reading: bool) -> bool:
+    def _send_broke(self, conn: _Conn, popped: list, err: BaseException) -> None:
+        """Something other than an OSError raised while this thread held ``conn``'s
+        write lock (released by now). Raised while sealing a batch (``popped``
+        holds its messages, none of them sent): the stream is whole, the
+        connection stays, and the handler's ``on_send_failed`` hears of every
+        message of the batch, whichever thread queued it (their calls fail).
+        Raised while writing (a KeyboardInterrupt in a large send): part of a
+        message may be on the wire, so the peer is lost, as on a broken
+        connection (every call to it fails)."""
+        peer = conn.peer
+        if not popped:
+            log.error("worker %d: sending to worker %d was interrupted (%r): the connection "
+                      "is closed", self.rank, peer, err)
+            self._lose(peer, f"a send was interrupted: {err!r}", graceful=False)
+            return
+        log.error("worker %d: %d message(s) to worker %d could not be sealed and were not "
+                  "sent: %r", self.rank, len(popped), peer, err, exc_info=err)
+        # the frames the handler gave (no shared-memory descriptor); transport frames
+        # (heartbeats, goodbye, segment drops) are nobody's to report
+        messages = [m[shm.parsed_frames(m) - 1:] for m in popped
+                    if not (len(m) == 1 and bytes(memoryview(m[0])[:1]) == b"\xff")]
+        popped.clear()
+        report = getattr(self._handler, "on_send_failed", None)
+        if messages and report is not None:
+            self._guard(lambda: report(peer, messages, err))
+
+    def _write(self, conn: _Conn, reading: bool, popped: list) -> bool:
         """Seal every message queued for ``conn`` and send them all with one
         ``sendmsg`` (write lock held: messages other threads queued meanwhile go
         with this thread's); returns whether the poller must flush the rest (a
-        reading thread never blocks on a full socket)."""
+        reading thread never blocks on a full socket). ``popped`` holds the
+        messages taken off the queue until they are all sealed (what an error
+        while sealing leaves unsent: see _send_broke); empty once they are."""
         deferred, cipher, auth, peer = conn.deferred, conn.cipher, self._auth, conn.peer
         views: list = []
         n = 0
         while deferred:  # a send nested in coalesce (an RRef's delete) joins this batch
             frames = deferred.popleft()
+            popped.append(frames)
             if cipher is not None:
                 frames = cipher.seal(list(frames))
             elif auth is not None:
                 frames = auth.seal(peer, list(frames), shm.parsed_frames(frames))
             views += framing.coalesce(frames)
             n += 1
+        popped.clear()
         self.batches[0] += 1
         self.batches[1] += n
         if conn.outq:
@@ -149,3 +205,8 @@ class Sending:
                         framing.wait_writable(conn.sock, max(0.0, end - time.monotonic()))
             except OSError:
                 pass
+            except Exception as e:  # noqa: BLE001 - a seal that fails must not stop close()
+                log.error("worker %d: could not say goodbye to worker %d: %r", self.rank,
+                          conn.peer, e)
+            finally:
+                conn.wowner = 0

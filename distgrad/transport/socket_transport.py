@@ -283,8 +283,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
                 try:  # read what already arrived before calling anyone silent
                     work: list = []
                     self._read(conn, work)
-                    for fn, args in work:
-                        self.pool.submit(fn, *args)
+                    self._hand_off(work)
                 finally:
                     conn.rlock.release()
                 silent = now - self._last_recv.get(peer, now) if not conn.lost else 0

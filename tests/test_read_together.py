@@ -1,0 +1,94 @@
+"""Requests that reach a worker in one read are each served on a thread of their own.
+
+worker0 asks worker1 to run ``_outer``, which calls back into worker0 (``_middle``)
+with rpc_sync: that thread on worker1 reads its own connection while it waits for
+the reply. ``_middle`` sends worker1 two requests, ``_wait_for_flag`` then
+``_set_flag``, and returns: both requests and the reply reach worker1 back to back,
+and the waiting thread reads them together (its first read is held back a second
+here, so that they always do). ``_wait_for_flag`` must see the flag: torch serves
+each request on its own thread. When what the waiting thread read ran as one task,
+``_wait_for_flag`` waited its whole bound for a flag that ``_set_flag``, queued
+behind it, had not set yet (issue 26).
+"""
+import threading
+import time
+
+import pytest
+from mp_utils import run_workers
+
+pytestmark = pytest.mark.timeout(120)
+
+_FLAG = threading.Event()
+_FUTS: list = []
+_BOUND = 10.0  # seconds _wait_for_flag waits: a generous bound, never reached once fixed
+_READS: list = []  # worker1: pieces of work each read of the waiting thread brought
+
+
+def _wait_for_flag(i):
+    return _FLAG.wait(_BOUND)
+
+
+def _set_flag(i):
+    _FLAG.set()
+    return True
+
+
+def _middle(i):  # worker0
+    import distgrad.rpc as rpc
+    _FUTS.append(rpc.rpc_async("worker1", _wait_for_flag, args=(i,)))
+    _FUTS.append(rpc.rpc_async("worker1", _set_flag, args=(i,)))
+    return i
+
+
+def _outer(i):  # worker1, on a pool thread
+    import distgrad.rpc as rpc
+    _FLAG.clear()
+    return rpc.rpc_sync("worker0", _middle, args=(i,), timeout=60)
+
+
+def _hold_back_first_read():
+    """worker1: a waiting caller reads its reply a second late (worker0's two
+    requests and the reply are all there by then: one read brings them all);
+    count the work each of its reads brings."""
+    from distgrad.rpc.api import current_agent
+    t = current_agent().transport
+    read_until, read = t.read_until, t._read
+
+    def late(peer, done, timeout=None, claimed=False):
+        time.sleep(1.0)
+        return read_until(peer, done, timeout, claimed)
+
+    def counted(conn, work):
+        before = len(work)
+        read(conn, work)
+        if conn.owned:  # read by the waiting caller
+            _READS.append(len(work) - before)
+    t.read_until, t._read = late, counted
+    return True
+
+
+def _reads():
+    return list(_READS)
+
+
+def _rounds(rank, world_size):
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    assert rpc.rpc_sync("worker1", _hold_back_first_read, timeout=30)
+    seen = []
+    for i in range(3):
+        _FUTS.clear()
+        t0 = time.monotonic()
+        assert rpc.rpc_sync("worker1", _outer, args=(i,), timeout=60) == i
+        seen.append(([f.wait() for f in list(_FUTS)], time.monotonic() - t0))
+        if seen[-1][0] != [True, True]:
+            break  # one miss is enough: spare the others' bound
+    return seen, rpc.rpc_sync("worker1", _reads, timeout=30)
+
+
+def test_requests_read_together_with_a_reply_each_get_a_thread():
+    seen, reads = run_workers(_rounds, world_size=2, timeout=100)[0]
+    # the shape happened: the waiting caller's read brought both requests at once
+    assert reads and max(reads) >= 2, reads
+    assert [flags for flags, _ in seen] == [[True, True]] * 3, seen
