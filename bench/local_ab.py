@@ -50,7 +50,7 @@ def main() -> None:
                                         for m in (torch.nn.Linear(16, 16), torch.nn.Tanh())])
             x = torch.randn(4, 16)
 
-            def once(mod, check=False):
+            def once(mod, check=False, net=net, x=x):
                 with mod.context() as cid:
                     loss = net(x).sum()
                     t0 = time.perf_counter_ns()
