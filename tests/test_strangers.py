@@ -356,3 +356,63 @@ def test_a_weak_secret_draws_a_warning_with_the_way_to_make_a_good_one(caplog):
     caplog.clear()
     hs.stretch(strong)
     assert not [r for r in caplog.records if "weaker" in r.getMessage()]
+
+
+# -- encrypt=True means encrypted ----------------------------------------------------
+_PATTERN = b"distgrad-plaintext-marker-0123456789abcdef!"
+_KEPT = {}
+
+
+def _pattern_tensor(nbytes=4 << 20):
+    reps = nbytes // len(_PATTERN) + 1
+    return torch.frombuffer(bytearray((_PATTERN * reps)[:nbytes]), dtype=torch.uint8)
+
+
+def _keep(t):
+    _KEPT["t"] = t
+    return t
+
+
+def _kept_intact():
+    return bool(torch.equal(_KEPT["t"], _pattern_tensor()))
+
+
+def _segments(pids):
+    from distgrad.transport import shm
+    return [os.path.join(shm.SHM_DIR, n) for n in os.listdir(shm.SHM_DIR)
+            if any(n.startswith(shm.owner_prefix(p, r)) for p in pids for r in range(2))]
+
+
+def _encrypted_shm(rank, world_size):
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    pids = [os.getpid(), rpc.rpc_sync("worker1", os.getpid)]
+    back = rpc.rpc_sync("worker1", _keep, args=(_pattern_tensor(),), timeout=60)
+    segments = _segments(pids)
+    clear = []
+    for path in segments:  # the bytes of every segment of both workers, in the clear?
+        try:
+            with open(path, "rb") as f:
+                if _PATTERN in f.read():
+                    clear.append(path)
+        except OSError:
+            pass
+    for path in segments:  # another process of this user writes into them
+        try:
+            with open(path, "r+b") as f:
+                f.write(bytes(os.fstat(f.fileno()).st_size))
+        except OSError:
+            pass
+    return {"segments": len(segments), "clear": clear,
+            "reply intact": bool(torch.equal(back, _pattern_tensor())),
+            "delivered intact": rpc.rpc_sync("worker1", _kept_intact)}
+
+
+def test_encrypted_frames_never_lie_in_shared_memory_in_the_clear():
+    """encrypt=True: a 4 MiB tensor each way between two workers of one host; no
+    file of theirs in /dev/shm holds its bytes, and overwriting every such file
+    afterwards changes neither what worker 1 received nor the reply worker 0 got."""
+    out = run_workers(_encrypted_shm, world_size=2, timeout=90, options={"encrypt": True})[0]
+    assert out["clear"] == [], out
+    assert out["reply intact"] and out["delivered intact"], out

@@ -92,6 +92,8 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         self._auth = Authenticator(self._secret, rank) if secret and not encrypt else None
         self.max_message_size = max_message_size if max_message_size > 0 else 1 << 62
         self.shm_threshold = _default_shm_threshold() if shm_threshold is None else shm_threshold
+        if self.encrypt:  # frames in /dev/shm would be in the clear, and writable after delivery
+            self.shm_threshold = 0
         self.host_id = host_key()
         self._shm_peers: dict[int, str] = {}
         self._shm_writer = shm.ShmWriter(rank)
