@@ -416,3 +416,53 @@ def test_encrypted_frames_never_lie_in_shared_memory_in_the_clear():
     out = run_workers(_encrypted_shm, world_size=2, timeout=90, options={"encrypt": True})[0]
     assert out["clear"] == [], out
     assert out["reply intact"] and out["delivered intact"], out
+
+
+# -- the secret read once; stores with owners -------------------------------------------
+def _child_env(rank, world_size):
+    import subprocess
+    import sys
+    code = "import os; print(repr(os.environ.get('DISTGRAD_SECRET')))"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    return os.environ.get("DISTGRAD_SECRET"), child.stdout.strip()
+
+
+def test_a_worker_and_its_children_do_not_keep_the_secret_in_their_environment():
+    for mine, childs in run_workers(_child_env, world_size=2, timeout=90):
+        assert mine is None and childs == "None", (mine, childs)
+
+
+def test_a_planted_or_open_file_store_is_refused(tmp_path):
+    from distgrad.errors import DistgradError
+    from distgrad.launch import rendezvous
+    planted = tmp_path / "planted"
+    planted.write_bytes(b"")
+    os.chmod(planted, 0o666)   # what another user would leave for us
+    with pytest.raises(DistgradError, match="readable or writable by others"):
+        rendezvous.make_store(f"file://{planted}", 0, 1, 5.0)
+    link = tmp_path / "link"
+    os.symlink(tmp_path / "elsewhere", link)
+    with pytest.raises(DistgradError, match="symbolic link"):
+        rendezvous.make_store(f"file://{link}", 0, 1, 5.0)
+    assert not (tmp_path / "elsewhere").exists()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)    # anyone may write here, no sticky bit
+    with pytest.raises(DistgradError, match="writable by anyone"):
+        rendezvous.make_store(f"file://{shared}/store", 0, 1, 5.0)
+    if os.geteuid() == 0:      # a file of another user (root can make one to test)
+        other = tmp_path / "other"
+        other.write_bytes(b"")
+        os.chmod(other, 0o600)
+        os.chown(other, 65534, 65534)
+        with pytest.raises(DistgradError, match="belongs to another user"):
+            rendezvous.make_store(f"file://{other}", 0, 1, 5.0)
+    store = rendezvous.make_store(f"file://{tmp_path}/ours", 0, 1, 5.0)  # ours: 0600
+    store.set("k", b"v")
+    assert oct(os.stat(tmp_path / "ours").st_mode & 0o777) == "0o600"
+
+
+def test_distgrad_store_listens_on_this_host_only_by_default():
+    from distgrad import cli
+    parser = cli.build_parser()
+    assert parser.parse_args(["store", "--port", "1"]).host == "127.0.0.1"
