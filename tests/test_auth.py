@@ -372,8 +372,8 @@ def test_tensor_changed_in_place_while_replying_still_verifies():
 
 def test_a_wrong_secret_is_rejected():
     # Both workers have a secret, but not the same: the handshake fails. The
-    # connecting worker (rank 0) sees that worker 1's proof is wrong and says so at
-    # once; worker 1 never gets a valid connection and gives up after start()'s
+    # connecting worker (rank 0) proves first, worker 1 refuses its proof with a
+    # verdict, and rank 0 says so at once; worker 1 never gets a valid connection and gives up after start()'s
     # connect timeout (60 s). Neither ever talks to the other.
     t0 = time.monotonic()
     with pytest.raises(AssertionError) as info:
@@ -381,8 +381,8 @@ def test_a_wrong_secret_is_rejected():
                     env_per_rank={1: {"DISTGRAD_SECRET": "another-secret"}})
     took = time.monotonic() - t0
     text = str(info.value)
-    assert "worker 0: handshake with worker 1 failed: worker 1 does not know the cluster secret" \
-        in text, text
+    assert "worker 0: handshake with worker 1 failed: worker 1 refused this worker's proof: the " \
+        "two have different cluster secrets" in text, text
     assert "worker 1: workers [0] never connected" in text, text
     assert took < 120, took
 

@@ -438,7 +438,7 @@ def test_a_planted_or_open_file_store_is_refused(tmp_path):
     planted = tmp_path / "planted"
     planted.write_bytes(b"")
     os.chmod(planted, 0o666)   # what another user would leave for us
-    with pytest.raises(DistgradError, match="readable or writable by others"):
+    with pytest.raises(DistgradError, match="writable by others"):
         rendezvous.make_store(f"file://{planted}", 0, 1, 5.0)
     link = tmp_path / "link"
     os.symlink(tmp_path / "elsewhere", link)
@@ -460,6 +460,12 @@ def test_a_planted_or_open_file_store_is_refused(tmp_path):
     store = rendezvous.make_store(f"file://{tmp_path}/ours", 0, 1, 5.0)  # ours: 0600
     store.set("k", b"v")
     assert oct(os.stat(tmp_path / "ours").st_mode & 0o777) == "0o600"
+    readable = tmp_path / "readable"  # ours, as torch's FileStore leaves it: made 0600
+    readable.write_bytes(b"")
+    os.chmod(readable, 0o644)
+    kept = rendezvous.make_store(f"file://{readable}", 0, 1, 5.0)
+    assert oct(os.stat(readable).st_mode & 0o777) == "0o600"
+    del kept
 
 
 def test_distgrad_store_listens_on_this_host_only_by_default():

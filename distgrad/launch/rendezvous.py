@@ -124,9 +124,10 @@ def make_store(init_method: str, rank: int | None, world_size: int | None, timeo
 
 def own_store_file(path: str) -> str:
     """``path`` once it is safe to use as a ``file://`` store: a regular file of
-    this user that no one else can read or write (created here 0600, never
-    through a link), in a directory others cannot swap it in (not writable by
-    others unless it has the sticky bit). Raises DistgradError saying what is wrong."""
+    this user that no one else can write (created here 0600, never through a
+    link; one of ours that others could only read is made 0600), in a directory
+    where others cannot swap it (not writable by others unless it has the sticky
+    bit). Raises DistgradError saying what is wrong."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     try:
@@ -158,6 +159,10 @@ def own_store_file(path: str) -> str:
                                 f"{e}") from None
         try:
             st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022 \
+                    and st.st_mode & 0o044:
+                os.fchmod(fd, 0o600)  # ours, but readable by others (torch makes it 0644)
+                st = os.fstat(fd)
         finally:
             os.close(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -166,8 +171,9 @@ def own_store_file(path: str) -> str:
             raise DistgradError(f"file:// store {path} belongs to another user (uid {st.st_uid}): "
                                 "refusing a store someone else planted; remove it or use another path")
         if st.st_mode & 0o077:
-            raise DistgradError(f"file:// store {path} is readable or writable by others (mode "
-                                f"{stat.S_IMODE(st.st_mode):o}); chmod 600 it or use a new path")
+            raise DistgradError(f"file:// store {path} is writable by others (mode "
+                                f"{stat.S_IMODE(st.st_mode):o}): someone else may have planted or "
+                                "changed it; remove it, or chmod 600 it, or use a new path")
         return path
 
 
