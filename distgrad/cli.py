@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "in a process of its own, so that every member, rank 0 included, may leave, "
                     "crash and be replaced. Members then set DISTGRAD_STORE_HOSTED=1 and "
                     "init_method tcp://HOST:PORT.")
-    store.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    store.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1, this host only; give the "
+                            "address the members reach, or 0.0.0.0, to serve other hosts)")
     store.add_argument("--port", type=int, default=29500, help="port (default: 29500)")
     return parser
 

@@ -21,6 +21,7 @@ from distgrad.transport.auth import Authenticator, AuthError
 from distgrad.transport.handshake import (
     F_SECRET,
     HandshakeError,
+    Refused,
     client_handshake,
     server_handshake,
 )
@@ -116,9 +117,9 @@ def test_handshake_with_the_right_secret():
 
 def test_handshake_with_a_wrong_secret_fails_on_both_sides():
     c, s = _handshake({"secret": b"mine", "encrypt": False}, {"secret": b"theirs", "encrypt": False})
-    assert isinstance(c, HandshakeError) and "worker 1 does not know the cluster secret" in str(c)
-    # the client hung up without a proof: the server never accepts it
-    assert isinstance(s, HandshakeError), s
+    assert isinstance(c, HandshakeError) and "different cluster secrets" in str(c), c
+    # the client proved first, wrongly: the server refused it without a proof of its own
+    assert isinstance(s, HandshakeError) and "does not know the cluster secret" in str(s), s
 
 
 def test_handshake_with_a_forged_client_proof_fails():
@@ -253,7 +254,7 @@ def _attack(rank, world_size, marker):
         return None
     agent = rpc.api.current_agent()
     assert rpc.rpc_sync("worker1", _capture_log)
-    secret = os.environ["DISTGRAD_SECRET"].encode()
+    secret = agent.transport._secret  # the secret as the transport keys from it (stretched)
     nonce = bytes.fromhex(rp.worker_address(agent, 1)[2]["auth"])
     payload = pickle.dumps((_MakeFile(marker), (), {}))
     call = encode(Kind.CALL, 1, ("x", None, None), payload)
@@ -282,19 +283,21 @@ def _attack(rank, world_size, marker):
         welcome = rp.read_welcome(s)
         rp.send_quietly(s, bytes(32) + frames)
         seen[kind, "no secret"] = (welcome is not None and welcome[2] == rp.F_SECRET
-                                   and welcome[4] == bytes(32) and rp.closed_by_peer(s))
+                                   and len(welcome) == 4 and rp.closed_by_peer(s))
         s.close()
-        # the secret, claiming rank 0 (already connected): the handshake passes the
-        # proofs, then the worker refuses the connection; messages sent after it are
-        # never read
+        # the secret, claiming rank 0 (already connected): the client's proof passes,
+        # then the worker refuses the connection (verdict "not expected"); messages
+        # sent after it are never read
         s = rp.connect(target)
-        client_handshake(s, 0, 1, secret, False)
+        with pytest.raises(Refused, match="does not expect"):
+            client_handshake(s, 0, 1, secret, False)
         rp.send_quietly(s, frames)
         seen[kind, "rank already connected"] = rp.closed_by_peer(s)
         s.close()
         # the handshake, then nothing
         s = rp.connect(target)
-        client_handshake(s, 0, 1, secret, False)
+        with pytest.raises(Refused, match="does not expect"):
+            client_handshake(s, 0, 1, secret, False)
         seen[kind, "silent"] = rp.closed_by_peer(s)
         s.close()
         # nothing at all (the worker gives up on it after a few seconds)
@@ -369,8 +372,8 @@ def test_tensor_changed_in_place_while_replying_still_verifies():
 
 def test_a_wrong_secret_is_rejected():
     # Both workers have a secret, but not the same: the handshake fails. The
-    # connecting worker (rank 0) sees that worker 1's proof is wrong and says so at
-    # once; worker 1 never gets a valid connection and gives up after start()'s
+    # connecting worker (rank 0) proves first, worker 1 refuses its proof with a
+    # verdict, and rank 0 says so at once; worker 1 never gets a valid connection and gives up after start()'s
     # connect timeout (60 s). Neither ever talks to the other.
     t0 = time.monotonic()
     with pytest.raises(AssertionError) as info:
@@ -378,8 +381,8 @@ def test_a_wrong_secret_is_rejected():
                     env_per_rank={1: {"DISTGRAD_SECRET": "another-secret"}})
     took = time.monotonic() - t0
     text = str(info.value)
-    assert "worker 0: handshake with worker 1 failed: worker 1 does not know the cluster secret" \
-        in text, text
+    assert "worker 0: handshake with worker 1 failed: worker 1 refused this worker's proof: the " \
+        "two have different cluster secrets" in text, text
     assert "worker 1: workers [0] never connected" in text, text
     assert took < 120, took
 

@@ -101,7 +101,7 @@ def _encrypted(rank, world_size):
             # the worker states its settings, proves nothing to a mismatched client and
             # hangs up: the client never reaches the point of sending frames
             seen[str(target), name] = (welcome is not None and welcome[:3] == (rp.MAGIC, 1, 3)
-                                       and welcome[4] == bytes(32) and rp.closed_by_peer(s))
+                                       and len(welcome) == 4 and rp.closed_by_peer(s))
             s.close()
     return out, seen
 

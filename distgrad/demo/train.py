@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"distgrad demo: starting {args.workers} processes on 127.0.0.1 ({', '.join(names)})",
           flush=True)
     procs = mp.spawn(_worker_main, args=(args.workers, cfg), nprocs=args.workers, join=False)
+    os.environ.pop("DISTGRAD_SECRET", None)  # the workers have it; nothing else started here may
     try:
         while not procs.join():
             pass

@@ -41,6 +41,7 @@ from ..autograd.rpc_functions import _ANCHOR, _node_types
 from ..errors import DistgradError
 from ..rpc import api as rpc_api
 from ..rpc.agent import agent_or_none
+from ..transport.auth import clean_env
 from . import labels
 
 __all__ = ["describe_graph", "dot_program", "export_graph", "render", "to_dot"]
@@ -278,7 +279,7 @@ def render(desc: dict, path: str, engine: str = "auto") -> str:
         src = to_dot(desc)
         try:
             done = subprocess.run([dot, f"-T{ext}", "-o", path], input=src.encode(), capture_output=True,
-                                  timeout=120, check=False)
+                                  timeout=120, check=False, env=clean_env())
         except (OSError, subprocess.TimeoutExpired) as e:
             raise DistgradError(f"render: Graphviz's dot failed on {path!r}: {e}") from e
         if done.returncode != 0:

@@ -39,6 +39,8 @@ import secrets
 import sys
 from collections.abc import Sequence
 
+from ..transport.handshake import GOOD_SECRET_HINT, secret_bits
+
 _PREFIX_TEMPLATE = "[rank${rank}]: "
 _DEVICE_COUNTS = ("auto", "cpu", "gpu", "xpu")
 
@@ -133,7 +135,12 @@ def launch(args: argparse.Namespace) -> int:
     elif not os.environ.get("DISTGRAD_SECRET"):
         print("distgrad launch: warning: no DISTGRAD_SECRET: with several nodes the launcher "
               "cannot make one up for all of them; export the same secret on every node (else "
-              "messages are not authenticated)", file=sys.stderr, flush=True)
+              f"messages are not authenticated). Make one with: {GOOD_SECRET_HINT}",
+              file=sys.stderr, flush=True)
+    elif secret_bits(os.environ["DISTGRAD_SECRET"].encode()) < 128:
+        print("distgrad launch: warning: DISTGRAD_SECRET looks weaker than 128 bits: anyone who "
+              f"reaches a worker can try guesses at it. Make a good one with: {GOOD_SECRET_HINT}",
+              file=sys.stderr, flush=True)
     added = {k: v for k, v in added.items() if k not in os.environ}
     os.environ.update(added)  # the agent's environment is the workers'
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import stat
 import time
 from collections.abc import Callable, Collection
 from datetime import timedelta
@@ -103,7 +104,7 @@ def make_store(init_method: str, rank: int | None, world_size: int | None, timeo
     td = timedelta(seconds=timeout)
     if url.scheme == "file":
         path = url.path if not url.netloc else url.netloc + url.path
-        return dist.FileStore(path, world_size if world_size is not None else -1)
+        return dist.FileStore(own_store_file(path), world_size if world_size is not None else -1)
     if url.scheme == "env":
         host = os.environ.get("MASTER_ADDR")
         port = os.environ.get("MASTER_PORT")
@@ -119,6 +120,61 @@ def make_store(init_method: str, rank: int | None, world_size: int | None, timeo
                              wait_for_workers=False, multi_tenant=host_it)
     except dist.DistError as e:
         raise _store_error(name, rank, host, int(port), host_it, e) from e
+
+
+def own_store_file(path: str) -> str:
+    """``path`` once it is safe to use as a ``file://`` store: a regular file of
+    this user that no one else can write (created here 0600, never through a
+    link; one of ours that others could only read is made 0600), in a directory
+    where others cannot swap it (not writable by others unless it has the sticky
+    bit). Raises DistgradError saying what is wrong."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    try:
+        d = os.stat(parent)
+    except OSError as e:
+        raise DistgradError(f"file:// store {path}: cannot use its directory: {e}") from None
+    if d.st_mode & stat.S_IWOTH and not d.st_mode & stat.S_ISVTX:
+        raise DistgradError(f"file:// store {path}: its directory {parent} is writable by anyone "
+                            "and has no sticky bit (another user could plant or swap the file); "
+                            "use a directory of your own")
+    if d.st_uid != os.geteuid() and d.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and \
+            not d.st_mode & stat.S_ISVTX:
+        raise DistgradError(f"file:// store {path}: its directory {parent} belongs to another user "
+                            "and others can write to it; use a directory of your own")
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | nofollow, 0o600)
+            os.close(fd)
+            return path
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDWR | nofollow)
+        except FileNotFoundError:
+            continue  # removed in between: create it
+        except OSError as e:
+            raise DistgradError(f"file:// store {path}: cannot open it safely (a symbolic link?): "
+                                f"{e}") from None
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022 \
+                    and st.st_mode & 0o044:
+                os.fchmod(fd, 0o600)  # ours, but readable by others (torch makes it 0644)
+                st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DistgradError(f"file:// store {path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise DistgradError(f"file:// store {path} belongs to another user (uid {st.st_uid}): "
+                                "refusing a store someone else planted; remove it or use another path")
+        if st.st_mode & 0o077:
+            raise DistgradError(f"file:// store {path} is writable by others (mode "
+                                f"{stat.S_IMODE(st.st_mode):o}): someone else may have planted or "
+                                "changed it; remove it, or chmod 600 it, or use a new path")
+        return path
 
 
 def hosts_store(init_method: str, rank: int | None, world_size: int | None) -> bool:

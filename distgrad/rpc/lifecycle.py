@@ -46,7 +46,8 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         host = netaddr.listen_address(opts.listen_addr, default_host or os.environ.get("MASTER_ADDR"))
     except DistgradError as e:
         raise DistgradError(f"worker {name}: cannot choose an address to listen on: {e}", name) from None
-    secret = opts.secret or secret_from_env()
+    from_env = secret_from_env()  # read (and taken out of os.environ) in any case
+    secret = opts.secret or from_env
     if secret is None:
         # once per cluster (rank 0 speaks for it), not once per worker: the others log it at INFO
         log.log(logging.WARNING if rank == 0 else logging.INFO,

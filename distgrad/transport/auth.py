@@ -40,10 +40,27 @@ class AuthError(Exception):
     """A message failed authentication (wrong secret, replay, tampering)."""
 
 
+_from_env: list[bytes | None] = [None]
+
+
 def secret_from_env() -> bytes | None:
-    """The cluster secret from ``DISTGRAD_SECRET`` (None when unset or empty)."""
-    value = os.environ.get("DISTGRAD_SECRET", "")
-    return value.encode() if value else None
+    """The cluster secret from ``DISTGRAD_SECRET`` (None when unset or empty).
+
+    Read once: the variable leaves ``os.environ`` at once, so no process this one
+    starts (a user's subprocess, Graphviz's ``dot``) inherits it; this process
+    remembers it for a later init_rpc (a new value set in between replaces it)."""
+    value = os.environ.pop("DISTGRAD_SECRET", None)
+    if value is not None:
+        _from_env[0] = value.encode() or None
+    return _from_env[0]
+
+
+def clean_env(env=None) -> dict:
+    """A copy of ``env`` (default ``os.environ``) without the cluster secret: the
+    environment for a child process that is not a worker of the cluster."""
+    out = dict(os.environ if env is None else env)
+    out.pop("DISTGRAD_SECRET", None)
+    return out
 
 
 class Authenticator:

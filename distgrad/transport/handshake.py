@@ -1,45 +1,106 @@
 """Opening a connection between two workers: who is who, and proof of the secret.
 
-The connecting worker (the lower rank) and the accepting one exchange, before
-any message::
+The connecting worker (the lower rank, or a joiner) and the accepting one
+exchange, before any message::
 
     client -> server   magic | client rank | server rank | flags | client challenge (16 B)
-    server -> client   magic | server rank | flags | server challenge (16 B) | server proof (32 B)
+    server -> client   magic | server rank | flags | server challenge (16 B)
     client -> server   client proof (32 B)
+    server -> client   verdict (1 B) | server proof (32 B)
+
+The client proves first: the server sends nothing that depends on the secret
+before the client proved it knows it, so a stranger who connects learns only a
+random challenge, never a value against which to test guesses at the secret
+offline. Only once the client's proof checked out (verdict ``OK``) does the
+server prove its own; otherwise it sends the verdict ``BAD_PROOF`` (the client
+knows its own proof was wrong: nothing new) or ``NOT_EXPECTED``, and closes.
 
 ``flags`` say whether each side has a cluster secret and wants encryption, so
 a mismatch fails at once with a message that says which. With a secret, each
-proof is an HMAC under a key derived from the secret over both ranks and both
-fresh challenges: a peer without the secret cannot answer, and an answer
-recorded earlier never fits a new challenge. No frame of a connection is read
-before its handshake succeeded. The two challenges also salt the per-direction
-encryption keys (:mod:`.crypto`).
+proof is an HMAC, over both ranks and both fresh challenges, under a key from
+``secret``: the transport passes the secret stretched by scrypt
+(:func:`stretch`, once per process), so each guess at the secret costs the
+guesser a scrypt, and an answer recorded earlier never fits a new challenge.
+The whole handshake has one deadline (``deadline``, a monotonic time): a peer
+that drips bytes cannot hold it longer. No frame of a connection is read before its handshake succeeded. The
+two challenges also salt the per-direction encryption keys (:mod:`.crypto`).
 
 Example::
 
     >>> ch = client_handshake(sock, my_rank=0, peer_rank=1, secret=b"s", encrypt=False)
-    >>> peer_rank, ch = server_handshake(conn, my_rank=1, secret=b"s", encrypt=False, expect={0})
+    >>> peer_rank, cc, sc = server_handshake(conn, 1, b"s", False, expect={0})
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import math
 import os
 import socket
+import string
 import struct
+import threading
+import time
 from collections.abc import Callable, Collection
 
-MAGIC = b"DGT1"
+MAGIC = b"DGT2"
 _HELLO = struct.Struct("!4sIIB16s")
-_WELCOME = struct.Struct("!4sIB16s32s")
+_WELCOME = struct.Struct("!4sIB16s")
 _PROOF = 32
+_VERDICT = struct.Struct("!B32s")
+OK, BAD_PROOF, NOT_EXPECTED = 1, 2, 3
 F_SECRET, F_ENCRYPT = 1, 2
+HANDSHAKE_SECONDS = float(os.environ.get("DISTGRAD_HANDSHAKE_TIMEOUT", "5"))
+GOOD_SECRET_HINT = 'python -c "import secrets; print(secrets.token_hex(32))"'
+
+log = logging.getLogger("distgrad.transport.handshake")
 
 
 class HandshakeError(Exception):
     """The peer is not a worker of this cluster, or its settings differ."""
 
 
+class Refused(HandshakeError):
+    """The server answered with a verdict other than OK: retrying will not help."""
+
+
+# -- the secret -------------------------------------------------------------------
+_stretched: dict[bytes, bytes] = {}
+_stretch_lock = threading.Lock()
+
+
+def secret_bits(secret: bytes) -> float:
+    """A rough upper bound on the entropy of ``secret``: its length times log2 of
+    the size of the character classes it uses."""
+    try:
+        text = secret.decode()
+    except UnicodeDecodeError:
+        return 8.0 * len(secret)
+    size = sum(n for chars, n in ((string.ascii_lowercase, 26), (string.ascii_uppercase, 26),
+                                  (string.digits, 10)) if any(c in chars for c in text))
+    size += 33 if any(not c.isalnum() or not c.isascii() for c in text) else 0
+    return len(text) * math.log2(max(size, 2))
+
+
+def stretch(secret: bytes) -> bytes:
+    """The key every other key of the transport derives from: scrypt over the
+    secret (n=2**14, r=8: some 16 MiB and tens of ms), computed once per process
+    and secret. Warns, once, when the secret looks shorter than 128 bits."""
+    with _stretch_lock:
+        key = _stretched.get(secret)
+        if key is None:
+            from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+            if secret_bits(secret) < 128:
+                log.warning("the cluster secret (DISTGRAD_SECRET) looks weaker than 128 bits "
+                            "(%d characters): anyone who reaches a worker can try guesses at it. "
+                            "Make a good one with: %s", len(secret), GOOD_SECRET_HINT)
+            key = Scrypt(salt=b"distgrad-secret-v2", length=32, n=2 ** 14, r=8, p=1).derive(secret)
+            _stretched[secret] = key
+        return key
+
+
+# -- the exchange -----------------------------------------------------------------
 def _flags(secret: bytes | None, encrypt: bool) -> int:
     return (F_SECRET if secret else 0) | (F_ENCRYPT if encrypt else 0)
 
@@ -56,56 +117,95 @@ def _proof(secret: bytes | None, role: bytes, client: int, server: int, cc: byte
     return hmac.new(key, role + struct.pack("!II", client, server) + cc + sc, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise HandshakeError("the handshake did not finish in time")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(n - len(buf))
+        except TimeoutError:
+            raise HandshakeError("the handshake did not finish in time") from None
         if not chunk:
             raise HandshakeError("the peer closed the connection during the handshake")
         buf += chunk
     return bytes(buf)
 
 
+def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
+    sock.settimeout(max(0.001, deadline - time.monotonic()))
+    try:
+        sock.sendall(data)
+    except TimeoutError:
+        raise HandshakeError("the handshake did not finish in time") from None
+
+
 def client_handshake(sock: socket.socket, my_rank: int, peer_rank: int, secret: bytes | None,
-                     encrypt: bool) -> tuple[bytes, bytes]:
-    """Run the connecting side; returns (client challenge, server challenge)."""
+                     encrypt: bool, deadline: float | None = None) -> tuple[bytes, bytes]:
+    """Run the connecting side; returns (client challenge, server challenge).
+    Raises :class:`Refused` when the server judged this side's proof or rank
+    (retrying will not help), HandshakeError or OSError otherwise."""
+    deadline = time.monotonic() + HANDSHAKE_SECONDS if deadline is None else deadline
     cc = os.urandom(16)
     flags = _flags(secret, encrypt)
-    sock.sendall(_HELLO.pack(MAGIC, my_rank, peer_rank, flags, cc))
-    magic, rank, sflags, sc, sproof = _WELCOME.unpack(_recv_exact(sock, _WELCOME.size))
+    _send(sock, _HELLO.pack(MAGIC, my_rank, peer_rank, flags, cc), deadline)
+    magic, rank, sflags, sc = _WELCOME.unpack(_recv_exact(sock, _WELCOME.size, deadline))
     if magic != MAGIC:
-        raise HandshakeError(f"worker {peer_rank} does not speak distgrad's protocol")
+        raise Refused(f"worker {peer_rank} does not speak distgrad's protocol")
     if rank != peer_rank:
-        raise HandshakeError(f"expected worker {peer_rank} at this address, found worker {rank}")
+        raise Refused(f"expected worker {peer_rank} at this address, found worker {rank}")
     if sflags != flags:
-        raise HandshakeError(f"worker {peer_rank} runs with {_describe(sflags)}; this worker with "
-                             f"{_describe(flags)}")
+        raise Refused(f"worker {peer_rank} runs with {_describe(sflags)}; this worker with "
+                      f"{_describe(flags)}")
+    _send(sock, _proof(secret, b"C", my_rank, peer_rank, cc, sc), deadline)
+    verdict, sproof = _VERDICT.unpack(_recv_exact(sock, _VERDICT.size, deadline))
+    if verdict == BAD_PROOF:
+        raise Refused(f"worker {peer_rank} refused this worker's proof: the two have different "
+                      "cluster secrets (DISTGRAD_SECRET)")
+    if verdict != OK:
+        raise Refused(f"worker {peer_rank} does not expect worker {my_rank} (already connected, "
+                      "or not a member of its group)")
     if not hmac.compare_digest(sproof, _proof(secret, b"S", my_rank, peer_rank, cc, sc)):
-        raise HandshakeError(f"worker {peer_rank} does not know the cluster secret")
-    sock.sendall(_proof(secret, b"C", my_rank, peer_rank, cc, sc))
+        raise Refused(f"worker {peer_rank} does not know the cluster secret")
     return cc, sc
 
 
 def server_handshake(sock: socket.socket, my_rank: int, secret: bytes | None, encrypt: bool,
-                     expect: Collection[int] | Callable[[int], bool]) -> tuple[int, bytes, bytes]:
+                     expect: Collection[int] | Callable[[int], bool],
+                     deadline: float | None = None) -> tuple[int, bytes, bytes]:
     """Run the accepting side for a peer whose rank must be in ``expect`` (or for
-    which ``expect(rank)`` is true, asked once its proof checked out); returns
-    (peer rank, client challenge, server challenge)."""
-    magic, rank, expected, cflags, cc = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+    which ``expect(rank)`` is true, asked once its proof checked out), all of it
+    by ``deadline`` (monotonic; default: :data:`HANDSHAKE_SECONDS` from now);
+    returns (peer rank, client challenge, server challenge)."""
+    deadline = time.monotonic() + HANDSHAKE_SECONDS if deadline is None else deadline
+    magic, rank, expected, cflags, cc = _HELLO.unpack(_recv_exact(sock, _HELLO.size, deadline))
     if magic != MAGIC:
         raise HandshakeError("not a distgrad worker (bad magic)")
     flags = _flags(secret, encrypt)
     sc = os.urandom(16)
     if expected != my_rank:
         raise HandshakeError(f"a peer claiming rank {rank} expected worker {expected}, this is {my_rank}")
-    sock.sendall(_WELCOME.pack(MAGIC, my_rank, flags, sc, _proof(secret, b"S", rank, my_rank, cc, sc)
-                               if cflags == flags else bytes(_PROOF)))
+    _send(sock, _WELCOME.pack(MAGIC, my_rank, flags, sc), deadline)
     if cflags != flags:
         raise HandshakeError(f"a peer claiming rank {rank} runs with {_describe(cflags)}; this worker "
                              f"with {_describe(flags)}")
-    if not hmac.compare_digest(_recv_exact(sock, _PROOF), _proof(secret, b"C", rank, my_rank, cc, sc)):
+    if not hmac.compare_digest(_recv_exact(sock, _PROOF, deadline),
+                               _proof(secret, b"C", rank, my_rank, cc, sc)):
+        _send_quietly(sock, _VERDICT.pack(BAD_PROOF, bytes(_PROOF)))
         raise HandshakeError(f"a peer claiming rank {rank} does not know the cluster secret")
     if not (expect(rank) if callable(expect) else rank in expect):
+        _send_quietly(sock, _VERDICT.pack(NOT_EXPECTED, bytes(_PROOF)))
         raise HandshakeError(f"a peer claiming rank {rank} is not expected (already connected, or "
                              "not a lower rank of this cluster)")
+    _send(sock, _VERDICT.pack(OK, _proof(secret, b"S", rank, my_rank, cc, sc)), deadline)
     return rank, cc, sc
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.settimeout(0.5)
+        sock.sendall(data)
+    except OSError:
+        pass

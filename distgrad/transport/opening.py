@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 
 from . import framing, netaddr, shm
 from .base import TransportHandler
-from .handshake import HandshakeError, client_handshake, server_handshake
+from .handshake import HANDSHAKE_SECONDS, HandshakeError, Refused, client_handshake, server_handshake
 
 log = logging.getLogger("distgrad.transport.socket_transport")
 
@@ -198,6 +198,22 @@ class Opening:
         return netaddr.loopback_hint(self.rank, mine, peer, addr)
 
     def _connect(self, peer: int, unix: str | None, addr: str, deadline: float) -> _Conn:
+        while True:
+            sock = self._dial(peer, unix, addr, deadline)
+            try:
+                cc, sc = client_handshake(sock, self.rank, peer, self._secret, self.encrypt,
+                                          min(deadline, time.monotonic() + 3 * HANDSHAKE_SECONDS))
+                return self._conn(peer, sock, cc, sc)
+            except (HandshakeError, OSError) as e:
+                # dropped by the peer's gate (strangers crowd it) or torn: try again;
+                # a verdict (another secret, a rank not expected) is final
+                sock.close()
+                if isinstance(e, Refused) or time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {self.rank}: handshake with worker {peer} failed: "
+                                       f"{e}") from e
+                time.sleep(0.05)
+
+    def _dial(self, peer: int, unix: str | None, addr: str, deadline: float) -> socket.socket:
         host, _, port = addr[len("tcp://"):].rpartition(":")
         while True:
             try:
@@ -210,19 +226,13 @@ class Opening:
                     target = (host, int(port))
                 sock.settimeout(max(1.0, deadline - time.monotonic()))
                 sock.connect(target)
-                break
+                return sock
             except OSError as e:
                 sock.close()
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"worker {self.rank} could not connect to worker {peer} at "
                                        f"{unix or addr}: {e}{self._unreachable_hint(peer)}") from e
                 time.sleep(0.05)
-        try:
-            cc, sc = client_handshake(sock, self.rank, peer, self._secret, self.encrypt)
-        except (HandshakeError, OSError) as e:
-            sock.close()
-            raise RuntimeError(f"worker {self.rank}: handshake with worker {peer} failed: {e}") from e
-        return self._conn(peer, sock, cc, sc)
 
     def _conn(self, peer: int, sock: socket.socket, cc: bytes, sc: bytes) -> _Conn:
         cipher = None
@@ -235,46 +245,58 @@ class Opening:
         return _Conn(peer, sock, self.max_message_size, cipher)
 
     def _accept_all(self, lower: set[int], accepted: dict, errors: list, deadline: float) -> None:
+        """Accept until every lower rank connected: each handshake on a thread of
+        its own through the gate (:mod:`.gate`), so no stranger holds the door."""
         listeners = [s for s in (self._unix, self._tcp) if s is not None]
+        lock = threading.Lock()
+
+        def expect(rank: int) -> bool:
+            with lock:
+                return rank in lower and rank not in accepted
+
+        def handshake(sock: socket.socket) -> None:
+            try:
+                peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt, expect)
+                conn = self._conn(peer, sock, cc, sc)
+            except (HandshakeError, OSError) as e:
+                # Never fatal: anyone can connect. A peer of the cluster with
+                # other settings was already refused from its address tags
+                # (_check_peer), on both sides.
+                self._refusals.warning("worker %d: refused a connection: %s", self.rank, e)
+                sock.close()
+                return
+            with lock:
+                accepted[peer] = conn
+
         try:
-            while lower - set(accepted) and time.monotonic() < deadline:
-                ready, _, _ = select.select(listeners, [], [], 0.2)
+            while time.monotonic() < deadline:
+                with lock:
+                    if not lower - set(accepted):
+                        break
+                ready, _, _ = select.select(listeners, [], [], 0.05)
                 for ls in ready:
                     try:
                         sock, _ = ls.accept()
                     except OSError:
                         continue
-                    sock.settimeout(3)  # a worker sends its hello at once
-                    try:
-                        peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt,
-                                                        lower - set(accepted))
-                    except (HandshakeError, OSError) as e:
-                        # Never fatal: anyone can connect. A peer of the cluster with
-                        # other settings was already refused from its address tags
-                        # (_check_peer), on both sides.
-                        log.warning("worker %d: refused a connection: %s", self.rank, e)
-                        sock.close()
-                        continue
-                    accepted[peer] = self._conn(peer, sock, cc, sc)
+                    self._gate.serve(sock, handshake, f"distgrad-handshake-{self.rank}")
         except BaseException as e:  # noqa: BLE001 - reported by start()
             errors.append(e)
 
     def _accept_late(self, fd: int) -> None:
-        """A connection after start-up, handshaken on a short-lived thread (so that
-        a refusal says why, and no reading thread waits for a stranger). In a
-        dynamic group a member that joins is admitted (see :meth:`start`);
-        otherwise every peer is connected and it is refused."""
+        """A connection after start-up, handshaken on a short-lived thread through
+        the gate (so that a refusal says why, and no reading thread waits for a
+        stranger). In a dynamic group a member that joins is admitted (see
+        :meth:`start`); otherwise every peer is connected and it is refused."""
         ls = self._tcp if self._tcp is not None and fd == self._tcp.fileno() else self._unix
         try:
             sock, _ = ls.accept()
         except OSError:
             return
-        with self._lose_lock:
-            if self._handshakes >= 8:
-                sock.close()
-                return
-            self._handshakes += 1
-        threading.Thread(target=self._handshake_late, args=(sock,), daemon=True).start()
+        if self._closing:
+            sock.close()
+            return
+        self._gate.serve(sock, self._handshake_late, f"distgrad-handshake-{self.rank}")
 
     def _handshake_late(self, sock: socket.socket) -> None:
         def expect(rank: int) -> bool:
@@ -293,7 +315,6 @@ class Opening:
             return True
 
         try:
-            sock.settimeout(5)
             peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt, expect)
             conn = self._conn(peer, sock, cc, sc)
             now = time.monotonic()
@@ -309,11 +330,8 @@ class Opening:
             self._register(conn)
             log.debug("worker %d: worker %d joined", self.rank, peer)
         except (HandshakeError, OSError, RuntimeError) as e:
-            log.warning("worker %d: refused a connection: %s", self.rank, e)
+            self._refusals.warning("worker %d: refused a connection: %s", self.rank, e)
             sock.close()
-        finally:
-            with self._lose_lock:
-                self._handshakes -= 1
 
     def forget(self, peer: int) -> None:
         """Drop what is left of a lost peer (its connection, counters, shared

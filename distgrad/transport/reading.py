@@ -141,7 +141,9 @@ class Reading:
         if msgs is None:
             self._lose(peer, why, graceful=False)
             return
-        if conn.reader.received != before:  # an empty read (the heartbeat's look) is no news
+        if not msgs and conn.reader.received != before:
+            # part of a long message on its way: news for now (the message itself
+            # counts only once it opened); an empty read (the heartbeat's look) is none
             self._last_recv[peer] = time.monotonic()
         if msgs:
             self.batches[2] += 1
@@ -161,6 +163,7 @@ class Reading:
         except AuthError as e:
             self._reject(peer, str(e))
             return
+        self._last_recv[peer] = time.monotonic()  # liveness: only what authenticated
         first = body[0]
         if len(body) == 1 and first[:1] == b"\xff":
             self._on_transport_frame(peer, bytes(first))

@@ -31,6 +31,7 @@ import logging
 import mmap
 import os
 import socket
+import stat
 import struct
 import threading
 import time
@@ -285,9 +286,16 @@ class ShmReader:
         with self._lock:
             m = self._maps.get(name)
         if m is None:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+            # never through a link, and only a regular file of this user (the
+            # sender runs as this user: see SocketTransport; the name came from
+            # an authenticated message, but it must not open anything else)
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
             try:
-                m = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | _POPULATE)
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    raise ValueError(f"shared-memory segment {name} is not a regular file of "
+                                     f"this user (mode {st.st_mode:o}, owner {st.st_uid})")
+                m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE)
             finally:
                 os.close(fd)
             with self._lock:

@@ -48,6 +48,8 @@ from collections.abc import Callable
 from . import shm
 from .auth import Authenticator
 from .base import Timer, Transport, TransportHandler
+from .gate import Gate, RateLog
+from .handshake import stretch
 from .leader import LeaderFollowers
 from .opening import Opening, _Conn, host_key
 from .reading import _EPOLL, _IN, _ONESHOT, _OUT, Reading
@@ -84,10 +86,14 @@ class SocketTransport(Sending, Reading, Opening, Transport):
                              "the cluster secret: set DISTGRAD_SECRET")
         self.rank = rank
         self.encrypt = bool(encrypt)
-        self._secret = secret
-        self._auth = Authenticator(secret, rank) if secret and not encrypt else None
+        # every key (handshake proofs, MACs, encryption) derives from the secret
+        # stretched by scrypt: a guess at the secret costs a scrypt
+        self._secret = stretch(secret) if secret else None
+        self._auth = Authenticator(self._secret, rank) if secret and not encrypt else None
         self.max_message_size = max_message_size if max_message_size > 0 else 1 << 62
         self.shm_threshold = _default_shm_threshold() if shm_threshold is None else shm_threshold
+        if self.encrypt:  # frames in /dev/shm would be in the clear, and writable after delivery
+            self.shm_threshold = 0
         self.host_id = host_key()
         self._shm_peers: dict[int, str] = {}
         self._shm_writer = shm.ShmWriter(rank)
@@ -116,7 +122,8 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         self._plock = threading.Lock()  # non-epoll pollers are not thread safe
         self._running = False
         self._closing = False
-        self._handshakes = 0
+        self._gate = Gate()           # connections not yet authenticated (see gate.py)
+        self._refusals = RateLog(log)
         self._admit = None  # a dynamic group's admission (see Opening.start)
         self._last_beat = time.monotonic()
         self._next_beat = 0.0
@@ -374,6 +381,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         for ls in (self._tcp, self._unix):
             if ls is not None:
                 ls.close()
+        self._gate.drop_all()
         if self._unix_name and not self._unix_name.startswith("@"):
             try:
                 os.unlink(self._unix_name)
