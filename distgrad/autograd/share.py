@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from . import checkpoint as _checkpoint  # noqa: F401  (reentrant checkpointing in a pass)
 from . import ddp, node_hooks
 from .context import CONTAINER, DistAutogradContext
 from .executor import Executor
@@ -99,6 +98,9 @@ class PassState(Executor):
         self.on_round: Callable[[BaseException | None, set], None] | None = None
         self.inline: Any = None         # initiator: a queue its own thread runs work from
         self._prepare()
+        # reentrant checkpoints' nodes the walk met: theirs while a run is on (.checkpoint)
+        self.checkpoints = list(dict.fromkeys(
+            n for r in self.regions.values() for n in r.checkpoints))
 
     # -- the walk ---------------------------------------------------------------
     def _prepare(self) -> None:
