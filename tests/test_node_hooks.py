@@ -32,6 +32,23 @@ def test_probe_finds_hooks_and_changes_nothing():
     assert torch.equal(calls[1][2], torch.full((3,), 2.))
 
 
+def test_leaf_hooks_see_a_registration_on_a_new_node():
+    """A leaf found without hooks is not looked at again while nobody registers a hook
+    (its next node is new, so hookless); a registration since is seen."""
+    p = torch.rand(2, requires_grad=True)
+    node = (p * 1).grad_fn.next_functions[0][0]
+    assert node_hooks.leaf_hooks(node, p) == ([], [], False)
+    del node
+    node = (p * 1).grad_fn.next_functions[0][0]  # a new node
+    assert node_hooks.leaf_hooks(node, p) == ([], [], False)
+    assert node_hooks._KEY not in node.metadata  # no look was needed
+    hook = lambda gos: None  # noqa: E731
+    node.register_prehook(hook)
+    assert node_hooks.leaf_hooks(node, p) == ([hook], [], False)
+    p.register_post_accumulate_grad_hook(lambda t: None)
+    assert node_hooks.leaf_hooks(node, p) == ([hook], [], True)
+
+
 def test_tensor_hooks_run_by_the_engine_without_the_node():
     """run_tensor_hooks: a node's tensors' hooks and retain_grad, in torch's order, absent
     gradients as None; the node itself, its post-hooks and what lies behind do not run."""

@@ -12,7 +12,18 @@ Registering a no-op hook and removing it at once thus yields the live dict,
 changes no hook that runs, and, where the node had none, leaves an empty dict that torch
 reuses for every later registration on that node. The pair is kept in the
 node's ``metadata``, so a node costs two registrations once (about 14 us) and a
-dictionary look-up after that. torch's distributed engine runs a captured
+dictionary look-up after that.
+
+A leaf's AccumulateGrad node is made anew once the graphs holding the last one are
+gone, often every forward; probing each would cost 14 us a parameter a pass.
+:func:`leaf_hooks` avoids that by counting: every hook registration makes a
+``torch.utils.hooks.RemovableHandle``, whose class numbers them (``next_id``);
+less the handles distgrad made itself, that number moves exactly when someone
+registers a hook. A leaf whose node had no hooks when the count was ``c`` has
+none while the count is still ``c``: not on that node, nor on a new one (made
+after that one died, so after ``c`` was read). Such a leaf costs a dictionary
+look-up; any registration anywhere sends the next pass's leaves back to their
+node's dicts (probing the new nodes). torch's distributed engine runs a captured
 leaf's accumulator pre-hooks and post-hooks itself; :func:`run_pre` and
 :func:`run_post` do that with the arguments torch passes
 (``pre(grad_outputs) -> grad_outputs | None``, ``post((), grad_outputs)``).
@@ -33,12 +44,19 @@ Example::
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
 
-from .nodes import grad_call
+from .nodes import OWN_HANDLES, grad_call
+
+try:
+    from torch.utils.hooks import RemovableHandle as _Handle
+    _Handle.next_id  # noqa: B018 - the count leaf_hooks relies on
+except (ImportError, AttributeError):  # another torch: every leaf's node is looked at
+    _Handle = None
 
 _KEY = "_distgrad_hook_dicts"  # node.metadata key: (pre-hook dict, post-hook dict)
 
@@ -55,13 +73,24 @@ def hook_dicts(node: Any) -> tuple[dict, dict]:
     dicts = md.get(_KEY)
     if dicts is None:
         handle = node.register_prehook(_noop)
+        OWN_HANDLES[0] += 1
         pre = handle.hooks_dict_ref()
         handle.remove()
         handle = node.register_hook(_noop)
+        OWN_HANDLES[0] += 1
         post = handle.hooks_dict_ref()
         handle.remove()
         md[_KEY] = dicts = (pre, post)
     return dicts
+
+
+def _registrations() -> int:
+    """Hook registrations made by others than distgrad so far (-1: unknown)."""
+    return -1 if _Handle is None else _Handle.next_id - OWN_HANDLES[0]
+
+
+# id(variable) -> (its weakref, the registration count at which its node had no hooks)
+_clean: dict[int, tuple] = {}
 
 
 def hooks_of(node: Any) -> tuple[list, list]:
@@ -72,17 +101,28 @@ def hooks_of(node: Any) -> tuple[list, list]:
 
 def leaf_hooks(node: Any, variable: Any = None) -> tuple[list, list, bool]:
     """(pre-hooks, post-hooks, has post-accumulate-grad hooks) of a leaf's
-    AccumulateGrad ``node`` (``variable``: its tensor, where the caller has it)."""
-    pre, post = hook_dicts(node)
+    AccumulateGrad ``node`` (``variable``: its tensor, where the caller has it);
+    without a look at the node while nobody registered a hook since it was last
+    found without any (see the module's docstring)."""
     if variable is None:
         variable = node.variable
     post_acc = bool(variable._post_accumulate_grad_hooks)
-    if not (pre or post or post_acc):
-        return _NONE
+    count = _registrations()
+    seen = _clean.get(id(variable))
+    if seen is not None and seen[1] == count >= 0 and seen[0]() is variable:
+        return _POST_ACC if post_acc else _NONE
+    pre, post = hook_dicts(node)
+    if not (pre or post):
+        if count >= 0:  # read before the look: a registration since shows
+            key = id(variable)
+            _clean[key] = (weakref.ref(variable, lambda _r: _clean.pop(key, None)), count)
+        return _POST_ACC if post_acc else _NONE
+    _clean.pop(id(variable), None)
     return (list(pre.values()) if pre else [], list(post.values()) if post else [], post_acc)
 
 
 _NONE: tuple = ([], [], False)
+_POST_ACC: tuple = ([], [], True)
 
 # A root that torch's engine never runs (nothing captured lies behind it). With it a
 # call has two roots, so torch puts its own GraphRoot first: a call's single root

@@ -37,6 +37,12 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+# Hook handles distgrad itself made (probes, temporary hooks): every hook registration
+# makes a torch.utils.hooks.RemovableHandle, whose class counts them (next_id), so
+# next_id - OWN_HANDLES[0] moves exactly when someone else registers a hook
+# (node_hooks.leaf_hooks builds on that).
+OWN_HANDLES = [0]
+
 
 class _Unreached:
     """No path from the roots reached this slot (local autograd would not even run the
@@ -125,6 +131,7 @@ def run_in_engine(node: Any, grads: list, retain_graph: bool, create_graph: bool
     absent ones before ``PyNode`` materializes them (its tensors' hooks see zeros)."""
     outs: list = []
     handle = node.register_hook(lambda gi, go: outs.append(gi))
+    OWN_HANDLES[0] += 1
     first = None
     try:
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -147,6 +154,7 @@ def run_in_engine(node: Any, grads: list, retain_graph: bool, create_graph: bool
 def _prehook_first(node: Any, hook: Any) -> Any:
     """Register ``hook`` as ``node``'s first Python pre-hook; returns its handle."""
     handle = node.register_prehook(hook)
+    OWN_HANDLES[0] += 1
     hooks = handle.hooks_dict_ref()
     if hooks is not None and len(hooks) > 1:
         others = [(k, v) for k, v in hooks.items() if k != handle.id]
