@@ -56,7 +56,7 @@ _tls = threading.local()     # the frame of the checkpoint backward this thread 
 _lock = threading.Lock()
 _owner: dict[Any, list] = {}  # CheckpointFunction node -> the running passes it belongs to
 _users = [0]                 # runs of such passes in progress: the wrappers are in while > 0
-_saved: dict[str, Any] = {}  # torch's originals, while the wrappers are in
+_saved: dict[str, Any] = {}  # torch's originals (as found at the last install)
 
 
 def enter(state: Any, nodes: Sequence) -> None:
@@ -134,37 +134,34 @@ def _like(wrapper: Any, original: Any) -> Any:
     return functools.update_wrapper(wrapper, original, ("__name__", "__qualname__", "__doc__"), ())
 
 
+def _slots() -> list:
+    """(owner, attribute, key, wrapper as stored) of the four replacements."""
+    return [(_ckpt.CheckpointFunction, "backward", "backward", _STATIC_BACKWARD),
+            (_ckpt, "detach_variable", "detach", _detach_variable),
+            (torch.autograd, "_is_checkpoint_valid", "valid", _is_checkpoint_valid),
+            (torch.autograd, "backward", "autograd_backward", _autograd_backward)]
+
+
 def _install() -> None:
-    fn = _ckpt.CheckpointFunction
-    _saved.update(backward=fn.__dict__["backward"], detach=_ckpt.detach_variable,
-                  valid=torch.autograd._is_checkpoint_valid,
-                  autograd_backward=torch.autograd.backward)
-    _like(_backward, _saved["backward"].__func__)
-    _like(_detach_variable, _saved["detach"])
-    _like(_is_checkpoint_valid, _saved["valid"])
-    _like(_autograd_backward, _saved["autograd_backward"])
-    _WRAPPED["backward"] = staticmethod(_backward)
-    fn.backward = _WRAPPED["backward"]
-    _ckpt.detach_variable = _detach_variable
-    torch.autograd._is_checkpoint_valid = _is_checkpoint_valid
-    torch.autograd.backward = _autograd_backward
+    for owner, attr, key, wrapper in _slots():
+        current = owner.__dict__[attr]
+        if current is wrapper:
+            continue
+        # kept after the wrappers go: a call already inside one still finds its original
+        _saved[key] = current
+        _like(wrapper.__func__ if key == "backward" else wrapper,
+              current.__func__ if key == "backward" else current)
+        setattr(owner, attr, wrapper)
 
 
 def _uninstall() -> None:
     """torch's originals back, each unless someone replaced the wrapper since."""
-    fn = _ckpt.CheckpointFunction
-    if fn.__dict__.get("backward") is _WRAPPED.get("backward"):
-        fn.backward = _saved["backward"]
-    if _ckpt.detach_variable is _detach_variable:
-        _ckpt.detach_variable = _saved["detach"]
-    if torch.autograd._is_checkpoint_valid is _is_checkpoint_valid:
-        torch.autograd._is_checkpoint_valid = _saved["valid"]
-    if torch.autograd.backward is _autograd_backward:
-        torch.autograd.backward = _saved["autograd_backward"]
-    _saved.clear()
+    for owner, attr, key, wrapper in _slots():
+        if owner.__dict__.get(attr) is wrapper:
+            setattr(owner, attr, _saved[key])
 
 
-_WRAPPED: dict[str, Any] = {}
+_STATIC_BACKWARD = staticmethod(_backward)
 
 
 def _recomputed_backward(frame: dict, outputs: list, grads: list) -> None:
