@@ -1,9 +1,13 @@
 """Reentrant activation checkpointing (use_reentrant=True) in a distributed backward:
 on a callee, on the caller, inside a region two entries share, and nested; every
 gradient (the caller's leaves, the block's parameters on its worker) equal to local
-autograd's, and no ``.grad`` written. A block that makes an RPC is refused with a
-message that says what to do (torch's own distributed autograd fails on all of these).
+autograd's, and no ``.grad`` written (torch's own distributed autograd fails on all
+of these); a checkpoint node run on a thread of its own (as torch runs CUDA nodes)
+still belongs to its pass. A block that makes an RPC is refused with a message that
+says what to do.
 """
+import threading
+
 import pytest
 import torch
 from mp_utils import run_workers
@@ -42,7 +46,29 @@ def _third(dist, b):
     return b.exp()
 
 
+class _OffThread(torch.autograd.Function):
+    """h -> h; its backward runs h's checkpoint node's backward on a thread of its own
+    (as torch runs a CUDA node on its device thread, where nothing of the pass's
+    thread is known) and hands its gradient for x on. h itself gets no gradient (its
+    node then runs again with zeros, as torch's engine runs it: it adds nothing)."""
+
+    @staticmethod
+    def forward(ctx, h, x):
+        ctx.node = h.grad_fn
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        box = []
+        t = threading.Thread(target=lambda: box.append(ctx.node.apply(g)))
+        t.start()
+        t.join()
+        return None, box[0][-1]  # (fn, preserve_rng_state, dist, x): x's
+
+
 def _callee(dist, x, kind):
+    if kind == "thread":
+        return (_OffThread.apply(checkpoint(_block, dist, x, use_reentrant=True), x),)
     if kind == "callee":
         return (checkpoint(_block, dist, x, use_reentrant=True),)
     if kind == "nested":
@@ -97,7 +123,7 @@ def _main(rank, world):
     if rank != 0:
         return None
     out = {}
-    for kind in ("callee", "caller", "shared", "nested"):
+    for kind in ("callee", "caller", "shared", "nested", "thread"):
         (wx, wp), (gx, gp) = _run(False, kind), _run(True, kind)
         out[kind] = (_same(wx, gx), _same(wp, gp), sum(p is not None for p in gp))
     try:
@@ -115,5 +141,6 @@ def test_reentrant_checkpoint_across_workers():
         "caller": (True, True, 4),
         "shared": (True, True, 4),
         "nested": (True, True, 4),     # layers 0 and 2
+        "thread": (True, True, 4),     # the block's node run on another thread
         "rpc_inside": True,
     }

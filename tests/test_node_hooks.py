@@ -12,25 +12,57 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_probe_finds_hooks_and_changes_nothing():
-    node_hooks.install()
     t = torch.rand(3, requires_grad=True)
     a = t * 2
     node = a.grad_fn.next_functions[0][0]
     calls = []
-    before = node_hooks.registered[0]
     node.register_hook(lambda gi, go: calls.append(("post", gi, go[0].clone())))
     node.register_prehook(lambda go: calls.append(("pre", go[0].clone())))
-    assert node_hooks.registered[0] == before + 2
     pre, post = node_hooks.hooks_of(node)
     assert len(pre) == 1 and len(post) == 1
-    # probing a node without hooks registers nothing on it
+    # probing a node without hooks finds none, and leaves none that runs
     bare = (torch.rand(2, requires_grad=True) * 1).grad_fn.next_functions[0][0]
     assert node_hooks.hooks_of(bare) == ([], [])
-    assert node_hooks.hooks_of(bare) == ([], [])
+    # a hook registered after the probe is in the dicts the probe keeps
+    bare.register_prehook(lambda go: None)
+    assert len(node_hooks.hooks_of(bare)[0]) == 1
     # and the registered hooks still run, once each, in local autograd
     a.sum().backward()
     assert [c[0] for c in calls] == ["pre", "post"] and calls[1][1] == ()
     assert torch.equal(calls[1][2], torch.full((3,), 2.))
+
+
+def test_leaf_hooks_see_a_registration_on_a_new_node():
+    """A leaf found without hooks is not looked at again while nobody registers a hook
+    (its next node is new, so hookless); a registration since is seen."""
+    p = torch.rand(2, requires_grad=True)
+    node = (p * 1).grad_fn.next_functions[0][0]
+    assert node_hooks.leaf_hooks(node, p) == ([], [], False)
+    del node
+    node = (p * 1).grad_fn.next_functions[0][0]  # a new node
+    assert node_hooks.leaf_hooks(node, p) == ([], [], False)
+    assert node_hooks._KEY not in node.metadata  # no look was needed
+    hook = lambda gos: None  # noqa: E731
+    node.register_prehook(hook)
+    assert node_hooks.leaf_hooks(node, p) == ([hook], [], False)
+    p.register_post_accumulate_grad_hook(lambda t: None)
+    assert node_hooks.leaf_hooks(node, p) == ([hook], [], True)
+
+
+def test_tensor_hooks_run_by_the_engine_without_the_node():
+    """run_tensor_hooks: a node's tensors' hooks and retain_grad, in torch's order, absent
+    gradients as None; the node itself, its post-hooks and what lies behind do not run."""
+    x = torch.ones(3, requires_grad=True)
+    a, b = (x * 2).split(2)
+    seen = []
+    a.register_hook(lambda g: seen.append(("a", g)) or g * 10)
+    b.register_hook(lambda g: seen.append(("b", g)))
+    a.retain_grad()
+    a.grad_fn.register_hook(lambda gi, go: seen.append("post"))
+    out = node_hooks.run_tensor_hooks(a.grad_fn, [torch.ones(2), None])
+    assert torch.equal(out[0], torch.full((2,), 10.)) and out[1] is None
+    assert [s[0] for s in seen] == ["a", "b"] and seen[1][1] is None
+    assert torch.equal(a.grad, torch.full((2,), 10.)) and x.grad is None
 
 
 def _hooks(rank, ws):

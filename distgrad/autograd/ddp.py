@@ -22,8 +22,15 @@ layer before an RPC would look unused. Inside a distributed autograd context
 that search is therefore deferred to the flush, where the pass has shown which
 parameters got a gradient (the others are the unused ones).
 
-DDP's parameters are known from its constructor (wrapped once, when this module
-is imported); nothing is checked while no DDP exists.
+DDP's parameters are known without replacing anything of DDP: a global hook on
+module registration (``torch.nn.modules.module.register_module_module_registration_hook``,
+torch's public API, registered when this module is imported) sees every DDP
+assign its ``module`` in its constructor; its parameters are taken in once the
+constructor finished (it has a reducer), at the first pass that looks. Nothing is
+checked while no DDP exists. The deferred search is the one replacement:
+``Reducer.prepare_for_backward``, a pass-through wrapper that is in only while
+RPC is up (:func:`attach` .. :func:`detach`) and some DDP exists (no distributed
+autograd context can have RPCs otherwise).
 
 Example::
 
@@ -47,59 +54,86 @@ from .nodes import _engine_run_backward
 
 _params: dict[int, weakref.ref] = {}            # id -> parameter some DDP instance syncs
 _owner: dict[int, weakref.ref] = {}             # id of a parameter -> its DDP instance
+_pending: weakref.WeakSet = weakref.WeakSet()   # DDP instances seen, constructor not done
 _deferred: dict[int, Any] = {}                  # id(reducer) -> reducer whose unused-search waits
 _lock = threading.Lock()                        # one .grad round trip at a time
-active = [False]
+_state_lock = threading.Lock()                  # the books above and the wrapper's place
+active = [False]                                # some DDP was seen
+_rpc_up = [False]
+
+try:
+    from torch.distributed import Reducer
+    from torch.nn.parallel import DistributedDataParallel as _DDP
+    _original_prepare = Reducer.prepare_for_backward
+except ImportError:  # a torch without distributed
+    Reducer = _DDP = _original_prepare = None
 
 
-def _wrap_ddp() -> None:
-    try:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-    except ImportError:  # a torch without distributed
+def _on_module_registration(module: Any, name: str, submodule: Any) -> None:
+    """torch's global module-registration hook: a DDP assigning its ``module``."""
+    if name == "module" and isinstance(module, _DDP):
+        with _state_lock:
+            _pending.add(module)
+            active[0] = True
+            _place_wrapper()
+
+
+def _adopt() -> None:
+    """Take in the parameters of the DDP instances whose constructor finished."""
+    with _state_lock:
+        for ddp in list(_pending):
+            if "reducer" not in ddp.__dict__:
+                continue  # still constructing (or its constructor failed)
+            _pending.discard(ddp)
+            me = weakref.ref(ddp)
+            for p in ddp.module.parameters():
+                if p.requires_grad:
+                    _params[id(p)] = weakref.ref(p, lambda _r, k=id(p): (_params.pop(k, None),
+                                                                          _owner.pop(k, None)))
+                    _owner[id(p)] = me
+
+
+def attach() -> None:
+    """RPC is up: the deferred unused-parameter search is needed once a DDP exists."""
+    with _state_lock:
+        _rpc_up[0] = True
+        _place_wrapper()
+
+
+def detach() -> None:
+    """RPC shut down: torch's ``Reducer.prepare_for_backward`` again."""
+    with _state_lock:
+        _rpc_up[0] = False
+        _deferred.clear()
+        _place_wrapper()
+
+
+def _place_wrapper() -> None:
+    """The wrapper in exactly while RPC is up and some DDP exists (caller holds the lock)."""
+    if Reducer is None:
         return
-    if getattr(DDP.__init__, "_distgrad", False):
-        return
-    orig = DDP.__init__
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        orig(self, *args, **kwargs)
-        me = weakref.ref(self)
-        for p in self.module.parameters():
-            if p.requires_grad:
-                _params[id(p)] = weakref.ref(p, lambda _r, k=id(p): (_params.pop(k, None),
-                                                                      _owner.pop(k, None)))
-                _owner[id(p)] = me
-        active[0] = True
-
-    __init__._distgrad = True  # type: ignore[attr-defined]
-    DDP.__init__ = __init__
-    _wrap_reducer()
+    want = _rpc_up[0] and active[0]
+    if want and Reducer.prepare_for_backward is _original_prepare:
+        Reducer.prepare_for_backward = _prepare_for_backward
+    elif not want and Reducer.prepare_for_backward is _prepare_for_backward:
+        Reducer.prepare_for_backward = _original_prepare
 
 
-def _wrap_reducer() -> None:
-    try:
-        from torch.distributed import Reducer
-    except ImportError:
-        return
-    orig = Reducer.prepare_for_backward
-    if getattr(orig, "_distgrad", False):
-        return
-
-    def prepare_for_backward(self, outputs):
-        ctx = CONTAINER.current() if outputs else None
-        if ctx is not None and (ctx.send_functions or ctx.recv_functions):
-            # find_unused_parameters after RPCs inside a distributed autograd context:
-            # the local graph ends at recv functions, so the search waits for the flush
-            _deferred[id(self)] = self
-            return None
-        return orig(self, outputs)
-
-    prepare_for_backward._distgrad = True  # type: ignore[attr-defined]
-    prepare_for_backward._orig = orig  # type: ignore[attr-defined]
-    Reducer.prepare_for_backward = prepare_for_backward
+def _prepare_for_backward(self, outputs):
+    ctx = CONTAINER.current() if outputs else None
+    if ctx is not None and (ctx.send_functions or ctx.recv_functions):
+        # find_unused_parameters after RPCs inside a distributed autograd context:
+        # the local graph ends at recv functions, so the search waits for the flush
+        _deferred[id(self)] = self
+        return None
+    return _original_prepare(self, outputs)
 
 
-_wrap_ddp()
+if _original_prepare is not None:
+    for _attr in ("__name__", "__qualname__", "__doc__"):
+        setattr(_prepare_for_backward, _attr, getattr(_original_prepare, _attr, None))
+    _prepare_for_backward.__wrapped__ = _original_prepare  # type: ignore[attr-defined]
+    torch.nn.modules.module.register_module_module_registration_hook(_on_module_registration)
 
 
 def _is_ddp(t: torch.Tensor) -> bool:
@@ -111,7 +145,11 @@ def held(leaves: Sequence[Any], grads: Sequence) -> list[int]:
     """Indices of the gradients in ``grads`` (one per AccumulateGrad node of
     ``leaves``) that belong to a DDP parameter: the engine holds those until the
     pass's flush."""
-    if not active[0] or not _params:
+    if not active[0]:
+        return []
+    if _pending:
+        _adopt()
+    if not _params:
         return []
     return [i for i, g in enumerate(grads) if g is not None and _is_ddp(leaves[i].variable)]
 
@@ -119,7 +157,6 @@ def held(leaves: Sequence[Any], grads: Sequence) -> list[int]:
 def _search_unused(variables: list) -> None:
     """Run the unused-parameter search that DDP's forward deferred (see above), with
     the parameters that got a gradient in this pass as what the outputs reached."""
-    from torch.distributed import Reducer
     owners: dict[int, list] = {}
     for v in variables:
         ref = _owner.get(id(v))
@@ -130,7 +167,7 @@ def _search_unused(variables: list) -> None:
         reducer = _deferred.pop(key)
         with torch.enable_grad():
             reached = [v.view_as(v) for v in vs]
-        Reducer.prepare_for_backward._orig(reducer, reached)
+        _original_prepare(reducer, reached)
 
 
 def synced(leaves: Sequence[Any], grads: Sequence) -> Sequence:

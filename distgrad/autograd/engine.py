@@ -38,6 +38,7 @@ from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
 from ..rpc.remote_exc import pack_exception, unpack_exception
 from . import anomaly as anomaly_mode
+from . import checkpoint as _checkpoint
 from .checks import check_roots as _check_roots
 from .context import CONTAINER
 from .futures import all_of as _all
@@ -79,6 +80,9 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
             getattr(_tls, "shipped", None))
     _tls.state, _tls.exp, _tls.targets, _tls.shipped = state, exp, set(), set()
     state.running += 1
+    checkpoints = state.checkpoints
+    if checkpoints:
+        _checkpoint.enter(state, checkpoints)
     err = None
     try:
         # torch's engine runs a pass (nodes, hooks) with grad mode = create_graph
@@ -87,6 +91,8 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the initiator
         err = backward_error(e)
     finally:
+        if checkpoints:
+            _checkpoint.leave(state, checkpoints)
         state.running -= 1
         exp, targets = _tls.exp, _tls.targets
         _tls.state, _tls.exp, _tls.targets, _tls.shipped = prev
@@ -395,12 +401,17 @@ def _run_alone(state: PassState, roots: list, grads: list,
             getattr(_tls, "shipped", None))
     _tls.state, _tls.exp, _tls.targets, _tls.shipped = state, 0, set(), set()
     state.running += 1
+    checkpoints = state.checkpoints
+    if checkpoints:
+        _checkpoint.enter(state, checkpoints)
     try:
         with torch.set_grad_enabled(False):
             state.run_entry("root", roots, grads)
     except BaseException as e:  # noqa: BLE001 - the pass's error
         err = backward_error(e)
     finally:
+        if checkpoints:
+            _checkpoint.leave(state, checkpoints)
         state.running -= 1
         _tls.state, _tls.exp, _tls.targets, _tls.shipped = prev
         state.finished = True

@@ -20,7 +20,7 @@ from torch.autograd.graph import GradientEdge
 from . import anomaly, ddp, node_hooks
 from .context import CONTAINER
 from .gradients import _agent, backward_error, ship_gradients
-from .nodes import UNREACHED, accumulate, run_node, validate
+from .nodes import UNREACHED, accumulate, run_in_engine, run_node, validate
 from .rpc_functions import _node_types
 from .walk import accumulate_type, below
 
@@ -148,23 +148,14 @@ class Executor:
                 if nxt is not None:
                     self._add(nxt, slot, g, ready)
             return
-        # what torch's engine does around a node (call_function): its tensors' hooks,
-        # its pre-hooks, the node, its post-hooks
-        noted = node_hooks.tensor_pre_hooks(node)
-        if noted:
-            grads = node_hooks.run_tensor_pre_hooks(noted, grads)
-        pre, post = node_hooks.hooks_of(node, always=True)
-        if pre:
-            grads = node_hooks.run_node_pre(pre, grads)
-        if t is recv_t:
-            ship_gradients(node.dg_info, grads, reached)
-            if post:
-                node_hooks.run_node_post(post, [None] * len(node.next_functions), grads)
-            return
         try:
-            outs = run_node(node, grads, self.create_graph, self.retain_graph)
-            if post:
-                outs = node_hooks.run_node_post(post, outs, grads)
+            if t is not recv_t and hasattr(node, "_forward_cls"):
+                # a Python Function: torch's engine runs it, hooks and all (nodes.run_in_engine)
+                outs = run_in_engine(node, grads, self.retain_graph, self.create_graph)
+            else:
+                outs = self._by_hand(node, t is recv_t, grads, reached)
+                if outs is None:
+                    return
         except Exception as e:  # noqa: BLE001 - name the node, as torch's engine does
             raise backward_error(e, node) from e
         if self.anomaly:
@@ -173,6 +164,21 @@ class Executor:
             if nxt is not None:
                 self._add(nxt, slot, g, ready)
 
+    def _by_hand(self, node: Any, recv: bool, grads: list, reached: list) -> list | None:
+        """What torch's engine does around a C++ node (``call_function``): its tensors'
+        hooks (run by the engine: :func:`.node_hooks.run_tensor_hooks`), its pre-hooks,
+        the node, its post-hooks. A recv function ships its gradients instead (None)."""
+        grads = node_hooks.run_tensor_hooks(node, grads, self.create_graph)
+        pre, post = node_hooks.hooks_of(node)
+        if pre:
+            grads = node_hooks.run_node_pre(pre, grads)
+        if recv:
+            ship_gradients(node.dg_info, grads, reached)
+            if post:
+                node_hooks.run_node_post(post, [None] * len(node.next_functions), grads)
+            return None
+        outs = run_node(node, grads, self.create_graph)
+        return node_hooks.run_node_post(post, outs, grads) if post else outs
 
     def _accumulate_leaf(self, node: Any, g: Any) -> None:
         """What AccumulateGrad does, into the context: the leaf's tensor hooks, the

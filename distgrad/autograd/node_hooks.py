@@ -1,139 +1,156 @@
 """Hooks that torch's engine runs and a distributed backward must run itself:
 those on a leaf's ``AccumulateGrad`` node (``node.register_hook``,
-``node.register_prehook``), and, where the node-by-node executor calls nodes by
-hand, every node's hooks and the hooks of the tensors it produced.
+``node.register_prehook``, the tensor's post-accumulate-grad hooks), and, where
+the node-by-node executor runs a C++ node by hand, that node's hooks and those
+of the tensors it produced. Nothing of torch is replaced for this: only torch's
+public hook registration is used.
 
-A distributed backward captures leaf gradients without running their
-``AccumulateGrad`` node (running it would write ``.grad``), and torch offers no
-way to list a node's hooks. But every hook a Python caller registers on an
-autograd node goes through ``torch.autograd.function.Function._register_hook(hooks_dict,
-hook)`` (the C++ side looks it up on that class at every call), which receives
-the node's existing hook dict (None when it has none). :func:`install`
-replaces it with a transparent wrapper; :func:`hooks_of` *probes* a node by
-registering a dummy hook with the wrapper in probe mode, which raises with the
-dict it was given instead of registering anything, so probing never changes a
-node. torch's distributed engine runs an accumulator's pre-hooks and
-post-hooks around its capture of a leaf's gradient; :func:`run_pre` and
-:func:`run_post` do that with the same arguments torch passes
+**A node's hooks** (:func:`hook_dicts`): registering a hook on a node
+(``Node.register_prehook`` / ``register_hook``) returns a ``RemovableHandle``
+whose ``hooks_dict_ref()`` is the node's own dict of Python hooks of that kind.
+Registering a no-op hook and removing it at once thus yields the live dict,
+changes no hook that runs, and, where the node had none, leaves an empty dict that torch
+reuses for every later registration on that node. The pair is kept in the
+node's ``metadata``, so a node costs two registrations once (about 14 us) and a
+dictionary look-up after that.
+
+A leaf's AccumulateGrad node is made anew once the graphs holding the last one are
+gone, often every forward; probing each would cost 14 us a parameter a pass.
+:func:`leaf_hooks` avoids that by counting: every hook registration makes a
+``torch.utils.hooks.RemovableHandle``, whose class numbers them (``next_id``);
+less the handles distgrad made itself, that number moves exactly when someone
+registers a hook. A leaf whose node had no hooks when the count was ``c`` has
+none while the count is still ``c``: not on that node, nor on a new one (made
+after that one died, so after ``c`` was read). Such a leaf costs a dictionary
+look-up; any registration anywhere sends the next pass's leaves back to their
+node's dicts (probing the new nodes). torch's distributed engine runs a captured
+leaf's accumulator pre-hooks and post-hooks itself; :func:`run_pre` and
+:func:`run_post` do that with the arguments torch passes
 (``pre(grad_outputs) -> grad_outputs | None``, ``post((), grad_outputs)``).
 
-Probing costs about 6 us a node. The executor (already the slow path) probes
-every node it runs, and finds hooks registered before :func:`install` too. A
-native region captures its leaves; their nodes are probed only once some
-registration was seen (a leaf's node is made anew for each forward, so a hook on it was
-registered through the wrapper unless it came before ``import distgrad`` on a
-node alive since), and :func:`leaf_hooks` keeps the live dicts in the node's
-``metadata``.
-
-Tensor hooks on intermediates (``y.register_hook``) live in a dict that torch
-hands to ``y.grad_fn`` without a Python call (``_register_hook_dict``), and
-``retain_grad`` works in C++ alone; :func:`install` wraps both
-``Tensor.register_hook`` and ``Tensor.retain_grad`` to note, in the node's
-``metadata``, which of its outputs has which hooks (:func:`tensor_pre_hooks`).
-The executor then runs them as torch's ``call_tensor_pre_hooks`` does: on the
-summed gradient of each slot, in registration order, before the node's own
-pre-hooks. (Such hooks registered before ``import distgrad`` are not seen.)
+**The hooks of the tensors a node produced** (``y.register_hook``,
+``y.retain_grad()``) live in C++ on ``y.grad_fn``, out of Python's reach. torch's
+engine runs them on a node it *captures* (an ``inputs=`` edge into the node that
+nothing else needs) without running the node: :func:`run_tensor_hooks` is such a
+call, from the node's gradients to its own input slots, so the hooks run in
+torch's order, absent gradients passed as ``None``, ``retain_grad`` writing
+``.grad`` as torch does.
 
 Example::
 
     >>> h = x.exp()
     >>> h.register_hook(lambda g: g * 0.5)
-    >>> tensor_pre_hooks(h.grad_fn)      # [(0, {id: hook}, None)]
+    >>> run_tensor_hooks(h.grad_fn, [torch.ones(3)])   # [tensor([0.5, 0.5, 0.5])]
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any
 
 import torch
-import torch.autograd.function as _function
+from torch.autograd.graph import GradientEdge
 
-_tls = threading.local()
-_installed: list = []   # the wrapped original, once installed
-registered = [0]        # node hook registrations seen since install (not probes)
-post_acc_registered = [0]  # register_post_accumulate_grad_hook calls seen since install
-_KEY = "_distgrad_tensor_hooks"  # node.metadata key: [(output_nr, hooks dict | None, tensor ref)]
+from .nodes import OWN_HANDLES, grad_call
 
+try:
+    from torch.utils.hooks import RemovableHandle as _Handle
+    _Handle.next_id  # noqa: B018 - the count leaf_hooks relies on
+except (ImportError, AttributeError):  # another torch: every leaf's node is looked at
+    _Handle = None
 
-class _Probe(Exception):  # noqa: N818 - a control-flow signal, not an error
-    def __init__(self, hooks: Any) -> None:
-        self.hooks = hooks
-
-
-def install() -> None:
-    """Wrap ``Function._register_hook`` (idempotent)."""
-    if _installed:
-        return
-    original = _function.Function._register_hook
-
-    def _register_hook(backward_hooks, hook):
-        if getattr(_tls, "probing", False):
-            raise _Probe(backward_hooks)
-        registered[0] += 1
-        return original(backward_hooks, hook)
-
-    _installed.append(original)
-    _function.Function._register_hook = staticmethod(_register_hook)
-    _wrap_tensor_hooks()
+_KEY = "_distgrad_hook_dicts"  # node.metadata key: (pre-hook dict, post-hook dict)
 
 
-def _wrap_tensor_hooks() -> None:
-    tensor = torch.Tensor
-    register, retain = tensor.register_hook, tensor.retain_grad
-    post_acc = tensor.register_post_accumulate_grad_hook
-
-    def register_hook(self, hook):
-        fn = self.grad_fn
-        fresh = fn is not None and self._backward_hooks is None
-        handle = register(self, hook)
-        if fresh and self._backward_hooks is not None:  # torch gave fn a new hook dict
-            fn.metadata.setdefault(_KEY, []).append((self.output_nr, self._backward_hooks, None))
-        return handle
-
-    def retain_grad(self):
-        fn = self.grad_fn
-        if fn is not None and not self.retains_grad and self.requires_grad:
-            fn.metadata.setdefault(_KEY, []).append((self.output_nr, None, weakref.ref(self)))
-        return retain(self)
-
-    def register_post_accumulate_grad_hook(self, hook):
-        post_acc_registered[0] += 1
-        return post_acc(self, hook)
-
-    register_hook.__doc__, retain_grad.__doc__ = register.__doc__, retain.__doc__
-    register_post_accumulate_grad_hook.__doc__ = post_acc.__doc__
-    tensor.register_hook = register_hook
-    tensor.retain_grad = retain_grad
-    tensor.register_post_accumulate_grad_hook = register_post_accumulate_grad_hook
+def _noop(*args: Any) -> None:
+    return None
 
 
-def tensor_pre_hooks(node: Any) -> list:
-    """``[(output_nr, hooks dict or None, retained tensor's weakref or None)]`` noted
-    for the tensors ``node`` produced, in registration order; usually empty."""
-    return node.metadata.get(_KEY) or []
+def hook_dicts(node: Any) -> tuple[dict, dict]:
+    """The live (pre-hook dict, post-hook dict) of ``node``: what torch calls, in order,
+    around it (see the module's docstring); the first call on a node registers and
+    removes a no-op hook of each kind."""
+    md = node.metadata
+    dicts = md.get(_KEY)
+    if dicts is None:
+        handle = node.register_prehook(_noop)
+        OWN_HANDLES[0] += 1
+        pre = handle.hooks_dict_ref()
+        handle.remove()
+        handle = node.register_hook(_noop)
+        OWN_HANDLES[0] += 1
+        post = handle.hooks_dict_ref()
+        handle.remove()
+        md[_KEY] = dicts = (pre, post)
+    return dicts
 
 
-def run_tensor_pre_hooks(noted: list, grads: list) -> list:
-    """``grads`` (one per input slot of the node, ``None`` = absent) after its tensors'
-    hooks, as torch's ``call_tensor_pre_hooks``: the hooks of each slot in order,
-    then ``retain_grad``'s (the retained tensor's ``.grad`` gets the result)."""
-    grads = list(grads)
-    retained = []
-    for slot, hooks, ref in noted:
-        if hooks is None:
-            retained.append((slot, ref))
-            continue
-        for hook in list(hooks.values()):  # torch calls them with None too (absent)
-            out = hook(grads[slot])
-            if out is not None:
-                grads[slot] = out
-    for slot, ref in retained:
-        t, g = ref(), grads[slot]
-        if t is not None and g is not None and t.retains_grad:
-            with torch.no_grad():
-                t.grad = g.clone() if t.grad is None else t.grad + g
-    return grads
+def _registrations() -> int:
+    """Hook registrations made by others than distgrad so far (-1: unknown)."""
+    return -1 if _Handle is None else _Handle.next_id - OWN_HANDLES[0]
+
+
+# id(variable) -> (its weakref, the registration count at which its node had no hooks)
+_clean: dict[int, tuple] = {}
+
+
+def hooks_of(node: Any) -> tuple[list, list]:
+    """(pre-hooks, post-hooks) registered on ``node`` from Python, in registration order."""
+    pre, post = hook_dicts(node)
+    return (list(pre.values()) if pre else [], list(post.values()) if post else [])
+
+
+def leaf_hooks(node: Any, variable: Any = None) -> tuple[list, list, bool]:
+    """(pre-hooks, post-hooks, has post-accumulate-grad hooks) of a leaf's
+    AccumulateGrad ``node`` (``variable``: its tensor, where the caller has it);
+    without a look at the node while nobody registered a hook since it was last
+    found without any (see the module's docstring)."""
+    if variable is None:
+        variable = node.variable
+    post_acc = bool(variable._post_accumulate_grad_hooks)
+    count = _registrations()
+    seen = _clean.get(id(variable))
+    if seen is not None and seen[1] == count >= 0 and seen[0]() is variable:
+        return _POST_ACC if post_acc else _NONE
+    pre, post = hook_dicts(node)
+    if not (pre or post):
+        if count >= 0:  # read before the look: a registration since shows
+            key = id(variable)
+            _clean[key] = (weakref.ref(variable, lambda _r: _clean.pop(key, None)), count)
+        return _POST_ACC if post_acc else _NONE
+    _clean.pop(id(variable), None)
+    return (list(pre.values()) if pre else [], list(post.values()) if post else [], post_acc)
+
+
+_NONE: tuple = ([], [], False)
+_POST_ACC: tuple = ([], [], True)
+
+# A root that torch's engine never runs (nothing captured lies behind it). With it a
+# call has two roots, so torch puts its own GraphRoot first: a call's single root
+# would itself be the graph's root, which always runs.
+_IDLE: list = []
+
+
+def _idle_root() -> tuple:
+    if not _IDLE:
+        leaf = torch.zeros((), requires_grad=True)
+        with torch.enable_grad():
+            out = leaf * 1
+        _IDLE.append((out, GradientEdge(out.grad_fn, 0), torch.zeros(())))
+    return _IDLE[0][1], _IDLE[0][2]
+
+
+def run_tensor_hooks(node: Any, grads: list, create_graph: bool = False) -> list:
+    """``grads`` (one per input slot of ``node``, ``None`` = absent) after the hooks of
+    the tensors ``node`` produced and their ``retain_grad``, run by torch's engine on
+    the node captured at its own input slots (the node itself does not run)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:  # no engine call starts from absent gradients alone
+        return list(grads)
+    edge, zero = _idle_root()
+    roots = tuple(GradientEdge(node, i) for i in present) + (edge,)
+    given = tuple(grads[i] for i in present) + (zero,)
+    slots = tuple(GradientEdge(node, i) for i in range(len(grads)))
+    return list(grad_call(roots, given, slots, True, create_graph))
 
 
 def run_node_pre(pre: list, grads: list) -> list:
@@ -172,66 +189,6 @@ def run_post_accumulate(variable: Any, grad: Any) -> None:
             hook(variable)
     finally:
         variable.grad = saved
-
-
-def _noop(*args: Any) -> None:
-    return None
-
-
-def hooks_of(node: Any, always: bool = False) -> tuple[list, list]:
-    """(pre-hooks, post-hooks) registered on ``node``, in registration order
-    (``always``: probe even when no registration was seen since :func:`install`)."""
-    if not _installed or not (always or registered[0]):
-        return [], []
-    dicts = _probe_dicts(node)
-    if dicts is None:  # not our wrapper (someone replaced it): nothing to learn
-        return [], []
-    pre_d, post_d = dicts
-    return (list(pre_d.values()) if pre_d else [], list(post_d.values()) if post_d else [])
-
-
-def _probe_dicts(node: Any) -> tuple[Any, Any] | None:
-    """The live (pre-hook dict, post-hook dict) of ``node`` (``None`` where it has
-    none yet), or None when the wrapper is not in place."""
-    out = []
-    _tls.probing = True
-    try:
-        for register in (node.register_prehook, node.register_hook):
-            try:
-                register(_noop)
-            except _Probe as p:
-                out.append(p.hooks)
-            else:
-                return None
-    finally:
-        _tls.probing = False
-    return out[0], out[1]
-
-
-_LEAF_KEY = "_distgrad_leaf_hooks"
-
-
-def leaf_hooks(node: Any) -> tuple[list, list, bool]:
-    """(pre-hooks, post-hooks, has post-accumulate-grad hooks) of a leaf's
-    AccumulateGrad ``node``. A node is probed once, and again only after a
-    registration was seen since: the probe keeps the node's live hook dicts in
-    its ``metadata`` (a removed hook is gone from them; a node's first hook makes
-    a new dict, and that registration is seen), so hooks registered before
-    :func:`install` are found too, at the cost of a dictionary look-up a leaf."""
-    md = node.metadata
-    seen = md.get(_LEAF_KEY)
-    if seen is None or seen[0] != registered[0] or seen[1] != post_acc_registered[0]:
-        dicts = _probe_dicts(node) if _installed else None
-        pre_d, post_d = dicts if dicts is not None else (None, None)
-        post_acc = bool(getattr(node.variable, "_post_accumulate_grad_hooks", None))
-        md[_LEAF_KEY] = seen = (registered[0], post_acc_registered[0], pre_d, post_d, post_acc)
-    _, _, pre_d, post_d, post_acc = seen
-    if not (pre_d or post_d or post_acc):
-        return _NONE
-    return (list(pre_d.values()) if pre_d else [], list(post_d.values()) if post_d else [], post_acc)
-
-
-_NONE: tuple = ([], [], False)
 
 
 def run_pre(pre: list, grad: Any) -> Any:

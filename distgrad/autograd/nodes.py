@@ -1,20 +1,24 @@
-"""Running one autograd node by hand, as torch's engine runs it.
+"""Running one autograd node as torch's engine runs it.
 
-The shared-region executor (:mod:`.share`) calls nodes itself. torch's engine
-does work around every node that a direct call skips (``call_function`` and
-``validate_outputs`` in ``torch/csrc/autograd/engine.cpp``, ``PyNode::apply`` in
-``python_function.cpp``); this module does that work:
+The shared-region executor (:mod:`.executor`) runs nodes one at a time. torch's
+engine does work around every node (``call_function`` and ``validate_outputs``
+in ``torch/csrc/autograd/engine.cpp``, ``PyNode::apply`` in
+``python_function.cpp``); where it can, this module lets the engine itself do
+it:
 
-* an absent gradient stays absent (``None``), never zeros, except where torch
-  materializes it: a Python ``autograd.Function`` whose ctx did not call
-  ``set_materialize_grads(False)`` gets zeros for absent inputs;
-* a Python ``Function``'s results are checked (count) and routed to its next
-  edges the way ``PyNode`` does (one result per forward argument; those of
-  inputs that needed no gradient are dropped);
-* each output is validated against what the next node expects
-  (``node._input_metadata[slot]``): a broadcast gradient is reduced with
-  ``sum_to_size``, a wrong dtype cast, a wrong device moved, an incompatible
-  shape an error naming the function and the index;
+* :func:`run_in_engine` runs one node inside one engine call that stops there
+  (the node is the call's only ``inputs=`` edge, in ``backward`` mode, so
+  nothing behind it runs): its tensors' hooks, ``retain_grad``, its pre-hooks,
+  the node, ``validate_outputs``, its post-hooks, exactly as torch runs them; a
+  temporary post-hook, registered last, takes the results. A Python
+  ``autograd.Function``'s gradients are materialized (or not) by ``PyNode``
+  itself, and its backward sees its graph task's ``keep_graph``. Its outputs
+  must not be computed only where a next node needs them, so C++ nodes (whose
+  formulas compute only what the graph task needs) run by hand instead:
+* :func:`run_node` calls a C++ node directly (absent gradients stay absent,
+  ``None``) and then does what ``validate_outputs`` does (a broadcast gradient
+  reduced with ``sum_to_size``, a wrong dtype cast, a wrong device moved, an
+  incompatible shape an error naming the function and the index);
 * gradients arriving at one input slot are summed (dense + sparse in the
   order that works).
 
@@ -27,28 +31,17 @@ Example::
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
-# torch keeps a Function ctx's materialize_grads flag write-only; remember what
-# set_materialize_grads() was told, so the executor can do what PyNode::apply does.
-_FunctionCtx = torch.autograd.function.FunctionCtx
-_orig_set_materialize = _FunctionCtx.set_materialize_grads
-
-
-def _set_materialize_grads(self, value: bool) -> None:
-    _orig_set_materialize(self, value)
-    try:
-        self._dg_materialize = bool(value)
-    except AttributeError:  # a ctx without a __dict__: stays the default (True)
-        pass
-
-
-if getattr(_FunctionCtx.set_materialize_grads, "__name__", "") != "_set_materialize_grads":
-    _FunctionCtx.set_materialize_grads = _set_materialize_grads
+# Hook handles distgrad itself made (probes, temporary hooks): every hook registration
+# makes a torch.utils.hooks.RemovableHandle, whose class counts them (next_id), so
+# next_id - OWN_HANDLES[0] moves exactly when someone else registers a hook
+# (node_hooks.leaf_hooks builds on that).
+OWN_HANDLES = [0]
 
 
 class _Unreached:
@@ -116,63 +109,70 @@ def validate(node: Any, outs: Sequence) -> list:
     return res
 
 
-def _python_node(node: Any, grads: list) -> list:
-    """What ``PyNode::apply`` does: materialize, call ``backward``, route results."""
-    if getattr(node, "_dg_materialize", True):
-        grads = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
-                 for g, m in zip(grads, node._input_metadata)]
-    res = node.apply(*grads)
-    if not isinstance(res, tuple):
-        res = (res,)
-    needs = node.needs_input_grad
-    n_in = len(needs)
-    if len(res) > n_in and all(r is None for r in res[n_in:]):
-        res = res[:n_in]
-    if len(res) != n_in:
-        raise RuntimeError(f"function {node.name()} returned an incorrect number of gradients "
-                           f"(expected {n_in}, got {len(res)})")
-    # The next edges are the forward's tensor arguments in order; exactly those that
-    # required grad (needs_input_grad) have a node, the others an empty edge.
-    wanted = iter([r for r, need in zip(res, needs) if need])
-    return [next(wanted, None) if nxt is not None else None for nxt, _ in node.next_functions]
-
-
-def run_node(node: Any, grads: list, create_graph: bool = False, retain_graph: bool = True) -> list:
-    """Run ``node``'s backward on ``grads`` (one per input slot, ``None`` = absent);
-    returns validated gradients, one per next edge. No hooks run here.
-    ``create_graph``: the backward is recorded (its results carry a graph).
-    ``retain_graph``: what the node sees as its graph task's keep_graph (see
-    :func:`_keep_graph`)."""
+def run_node(node: Any, grads: list, create_graph: bool = False) -> list:
+    """Run a C++ ``node``'s backward on ``grads`` (one per input slot, ``None`` =
+    absent); returns validated gradients, one per next edge. No hooks run here.
+    ``create_graph``: the backward is recorded (its results carry a graph)."""
     with torch.set_grad_enabled(create_graph):
-        if hasattr(node, "_forward_cls"):  # a Python autograd.Function
-            prev = getattr(_tls, "keep_graph", None)
-            _tls.keep_graph = retain_graph
-            try:
-                outs = _python_node(node, grads)
-            finally:
-                _tls.keep_graph = prev
-        else:
-            outs = node(*grads)
-            if not isinstance(outs, (tuple, list)):
-                outs = (outs,)
+        outs = node(*grads)
+    if not isinstance(outs, (tuple, list)):
+        outs = (outs,)
     return validate(node, outs)
 
 
-# A Python Function's backward may ask whether its graph task keeps the graph
-# (torch.compile's: a backward compiled with donated buffers refuses to run where
-# the graph is kept). Outside any engine call torch answers True; a node this
-# module runs is part of a pass whose retain_graph is known, so that is the answer.
-_tls = threading.local()
-_orig_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+def run_in_engine(node: Any, grads: list, retain_graph: bool, create_graph: bool) -> list:
+    """Run ``node`` (a Python Function's) on ``grads`` (one per input slot, ``None`` =
+    absent) in one engine call that runs nothing else, hooks and all; returns its
+    validated outputs, one per next edge, as its post-hooks left them.
+
+    A node none of whose inputs got a gradient still runs in torch (a Function then
+    gets zeros or ``None``, as it asked); an engine call cannot start from an absent
+    gradient, so it starts from zeros and a pre-hook put first turns them back into
+    absent ones before ``PyNode`` materializes them (its tensors' hooks see zeros)."""
+    outs: list = []
+    handle = node.register_hook(lambda gi, go: outs.append(gi))
+    OWN_HANDLES[0] += 1
+    first = None
+    try:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if present:
+            roots = tuple(GradientEdge(node, i) for i in present)
+            given = tuple(grads[i] for i in present)
+        else:
+            roots = tuple(GradientEdge(node, i) for i in range(len(grads)))
+            given = tuple(torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+                          for m in node._input_metadata)
+            first = _prehook_first(node, lambda gos: (None,) * len(gos))
+        _backward_to(roots, given, GradientEdge(node, 0), retain_graph, create_graph)
+    finally:
+        handle.remove()
+        if first is not None:
+            first.remove()
+    return list(outs[-1]) if outs else [None] * len(node.next_functions)
 
 
-def _keep_graph() -> bool:
-    keep = getattr(_tls, "keep_graph", None)
-    return _orig_keep_graph() if keep is None else keep
+def _prehook_first(node: Any, hook: Any) -> Any:
+    """Register ``hook`` as ``node``'s first Python pre-hook; returns its handle."""
+    handle = node.register_prehook(hook)
+    OWN_HANDLES[0] += 1
+    hooks = handle.hooks_dict_ref()
+    if hooks is not None and len(hooks) > 1:
+        others = [(k, v) for k, v in hooks.items() if k != handle.id]
+        hooks.clear()
+        hooks[handle.id] = hook
+        hooks.update(others)
+    return handle
 
 
-if _orig_keep_graph is not None and getattr(_orig_keep_graph, "__name__", "") != "_keep_graph":
-    torch._C._autograd._get_current_graph_task_keep_graph = _keep_graph
+def _backward_to(roots: tuple, grads: tuple, stop: Any, retain_graph: bool,
+                 create_graph: bool) -> None:
+    """One engine call from ``roots`` that runs exactly what leads to edge ``stop``."""
+    if _engine_run_backward is None:
+        torch.autograd.backward(roots, grads, retain_graph=retain_graph,
+                                create_graph=create_graph, inputs=(stop,))
+        return
+    _engine_run_backward(roots, grads, retain_graph, create_graph, (stop,), True,
+                         accumulate_grad=True)
 
 
 def grad_call(outputs: tuple, grads: tuple, inputs: tuple, retain_graph: bool,

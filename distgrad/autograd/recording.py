@@ -14,6 +14,7 @@ from ..ids import agent_range
 from ..rpc.agent import agent_or_none
 from ..rpc.extensions import AgentExtension, register_extension
 from . import anomaly as anomaly_mode
+from . import ddp
 from .context import CONTAINER, DistAutogradContext
 from .engine import debug_info, fail_passes, on_abort, on_report
 from .rpc_functions import _ANCHOR, RecvRpc, SendRpc, _node_types
@@ -52,6 +53,7 @@ class AutogradExtension(AgentExtension):
         agent.control_handlers["ag_release"] = _release_remote
         agent.control_handlers["ag_report"] = on_report
         agent.control_handlers["ag_abort"] = on_abort
+        ddp.attach()
 
     def current(self) -> Any:
         return CONTAINER.current()
@@ -118,6 +120,7 @@ class AutogradExtension(AgentExtension):
 
     def on_shutdown(self) -> None:
         CONTAINER.clear()
+        ddp.detach()
 
 
 def spread_release(ctx: DistAutogradContext, exclude: int | None) -> None:

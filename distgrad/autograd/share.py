@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from . import checkpoint as _checkpoint  # noqa: F401  (reentrant checkpointing in a pass)
 from . import ddp, node_hooks
 from .context import CONTAINER, DistAutogradContext
 from .executor import Executor
@@ -45,8 +44,6 @@ from .nodes import UNREACHED, grad_call, validate
 from .rpc_functions import _ANCHOR, _node_types
 from .walk import Region, fed_slots_below, recv_slot, walk_reach, walk_region
 
-node_hooks.install()  # any `import distgrad...` gets here (distgrad/__init__ imports autograd)
-
 # A pass's flags (they travel with its gradients): keep the graph; record the backward;
 # check every node's outputs for NaN/Inf (detect_anomaly)
 RETAIN, CREATE_GRAPH, ANOMALY = 1, 2, 4
@@ -54,20 +51,14 @@ RETAIN, CREATE_GRAPH, ANOMALY = 1, 2, 4
 
 def _leaf_hooks(leaves: list, grads: Sequence, variables: Sequence | None = None) -> list:
     """(index, pre-hooks, post-hooks, post-accumulate-grad?) of each leaf with a
-    gradient whose AccumulateGrad node has hooks (:func:`.node_hooks.leaf_hooks`);
-    usually empty, and then found without a call per leaf: a leaf's node is made
-    anew for every forward, so its hooks were registered through the wrapper
-    (counted) unless they came before ``import distgrad``, on a node still alive;
-    only tensors' post-accumulate-grad hooks are looked for on every leaf."""
-    if not (node_hooks.registered[0] or node_hooks.post_acc_registered[0]):
-        if variables is None:
-            variables = [n.variable for n in leaves]
-        if not any([v._post_accumulate_grad_hooks for v in variables]):
-            return []
+    gradient whose AccumulateGrad node has hooks (:func:`.node_hooks.leaf_hooks`: a
+    dictionary look-up a leaf, once its node was probed); usually empty."""
+    if variables is None:
+        variables = [n.variable for n in leaves]
     out = []
     for i, node in enumerate(leaves):
         if grads[i] is not None:
-            pre, post, post_acc = node_hooks.leaf_hooks(node)
+            pre, post, post_acc = node_hooks.leaf_hooks(node, variables[i])
             if pre or post or post_acc:
                 out.append((i, pre, post, post_acc))
     return out
@@ -107,6 +98,9 @@ class PassState(Executor):
         self.on_round: Callable[[BaseException | None, set], None] | None = None
         self.inline: Any = None         # initiator: a queue its own thread runs work from
         self._prepare()
+        # reentrant checkpoints' nodes the walk met: theirs while a run is on (.checkpoint)
+        self.checkpoints = list(dict.fromkeys(
+            n for r in self.regions.values() for n in r.checkpoints))
 
     # -- the walk ---------------------------------------------------------------
     def _prepare(self) -> None:

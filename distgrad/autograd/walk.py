@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _ckpt
 
 from .rpc_functions import _node_types
 
@@ -49,12 +50,18 @@ def _spread(seen: set, stack: list, recvs: list | None) -> None:
                 stack.append(nxt)
 
 
+def checkpoint_type() -> type:
+    """The node type of a reentrant checkpoint (``CheckpointFunction``'s)."""
+    return _ckpt.CheckpointFunction._backward_cls
+
+
 class Region:
-    __slots__ = ("leaves", "recvs")
+    __slots__ = ("leaves", "recvs", "checkpoints")
 
     def __init__(self) -> None:
         self.leaves: list[torch.Tensor] = []
         self.recvs: list = []  # recv functions met (the walk stops there)
+        self.checkpoints: list = []  # reentrant checkpoints' nodes (see .checkpoint)
 
 
 def walk_region(starts: Sequence[Any], region: Region, recv_slots: dict[int, set]) -> set:
@@ -63,6 +70,7 @@ def walk_region(starts: Sequence[Any], region: Region, recv_slots: dict[int, set
     functions some walked node feeds; returns the nodes walked."""
     _, recv_t = _node_types()
     acc_t = accumulate_type()
+    ckpt_t = checkpoint_type()
     leaves = region.leaves
     seen = set(starts)
     stack = list(seen)
@@ -75,6 +83,8 @@ def walk_region(starts: Sequence[Any], region: Region, recv_slots: dict[int, set
         if t is recv_t:
             region.recvs.append(n)
             continue
+        if t is ckpt_t:
+            region.checkpoints.append(n)
         for nxt, slot in n.next_functions:
             if nxt is not None:
                 if type(nxt) is recv_t:

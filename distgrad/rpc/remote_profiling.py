@@ -39,6 +39,7 @@ Example (on worker0)::
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -76,6 +77,8 @@ def attach(rank: int) -> None:
             return
         _originals["start"] = _legacy.profile._start_trace
         _originals["parse"] = _legacy._parse_legacy_records
+        _like(_start_trace_hook, _originals["start"])
+        _like(_parse_hook, _originals["parse"])
         _legacy.profile._start_trace = _start_trace_hook
         _legacy._parse_legacy_records = _parse_hook
 
@@ -92,6 +95,12 @@ def detach() -> None:
         if _legacy._parse_legacy_records is _parse_hook:
             _legacy._parse_legacy_records = _originals["parse"]
         _originals.clear()
+
+
+def _like(wrapper: Callable, original: Callable) -> None:
+    """``wrapper`` takes ``original``'s name, docstring and signature (``__wrapped__``);
+    its ``__module__`` stays distgrad's, so it never passes for torch's."""
+    functools.update_wrapper(wrapper, original, ("__name__", "__qualname__", "__doc__"), ())
 
 
 def _hookable() -> bool:
