@@ -4,7 +4,9 @@ A *program* is plain data (dicts, lists, tuples, ints, strings): picklable, prin
 and small enough to shrink. One interpreter (:func:`run_block`) runs it either
 
 - locally: one process, plain torch autograd, every "call" is a function call; this is
-  the oracle, or
+  the oracle, computed in a process that never imported distgrad (tests/clean_ref.py:
+  :func:`reference`, :func:`prepare`), so no patch distgrad applies to torch can
+  change it, or
 - distributed: the main block runs on worker0 inside a ``dist_autograd.context()``,
   every call block runs on its worker through ``rpc_sync`` / ``rpc_async`` /
   ``remote``, and ``dist_autograd.backward`` runs over the same roots.
@@ -1772,11 +1774,26 @@ def group_of(text: str) -> str:
     return text[:160]
 
 
-def check_program(prog: dict, backward_timeout: float = BACKWARD_TIMEOUT) -> dict:
-    """Run ``prog`` both ways (on worker0 of a live cluster) and compare."""
+def reference(prog: dict) -> dict:
+    """:func:`run_local` of ``prog`` in a process that never imported distgrad
+    (tests/clean_ref.py): a patch distgrad applies to torch cannot change it."""
+    import clean_ref
+    return clean_ref.reference(run_local, prog)
+
+
+def check_program(prog: dict, backward_timeout: float = BACKWARD_TIMEOUT, want=None,
+                  in_process: bool = False) -> dict:
+    """Run ``prog`` on the cluster (on worker0 of a live cluster) and compare with the
+    clean reference ``want`` (:func:`reference`; computed now when None; an exception:
+    the reference failed). ``in_process``: also record, as ``rec["in_process"]``, the
+    verdict of a reference computed here, where distgrad is imported (the old
+    harness: the oracle's own tests show what it misses)."""
     rec = {"seed": prog["seed"], "world": prog["world"], "size": size(prog), "ok": False}
     try:
-        want = run_local(prog)
+        want = reference(prog) if want is None else want
+        if isinstance(want, BaseException):
+            raise want
+        mine = run_local(prog) if in_process else None
     except Exception as e:  # the generator made an invalid program: our bug, not the engine's
         rec.update(group="GENERATOR BUG: " + group_of(_error_text(e)), detail=traceback.format_exc())
         return rec
@@ -1790,6 +1807,9 @@ def check_program(prog: dict, backward_timeout: float = BACKWARD_TIMEOUT) -> dic
         rec.update(group="error: " + group_of(text), detail=text + "\n" + "".join(
             traceback.format_exception(type(e), e, e.__traceback__))[-3000:])
         return rec
+    if mine is not None:
+        old = sorted({k for k, _ in compare(mine, got)})
+        rec["in_process"] = "mismatch: " + ", ".join(old) if old else "exact"
     issues = compare(want, got)
     if issues:
         kinds = sorted({k for k, _ in issues})
@@ -2006,19 +2026,44 @@ def shrink(prog: dict, group: str, budget_s: float = 60.0, max_tries: int = 300,
 # ---------------------------------------------------------------------------------------
 # the cluster side and the CLI
 # ---------------------------------------------------------------------------------------
-def _with_features(prog: dict, cfg: dict) -> dict:
-    """``prog`` regenerated with the run's feature weights (see :func:`weights_for`)
-    when they are not the defaults the cluster generated it with."""
-    w = weights_for(cfg)
-    return prog if w == FEATURE_WEIGHTS else generate(prog["seed"], prog["world"], w)
-
-
-def _check_one(prog: dict, cfg: dict, shrunk_per_group: collections.Counter) -> dict:
-    """Check ``prog`` (second order with ``cfg["order"] == 2``), shrinking a failure."""
-    prog = _with_features(prog, cfg)
+def program_for(seed: int, world: int, cfg: dict) -> dict:
+    """The program a run with ``cfg`` checks for ``seed``: generated with the run's
+    feature weights (:func:`weights_for`), marked for a second-order run."""
+    prog = generate(seed, world, weights_for(cfg))
     if cfg.get("order", 1) == 2:
         prog["order"] = 2
-    rec = check_program(prog, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
+    return prog
+
+
+def poison_for(prog: dict, seed: int) -> tuple:
+    """``--anomaly``: :func:`poisoned` with the seed's own random stream (run in the
+    clean reference process: local anomaly mode decides where the poison is reached)."""
+    return poisoned(prog, random.Random(seed))
+
+
+def prepare(world: int, seeds: list, cfg: dict) -> dict:
+    """{seed: {"prog", "want" | "poison"}}: each seed's program and its reference,
+    computed in the clean reference process (tests/clean_ref.py) before the cluster
+    starts (a failed reference: the exception, raised where it is used)."""
+    import clean_ref
+    plan = {}
+    for seed in seeds:
+        prog = program_for(seed, world, cfg)
+        key, fn, args = (("poison", poison_for, (prog, seed)) if cfg.get("anomaly")
+                         else ("want", run_local, (prog,)))
+        try:
+            value = clean_ref.reference(fn, *args)
+        except clean_ref.CleanReferenceError as e:
+            value = e
+        plan[seed] = {"prog": prog, key: value}
+    return plan
+
+
+def _check_one(prog: dict, cfg: dict, shrunk_per_group: collections.Counter, want=None) -> dict:
+    """Check ``prog`` against its clean reference ``want`` (None: computed now),
+    shrinking a failure."""
+    rec = check_program(prog, cfg.get("backward_timeout", BACKWARD_TIMEOUT), want,
+                        in_process=cfg.get("in_process", False))
     rec["features"] = sorted(features(prog))
     if not rec["ok"]:
         rec["dump"] = dump(prog)
@@ -2033,10 +2078,15 @@ def _check_one(prog: dict, cfg: dict, shrunk_per_group: collections.Counter) -> 
     return rec
 
 
-def _check_poisoned(prog: dict, seed: int, world: int, cfg: dict) -> dict:
-    """``--anomaly``: poison one op of ``prog`` and check what detect_anomaly reports."""
-    prog = _with_features(prog, cfg)
-    bad, worker = poisoned(prog, random.Random(seed))
+def _check_poisoned(prog: dict, seed: int, world: int, cfg: dict, poison=None) -> dict:
+    """``--anomaly``: poison one op of ``prog`` (``poison``: :func:`poison_for`'s answer
+    from the clean process; None: asked now) and check what detect_anomaly reports."""
+    if poison is None:
+        import clean_ref
+        poison = clean_ref.reference(poison_for, prog, seed)
+    if isinstance(poison, BaseException):
+        raise poison
+    bad, worker = poison
     if bad is None:  # no op of this program is reached by its backward
         return {"seed": seed, "world": world, "size": size(prog), "ok": True, "skipped": True}
     rec = check_anomaly(bad, worker, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
@@ -2049,19 +2099,27 @@ def _check_poisoned(prog: dict, seed: int, world: int, cfg: dict) -> dict:
 def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
     """run_workers target: worker0 runs and checks every seed's program; the others serve.
 
+    ``cfg["plan"]``: :func:`prepare`'s programs and clean references, packed (a seed
+    not in it is prepared on worker0). ``cfg["break_hooks"]``: a factor; every rank
+    first applies clean_ref.break_register_hook (the oracle's own tests).
     Records go to ``cfg["out"]`` (JSON lines, one per program, flushed) when given, so a
     parent learns how far a cluster got even if it dies; they are also returned.
     Stops early after a hang (the cluster may be wedged): the rest run in a new one.
     """
+    import clean_ref
+    if cfg.get("break_hooks") is not None:
+        clean_ref.break_register_hook(cfg["break_hooks"])
     if rank != 0:
         return None
     import distgrad.rpc as rpc
+    plan = clean_ref.unpack(cfg["plan"]) if cfg.get("plan") else {}
     records = []
     shrunk_per_group: collections.Counter = collections.Counter()
     for seed in seeds:
-        prog = generate(seed, world)
-        rec = (_check_poisoned(prog, seed, world, cfg) if cfg.get("anomaly")
-               else _check_one(prog, cfg, shrunk_per_group))
+        entry = plan.get(seed) or {"prog": program_for(seed, world, cfg)}
+        prog = entry["prog"]
+        rec = (_check_poisoned(prog, seed, world, cfg, entry.get("poison")) if cfg.get("anomaly")
+               else _check_one(prog, cfg, shrunk_per_group, entry.get("want")))
         records.append(rec)
         if cfg.get("out"):
             with open(cfg["out"], "a") as f:
@@ -2082,11 +2140,14 @@ def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
 
 
 def run_seeds(world: int, seeds: list, cfg: dict, timeout: float, log=print) -> dict:
-    """Run ``seeds`` on ``world``-worker clusters (a new one after a hang or a crash)."""
+    """Run ``seeds`` on ``world``-worker clusters (a new one after a hang or a crash),
+    each against its reference from the clean process (:func:`prepare`, here)."""
+    import clean_ref
     from mp_utils import run_workers
     records: list = []
     stats: collections.Counter = collections.Counter()
     todo = list(seeds)
+    cfg = dict(cfg, plan=clean_ref.pack(prepare(world, todo, cfg)))
     while todo:
         fd, out = tempfile.mkstemp(prefix="random-programs-", suffix=".jsonl")
         os.close(fd)
@@ -2108,7 +2169,7 @@ def run_seeds(world: int, seeds: list, cfg: dict, timeout: float, log=print) -> 
         if crash and todo:
             seed = todo.pop(0)  # the program running when the cluster went down
             log(f"  seed {seed}: {crash.splitlines()[0]}")
-            prog = generate(seed, world)
+            prog = program_for(seed, world, cfg)
             records.append({"seed": seed, "world": world, "ok": False, "size": size(prog),
                             "group": "cluster crashed or timed out", "detail": crash,
                             "dump": dump(prog), "features": sorted(features(prog))})

@@ -243,3 +243,21 @@ def test_random_programs_anomaly_in_company():
     res = _run_checked(2, [30021], {"anomaly": True, "features": rp.parse_features("all")},
                        "poisoned programs misreported", " --anomaly --features all")
     assert [r for r in res["records"] if not r.get("skipped")]
+
+
+# programs with tensor hooks (world 2) whose gradients a doubled hook changes
+BROKEN_HOOK_SEEDS = [1, 19, 34]
+
+
+def test_a_broken_patch_is_caught_only_by_the_clean_reference():
+    """The oracle's reference comes from a process that never imported distgrad
+    (tests/clean_ref.py). With ``Tensor.register_hook`` broken on purpose in the
+    workers (every hook's gradient doubled, as a faulty patch would), the clean
+    reference reports a mismatch on every program, while a reference computed on
+    worker0 itself (the old harness: its local autograd shares the break) calls each
+    of them exact."""
+    res = rp.run_seeds(2, BROKEN_HOOK_SEEDS, {"shrink": 0, "features": rp.parse_features("hook"),
+                                              "break_hooks": 2.0, "in_process": True},
+                       timeout=200, log=lambda *a: None)
+    verdicts = {r["seed"]: (r.get("group", "exact"), r.get("in_process")) for r in res["records"]}
+    assert verdicts == {s: ("mismatch: grad value", "exact") for s in BROKEN_HOOK_SEEDS}, verdicts
