@@ -12,7 +12,7 @@ is the timing both this and ``transformer_bench`` use.
 
     python bench/run_all.py --only graph_size --quick
 
-Rows (``bench/workloads.py``): per depth the ratio (target distgrad <= 1.05)
+Rows (``bench/workloads.py``): per depth the ratio (each implementation its own; the target is on the ms rows: distgrad <= torch)
 and the distributed backward's median ms.
 """
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""A native region run as torch's plain backward() (AccumulateGrad writes .grad, read
-and put back at once) keeps what torch's distributed engine gives: the same
-gradients as local autograd, the same copy-or-keep decisions (torch's
-test_no_grad_copy), the leaves' .grad untouched, hooks run once; and a pass that
-cannot take that road (two at a time, a post-accumulate-grad hook) captures."""
+"""A native region (one engine call that captures its leaves' gradients) keeps what
+torch's distributed engine gives: the same gradients as local autograd, the same
+copy-or-keep decisions, taken when the gradient is accumulated (torch's
+test_no_grad_copy; a hook that kept a gradient and changed it later), hooks run once;
+and it never reads or writes a leaf's ``.grad``, which the user owns: a hook reading
+it during a pass sees the user's value, and a plain ``backward()`` on another thread
+over the same parameters loses no accumulation and changes no context."""
 import threading
 
 import pytest
@@ -10,7 +12,6 @@ import torch
 from mp_utils import run_workers
 
 import distgrad.autograd as dist_autograd
-from distgrad.autograd import share
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,23 +43,9 @@ class Once(torch.autograd.Function):
         return g
 
 
-_through = [0]  # native regions that ran through .grad in this worker
-
-
-def _count_through() -> None:
-    orig = share.PassState._through_grad
-
-    def counted(self, *args):
-        res = orig(self, *args)
-        _through[0] += res is not None
-        return res
-    share.PassState._through_grad = counted
-
-
 def _scenarios(rank, world):
     if rank != 0:
         return None
-    _count_through()
     out = {}
     torch.manual_seed(0)
     a = torch.randn(5, 6, requires_grad=True)
@@ -81,13 +68,11 @@ def _scenarios(rank, world):
     params = list(net.parameters())
     mine = torch.full_like(params[0], 7.0)
     params[0].grad = mine
-    before = _through[0]
     with dist_autograd.context() as cid:
         loss = net(x).pow(2).sum()
         dist_autograd.backward(cid, [loss], retain_graph=True)
         dist_autograd.backward(cid, [loss])  # summed in the context
         got = dist_autograd.get_gradients(cid)
-    out["native_ran"] = _through[0] - before == 2
     out["user_grad_kept"] = params[0].grad is mine and bool((mine == 7.0).all())
     out["others_none"] = all(p.grad is None for p in params[1:])
     params[0].grad = None
@@ -134,8 +119,84 @@ def _scenarios(rank, world):
     return out
 
 
+def _user_owned(rank, world):
+    """Scenarios where the user owns .grad or a gradient a hook kept (run in a fresh
+    worker: no post-accumulate-grad hook registered before them)."""
+    if rank != 0:
+        return None
+    out = {}
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(10)])
+    params = list(net.parameters())
+    x = torch.randn(4, 32)
+
+    # a hook on an intermediate reads a leaf's .grad during the pass: the user's value
+    v = torch.ones(3, requires_grad=True)
+    v.grad = torch.full((3,), 7.0)
+    y = v * 2
+    seen_grad = []
+    y.register_hook(lambda g: seen_grad.append(None if v.grad is None else v.grad.clone()))
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [(y * 3).sum()])
+        gv = dist_autograd.get_gradients(cid)[v]
+    out["hook_sees_user_grad"] = (len(seen_grad) == 1 and seen_grad[0] is not None
+                                  and torch.equal(seen_grad[0], torch.full((3,), 7.0))
+                                  and torch.equal(v.grad, torch.full((3,), 7.0))
+                                  and torch.equal(gv, torch.full((3,), 6.0)))
+
+    # a plain backward() on another thread over the same parameter while passes run
+    p = params[0]
+    p.grad = None
+    want = torch.autograd.grad(net(x).sum(), [p])[0]
+    stop, count, plain_errs = threading.Event(), [0], []
+
+    def plain():
+        try:
+            while not stop.is_set():
+                (p * 1.0).sum().backward()  # adds exactly ones into p.grad
+                count[0] += 1
+        except Exception as e:  # noqa: BLE001
+            plain_errs.append(repr(e))
+    t = threading.Thread(target=plain)
+    t.start()
+    wrong = 0
+    try:
+        for _ in range(100):
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [net(x).sum()])
+                wrong += not torch.allclose(dist_autograd.get_gradients(cid)[p], want, atol=1e-5)
+    finally:
+        stop.set()
+        t.join()
+    out["plain_thread"] = (not plain_errs and wrong == 0 and count[0] > 0
+                           and bool((p.grad == count[0]).all()))
+    p.grad = None
+
+    # a hook keeps the gradient it was given and the user changes it in place before
+    # get_gradients: the context holds the value at accumulation (a copy decided then)
+    c = torch.ones(4, requires_grad=True)
+    d = torch.ones(4, requires_grad=True)
+    kept_ok = True
+    for extra in (lambda: 0 * d.sum(), lambda: (c + d).sum()):
+        stash = []
+        h = c.register_hook(lambda g, stash=stash: stash.append(g))
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [(c * 2).sum() + extra()])
+            expect = stash[0].clone()
+            stash[0].zero_()
+            kept_ok = kept_ok and torch.equal(dist_autograd.get_gradients(cid)[c], expect)
+        h.remove()
+    out["kept_then_changed"] = kept_ok
+    return out
+
+
 def test_native_pass_keeps_torchs_semantics():
     res = run_workers(_scenarios, world_size=1, timeout=150)[0]
-    assert res == {"two_leaves_copied": True, "kept": True, "native_ran": True,
+    assert res == {"two_leaves_copied": True, "kept": True,
                    "user_grad_kept": True, "others_none": True, "exact": True,
                    "hooks": True, "threads": True}
+
+
+def test_user_owned_grads_left_alone():
+    res = run_workers(_user_owned, world_size=1, timeout=150)[0]
+    assert res == {"hook_sees_user_grad": True, "plain_thread": True, "kept_then_changed": True}

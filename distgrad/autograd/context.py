@@ -127,11 +127,20 @@ class DistAutogradContext:
         kept as they are; they are never written to.
 
         ``lazy``: nobody but this pass can reach ``given`` (so a copy of a result
-        that shares its memory may be made later): only what can change, the
-        references to each result, is read now; the rest waits in ``_pending``
-        until the gradients are read or added to (the common path then costs no
-        Python work per leaf)."""
+        that shares its memory may be made later). The references to each result are
+        counted now, as torch counts them when it accumulates: when some result has
+        another holder, everything is taken in at once (its copy made before the
+        holder can change it); otherwise the results wait in ``_pending`` until the
+        gradients are read or added to (the common path then costs no Python work
+        per leaf)."""
         refs = list(map(sys.getrefcount, grads))  # the shape _calibrate() measures
+        if lazy:
+            # torch decides copy-or-keep as it accumulates: a result someone else holds
+            # (a hook kept it; one tensor for two leaves) is copied now, before its holder
+            # can change it; only results nobody else holds wait (keeping is lazy)
+            counts = set(refs)
+            counts.discard(list(map(sys.getrefcount, _ONE_NONE))[0])  # absent gradients
+            lazy = max(counts, default=0) <= _BASE_REFS
         given_keys = {_memory_key(g) for g in given}
         with self.lock:
             if lazy:
@@ -195,6 +204,7 @@ def _calibrate() -> int:
 
 
 _BASE_REFS = _calibrate()
+_ONE_NONE = (None,)  # an absent gradient's count of references, read the way refs are
 
 
 def _memory_key(t: torch.Tensor) -> int:

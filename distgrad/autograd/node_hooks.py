@@ -19,10 +19,8 @@ post-hooks around its capture of a leaf's gradient; :func:`run_pre` and
 
 Probing costs about 6 us a node. The executor (already the slow path) probes
 every node it runs, and finds hooks registered before :func:`install` too. A
-native region usually runs as a plain ``backward()`` (its leaves' nodes run
-themselves, hooks and all: :meth:`.share.PassState._through_grad`); where it
-captures its leaves instead, their nodes are probed only once some registration
-was seen (a leaf's node is made anew for each forward, so a hook on it was
+native region captures its leaves; their nodes are probed only once some
+registration was seen (a leaf's node is made anew for each forward, so a hook on it was
 registered through the wrapper unless it came before ``import distgrad`` on a
 node alive since), and :func:`leaf_hooks` keeps the live dicts in the node's
 ``metadata``.

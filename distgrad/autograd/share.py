@@ -7,11 +7,12 @@ any order. On first contact a worker walks its local graph from all its entries
 nodes.
 
 * **Disjoint regions** (the common case): each entry runs as soon as its
-  gradient arrives, as one native engine call: a plain ``backward()`` whose
-  AccumulateGrad nodes write ``.grad``, read and put back at once
-  (:meth:`PassState._through_grad`), or, where that could be seen, one that
-  captures the region's leaves; the recv functions run and ship their
-  gradients. Nothing ever waits, so an RPC whose result never reaches the loss
+  gradient arrives, as one native engine call that captures the region's
+  leaves' gradients (``inputs=``), as torch's distributed engine captures
+  them: ``.grad`` is never read or written, so a plain ``backward()`` on
+  another thread, a hook reading ``.grad`` or ``clip_grad_norm_`` meanwhile
+  see exactly what they would without distgrad; the recv functions run and
+  ship their gradients. Nothing ever waits, so an RPC whose result never reaches the loss
   costs nothing (torch's FAST mode hangs there).
 * **Shared regions**: the node-by-node executor (:mod:`.executor`) runs each
   node once, when all its counted inputs arrived. A shared node may then wait
@@ -40,11 +41,10 @@ from . import ddp, node_hooks
 from .context import CONTAINER, DistAutogradContext
 from .executor import Executor
 from .gradients import fed_slots, ship_absent
-from .nodes import UNREACHED, _engine_run_backward, grad_call, validate
+from .nodes import UNREACHED, grad_call, validate
 from .rpc_functions import _ANCHOR, _node_types
 from .walk import Region, fed_slots_below, recv_slot, walk_reach, walk_region
 
-_GRAD_LOCK = threading.Lock()   # one pass at a time runs its region through .grad
 node_hooks.install()  # any `import distgrad...` gets here (distgrad/__init__ imports autograd)
 
 # A pass's flags (they travel with its gradients): keep the graph; record the backward;
@@ -199,14 +199,8 @@ class PassState(Executor):
             variables = [n.variable for n in region.leaves]
             outs, given = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
             with fed_slots(fed):
-                res = self._through_grad(variables, outs, given, region)
-                if res is not None:  # the leaves' nodes ran, hooks and all
-                    self.ctx.accumulate_fresh(region.leaves, res, given, owned=key != "root",
-                                              lazy=key != "root" or not self.user_grads)
-                    res = None
-                else:
-                    inputs = variables + [_ANCHOR] if region.recvs else variables
-                    res = grad_call(outs, given, tuple(inputs), self.retain_graph, self.create_graph)
+                inputs = variables + [_ANCHOR] if region.recvs else variables
+                res = grad_call(outs, given, tuple(inputs), self.retain_graph, self.create_graph)
             if res is not None:
                 # gradients that came over the network belong to this pass: no defensive copy
                 self.take_leaves(region.leaves, res, given, owned=key != "root",
@@ -216,50 +210,6 @@ class PassState(Executor):
             # recv function behind an absent gradient still sends (absent gradients):
             # the sender may be counting on that message
             ship_absent(region.recvs)
-
-    def _through_grad(self, variables: list, outs: tuple, given: tuple,
-                      region: Region) -> list | None:
-        """A native region as the plain ``backward()`` torch's users time: every
-        AccumulateGrad node runs and writes ``.grad``, which is read and put back
-        at once. An engine call that captures its inputs instead (``inputs=``)
-        costs torch 7 % more at 150 nodes and 28 % more at 9,000. The gradients
-        are the ones torch's context would store (its AccumulateGrad rule is the
-        one the context applies); the leaves' nodes run their own hooks.
-
-        Only where nothing can tell: no graph recorded, no DDP (its hooks are on
-        those nodes), no post-accumulate-grad hook (it would see this pass's
-        gradient, not the context's sum), no node that may give one gradient
-        tensor to two leaves (AccumulateGrad would keep it for one of them, torch's
-        distributed engine copies it for both: its test_no_grad_copy), and one such
-        call at a time in this process (others capture; they never touch
-        ``.grad``). Returns None where it does not apply."""
-        if (self.create_graph or ddp.active[0] or _engine_run_backward is None
-                or region.one_grad_two_leaves
-                or node_hooks.post_acc_registered[0]
-                or any([v._post_accumulate_grad_hooks for v in variables])
-                or not _GRAD_LOCK.acquire(blocking=False)):
-            return None
-        try:
-            saved = [v.grad for v in variables]
-            kept = [(v, g) for v, g in zip(variables, saved) if g is not None]
-            for v, _ in kept:
-                v.grad = None
-            res = None
-            try:
-                _engine_run_backward(outs, given, self.retain_graph, False, (), True,
-                                     accumulate_grad=True)
-                res = [v.grad for v in variables]
-            finally:
-                for v, g in zip(variables, res if res is not None else variables):
-                    if g is not None:
-                        v.grad = None
-                for v, g in kept:
-                    v.grad = g
-                if region.recvs:
-                    _ANCHOR.grad = None
-            return res
-        finally:
-            _GRAD_LOCK.release()
 
     def take_leaves(self, leaves: list, res: Sequence, given: Sequence, owned: bool,
                     variables: Sequence | None = None, lazy: bool = True) -> None:

@@ -50,27 +50,11 @@ def _spread(seen: set, stack: list, recvs: list | None) -> None:
 
 
 class Region:
-    __slots__ = ("leaves", "recvs", "one_grad_two_leaves")
+    __slots__ = ("leaves", "recvs")
 
     def __init__(self) -> None:
         self.leaves: list[torch.Tensor] = []
         self.recvs: list = []  # recv functions met (the walk stops there)
-        # a node that may hand one gradient tensor to two leaves holds two leaf edges
-        # (torch's distributed engine then copies it for both; AccumulateGrad for one)
-        self.one_grad_two_leaves = False
-
-
-_PASSES_ON: dict[type, bool] = {}  # node type -> may return one tensor for two inputs
-
-
-def _passes_on(t: type) -> bool:
-    """Whether nodes of type ``t`` may return their incoming gradient itself for two
-    inputs: ``AddBackward0`` (a + b) and every Python Function (its backward is user code)."""
-    v = _PASSES_ON.get(t)
-    if v is None:
-        v = _PASSES_ON[t] = (t.__name__ == "AddBackward0"
-                             or issubclass(t, torch.autograd.function.BackwardCFunction))
-    return v
 
 
 def walk_region(starts: Sequence[Any], region: Region, recv_slots: dict[int, set]) -> set:
@@ -91,16 +75,13 @@ def walk_region(starts: Sequence[Any], region: Region, recv_slots: dict[int, set
         if t is recv_t:
             region.recvs.append(n)
             continue
-        edges = n.next_functions
-        for nxt, slot in edges:
+        for nxt, slot in n.next_functions:
             if nxt is not None:
                 if type(nxt) is recv_t:
                     recv_slot(recv_slots, nxt, slot)
                 if nxt not in seen:
                     seen.add(nxt)
                     stack.append(nxt)
-        if len(edges) > 1 and not region.one_grad_two_leaves and _passes_on(t):
-            region.one_grad_two_leaves = len({id(e) for e, _ in edges if type(e) is acc_t}) > 1
     return seen
 
 
