@@ -70,6 +70,7 @@ import traceback
 import warnings
 import zlib
 
+import random_threads as rt_threads
 import torch
 
 # a module whose input needs no grad: torch warns that its full backward hook sees grad_output
@@ -345,6 +346,14 @@ class WorkerState:
         self.counts: collections.Counter = collections.Counter()
         self.remote_issued = 0
         self.remote_done = 0
+        self.kept: list = []          # (gradient, op) kept by ("keep", ...) hooks
+        self.events: dict = {}        # rendezvous key -> threading.Event
+        self.plain = None             # the running random_threads.PlainThread
+
+    def event(self, key: str) -> threading.Event:
+        """The rendezvous event ``key`` of this worker (get-or-create)."""
+        with self.lock:
+            return self.events.setdefault(key, threading.Event())
 
     def leaf(self, name: str, shape: tuple, requires_grad: bool) -> torch.Tensor:
         # get-or-create under the lock: concurrent bodies (rpc_async, remote) may share
@@ -422,6 +431,15 @@ def run_block(block: dict, values, rt) -> tuple:
         elif op == "inplace":
             _, x, kind, zs, attrs = ins
             apply_inplace(env[x], kind, [env[z] for z in zs], attrs)
+        elif op == "keep":
+            _, x, attrs = ins
+            if env[x].requires_grad:
+                env[x].register_hook(rt_threads.keeper(state.kept, attrs["op"]))
+        elif op == "signal":
+            _, key, worker = ins
+            rt.signal(block["worker"], worker, key)
+        elif op == "wait_for":
+            rt_threads.wait_for(state.event(ins[1]), ins[1])
         else:
             raise ValueError(f"unknown instruction {ins!r}")
         if isinstance(rt, LocalRuntime):
@@ -451,10 +469,15 @@ class LocalRuntime:
         return run_block(block, values, self)
 
     def call_async(self, block, values):
+        if rt_threads.waits(block):   # it waits on another body: both run at once
+            return rt_threads.LocalFuture(lambda: run_block(block, values, self))
         return run_block(block, values, self)
 
     def wait(self, handle):
-        return handle
+        return handle.wait() if isinstance(handle, rt_threads.LocalFuture) else handle
+
+    def signal(self, me: int, worker: int, key: str) -> None:
+        self.state(worker).event(key).set()
 
     def remote(self, block, values):
         return LocalRRef(run_block(block, values, self))
@@ -513,6 +536,13 @@ class DistRuntime:
 
     def to_here(self, rref):
         return rref.to_here()
+
+    def signal(self, me: int, worker: int, key: str) -> None:
+        if worker == me:
+            STATE.event(key).set()
+        else:
+            import distgrad.rpc as rpc
+            rpc.rpc_sync(f"worker{worker}", rt_threads.signal, args=(key,))
 
 
 # -- helpers the driver calls on every worker ------------------------------------------
@@ -619,11 +649,18 @@ FEATURE_WEIGHTS = {
     "autocast": 0.15,       # ("op", out, "ac_matmul"|"ac_linear", ins, {}) on a callee
     "inplace": 0.25,        # ("inplace", reg, mul_|add_, [z], attrs) on a fresh result or a clone
 }
+COMPANY = dict(FEATURE_WEIGHTS)   # issue 18's features alone (the fixed seeds chosen for them)
+FEATURE_WEIGHTS.update({          # issue 26: threads (tests/random_threads.py)
+    "plain_thread": 0.25,   # prog["plain"]: plain backward() on another thread during the passes
+    "two_passes": 0.2,      # prog["twice"]: two forwards, then both backward passes at once
+    "keep_grad": 0.25,      # ("keep", reg, {"op"}): a hook keeps a gradient, changed after the passes
+    "rendezvous": 0.2,      # two rpc_asyncs whose bodies wait on each other (signal / wait_for)
+})
 FEATURE_GROUPS = {"hooks": ("hook", "nodehook", "module"), "checkpoint": ("ckpt", "ckpt_reentrant"),
-                  "all": tuple(FEATURE_WEIGHTS), "none": ()}
+                  "threads": rt_threads.THREAD_FEATURES, "all": tuple(FEATURE_WEIGHTS), "none": ()}
 NOT_TWICE_DIFFERENTIABLE = ("compile", "ckpt_reentrant")
 STEP_WEIGHTS = {"hook": 0.7, "nodehook": 0.5, "module": 0.5, "ckpt": 0.4, "ckpt_reentrant": 0.3,
-                "compile": 0.5, "autocast": 0.5, "inplace": 0.5}
+                "compile": 0.5, "autocast": 0.5, "inplace": 0.5, "keep_grad": 0.5, "rendezvous": 0.5}
 # ops whose backward does not save their output: a fresh result may be modified in place
 INPLACE_SAFE = {"scale", "add", "sub", "mul", "div", "square", "sin", "sum", "mean", "index",
                 "index_select", "cat", "stack", "matmul", "first_only", "count", "dot", "clone"}
@@ -651,10 +688,13 @@ def parse_features(spec) -> dict:
 
 def weights_for(cfg: dict) -> dict:
     """The feature weights a run uses: ``cfg["features"]`` or FEATURE_WEIGHTS, less
-    what a second-order run cannot differentiate twice."""
+    what a second-order run cannot differentiate twice, and less the threads in
+    second-order and anomaly runs (their oracles know one first-order pass)."""
     w = dict(FEATURE_WEIGHTS if cfg.get("features") is None else cfg["features"])
     if cfg.get("order", 1) == 2:
         w.update(dict.fromkeys(NOT_TWICE_DIFFERENTIABLE, 0.0))
+    if cfg.get("order", 1) == 2 or cfg.get("anomaly"):
+        w.update(dict.fromkeys(rt_threads.THREAD_FEATURES, 0.0))
     return w
 
 
@@ -693,6 +733,9 @@ class Generator:
         self.n = 0
         self.stashes = {w: [] for w in range(world)}   # worker -> [(name, shape, rg)]
         self.params = {w: [] for w in range(world)}    # worker -> [(name, shape)] reusable
+        self.grad_leaves = {w: [] for w in range(world)}   # worker -> leaf names (plain threads)
+        self.leaf_names: dict = {}                     # leaf register -> its name
+        self.kept_leaves: set = set()                  # leaves a "keep" hook is on
 
     # -- registers ---------------------------------------------------------------------
     def new(self, kind: str, *info) -> int:
@@ -770,6 +813,8 @@ class Generator:
         self.emit(b, ("leaf", out, name, shape, kind != "const"), out)
         if kind != "const":
             b.leaves.append(out)
+            self.leaf_names[out] = name
+            self.grad_leaves[b.worker].append(name)
         return out
 
     def op(self, b: _BlockGen, name: str, ins: list, attrs: dict, shape: tuple, rg=None) -> int:
@@ -996,14 +1041,16 @@ class Generator:
         outs = self.outs_for(self.meta[fut][1])
         self.emit(b, ("wait", outs, fut), *outs)
 
-    def g_call(self, b, target=None):
+    def g_call(self, b, target=None, mode=None, inject=None):
         """A call to any worker (a third one, the caller, itself) in one of five modes,
-        with a body generated recursively (up to 3 deep)."""
+        with a body generated recursively (up to 3 deep); ``inject``: two instructions
+        put into the body, in order (random_threads.g_rendezvous)."""
         r = self.rnd
         if target is None:
             # anyone: another worker, the caller (a call back) or this worker itself
             target = r.choice(list(range(self.world)) + [b.caller] * (b.caller is not None))
-        mode = r.choices(["sync", "async_now", "remote_here", "async", "remote"], [3, 1, 1, 1, 1.5])[0]
+        if mode is None:
+            mode = r.choices(["sync", "async_now", "remote_here", "async", "remote"], [3, 1, 1, 1, 1.5])[0]
         avail = [x for x in b.env if self.meta[x][0] in ("t", "rref")]
         n_args = min(len(avail), r.choices([0, 1, 2, 3], [0.1, 0.4, 0.3, 0.2])[0])
         args = r.sample(avail[-6:] if r.random() < 0.5 else avail, min(n_args, len(avail)))
@@ -1018,6 +1065,8 @@ class Generator:
         steps = r.randint(1, max(1, 6 - 2 * b.depth))
         child = self.gen_block(target, args, b.depth + 1, seq, b.worker, steps)
         rets = self.pick_returns(child)
+        if inject:
+            rt_threads.inject(r, child.body, inject)
         block = {"worker": target, "params": child.params, "body": child.body, "returns": rets}
         meta = [(self.shape(x), self.rg(x)) for x in rets]
         if mode in ("sync", "async_now", "remote_here"):
@@ -1078,7 +1127,8 @@ class Generator:
               "module": bool(self.tensors(b, len)), "ckpt": True,
               "ckpt_reentrant": any(self.rg(t) for t in self.tensors(b)),
               "compile": b.depth >= 1, "autocast": b.depth >= 1 and bool(self.tensors(b, len)),
-              "inplace": True}
+              "inplace": True, "keep_grad": bool(self.own_rg(b) or b.leaves), "rendezvous": b.depth < 2,
+              "plain_thread": False, "two_passes": False}
         return [f for f in FEATURE_WEIGHTS if f in self.on and ok[f]]
 
     def g_hook(self, b):
@@ -1146,6 +1196,12 @@ class Generator:
 
     def g_ckpt_reentrant(self, b):
         self.g_ckpt(b, reentrant=True)
+
+    def g_keep_grad(self, b):
+        rt_threads.g_keep(self, b)
+
+    def g_rendezvous(self, b):
+        rt_threads.g_rendezvous(self, b)
 
     def g_compile(self, b):
         """A small function under torch.compile(backend="aot_eager")."""
@@ -1222,8 +1278,9 @@ class Generator:
         roots = self.gen_roots(main)
         # torch refuses retain_graph=True through a compiled backward with donated buffers
         retain = r.random() < 0.3 and not self.compiled
-        return {"seed": self.seed, "world": self.world, "retain": retain,
-                "roots": roots, "main": {"worker": 0, "params": [], "body": main.body, "returns": roots}}
+        return {"seed": self.seed, "world": self.world, "retain": retain, "roots": roots,
+                "main": {"worker": 0, "params": [], "body": main.body, "returns": roots},
+                **rt_threads.program_extras(self)}
 
     def gen_roots(self, b: _BlockGen) -> list:
         """1-3 scalar roots, each a weighted sum over results (call results preferred);
@@ -1285,7 +1342,11 @@ def _r(x) -> str:
 def dump(prog: dict) -> str:
     """A readable listing of the program."""
     lines = [f"program seed={prog['seed']} world={prog['world']} roots=[{_r(prog['roots'])}]"
-             f"{' backward twice (retain_graph=True)' if prog['retain'] else ''}"]
+             f"{' backward twice (retain_graph=True)' if prog['retain'] else ''}"
+             f"{'; forward twice, both backward passes at once' if prog.get('twice') else ''}"]
+    for spec in prog.get("plain", []):
+        lines.append(f"  during the passes, on worker{spec['worker']}: loop plain backward() of "
+                     f"sum(tanh(leaf) . {spec['w']}) over {spec['leaves']}")
 
     def block_lines(block, indent):
         pad = "  " * indent
@@ -1357,6 +1418,8 @@ def _feature_line(ins) -> str:
     if op == "inplace":
         _, x, kind, zs, a = ins
         return f"r{x}.{kind}({_r(zs) if zs else a['c']})"
+    if op in ("keep", "signal", "wait_for"):
+        return rt_threads.dump_line(ins)
     raise ValueError(f"unknown instruction {ins!r}")
 
 
@@ -1378,7 +1441,7 @@ FEATURES = [
     "module full backward pre-hook", "module reused", "checkpoint (use_reentrant=False)",
     "checkpoint (use_reentrant=True)", "torch.compile (aot_eager)", "autocast bf16 matmul/linear",
     "in-place on a fresh result", "in-place on a clone",
-]
+] + rt_threads.FEATURES
 
 
 def _company_features(block: dict, ins, depth: int, module_uses: collections.Counter) -> set:
@@ -1394,7 +1457,7 @@ def _company_features(block: dict, ins, depth: int, module_uses: collections.Cou
         if any(_sub_block(i) is not None and i[0] != "ckpt" and x in _sub_block(i)["params"]
                and _sub_block(i)["worker"] != block["worker"] for i in body):
             f.add("tensor hook on a value sent to another worker")
-        n = sum(_uses(i).count(x) for i in body if i[0] not in ("hook", "nodehook", "inplace"))
+        n = sum(_uses(i).count(x) for i in body if i[0] not in ("hook", "nodehook", "inplace", "keep"))
         if n + block["returns"].count(x) >= 2:
             f.add("tensor hook on a value with several uses")
     elif op == "nodehook":
@@ -1522,6 +1585,7 @@ def features(prog: dict) -> set:
         f.add("param reused across calls")
     if any(n > 1 for n in module_uses.values()):
         f.add("module reused")
+    f |= rt_threads.static_features(prog, [ins for _, ins, _, _ in walk(prog["main"])])
     if len(prog["roots"]) > 1:
         f.add("several roots")
     if prog["retain"]:
@@ -1546,26 +1610,47 @@ def _square_sum(grads: list):
 def run_local(prog: dict) -> dict:
     """The oracle: the whole program in this process with plain torch autograd.
     ``prog["order"] == 2``: a first backward with ``create_graph=True``, then a second
-    one over the sum of squared gradients (which accumulates, as ``.grad`` does)."""
+    one over the sum of squared gradients (which accumulates, as ``.grad`` does).
+    ``prog["twice"]``: two forwards, then each one's backward (``"second"``: the
+    second's roots and gradients); ``prog["plain"]``: one plain backward()'s gradients
+    per leaf (``"plain"``), taken after the forwards (tests/random_threads.py)."""
     rt = LocalRuntime()
-    roots = list(run_block(prog["main"], [], rt))
-    if prog.get("order", 1) == 2:
-        torch.autograd.backward(roots, create_graph=True)
-        pen = _square_sum([t.grad for _, st in sorted(rt.states.items())
-                           for _, t in sorted(st.leaves.items()) if t.requires_grad])
-        if pen is not None:
-            roots.append(pen)
-            pen.backward()
-    else:
-        torch.autograd.backward(roots, retain_graph=prog["retain"])
-        if prog["retain"]:
-            torch.autograd.backward(roots)
-    grads = {(w, name): t.grad for w, st in rt.states.items()
-             for name, t in st.leaves.items() if t.requires_grad}
+    forwards = []
+    for _ in range(2 if prog.get("twice") else 1):
+        for st in rt.states.values():
+            st.events.clear()
+        forwards.append(list(run_block(prog["main"], [], rt)))
+    plain = rt_threads.plain_reference(prog, rt) if prog.get("plain") else None
+
+    def leaves():
+        return [(w, name, t) for w, st in rt.states.items() for name, t in st.leaves.items()
+                if t.requires_grad]
+    passes = []
+    for roots in forwards:
+        if prog.get("order", 1) == 2:
+            torch.autograd.backward(roots, create_graph=True)
+            pen = _square_sum([t.grad for _, st in sorted(rt.states.items())
+                               for _, t in sorted(st.leaves.items()) if t.requires_grad])
+            if pen is not None:
+                roots.append(pen)
+                pen.backward()
+        else:
+            torch.autograd.backward(roots, retain_graph=prog["retain"])
+            if prog["retain"]:
+                torch.autograd.backward(roots)
+        passes.append({"roots": [t.detach() for t in roots],
+                       "grads": {(w, name): t.grad for w, name, t in leaves()}})
+        for _, _, t in leaves():
+            t.grad = None
     counts = collections.Counter()
     for st in rt.states.values():
         counts.update(st.counts)
-    return {"roots": [t.detach() for t in roots], "grads": grads, "counts": dict(counts)}
+    out = {"roots": passes[0]["roots"], "grads": passes[0]["grads"], "counts": dict(counts)}
+    if len(passes) > 1:
+        out["second"] = passes[1]
+    if plain is not None:
+        out["plain"] = plain
+    return out
 
 
 def _square_grads(cid: int):
@@ -1678,37 +1763,41 @@ def check_anomaly(prog: dict, worker: int, backward_timeout: float = BACKWARD_TI
     return rec
 
 
-def run_distributed(prog: dict, backward_timeout: float) -> dict:
-    """The program on the cluster (call on worker0, inside init_rpc)."""
-    import distgrad.autograd as dist_autograd
+def _backward_all(cid: int, roots: list, prog: dict, backward_timeout: float) -> list:
+    """The program's backward in context ``cid`` (retained and repeated, or second
+    order: then the roots with the penalty appended)."""
     import distgrad.rpc as rpc
     world = prog["world"]
+    if prog.get("order", 1) == 2:
+        _backward(cid, roots, True, backward_timeout, create_graph=True)
+        parts = [_square_grads(cid)] + [rpc.rpc_sync(f"worker{w}", _square_grads, args=(cid,))
+                                        for w in range(1, world)]
+        pen = _square_sum_parts(parts)
+        if pen is not None:
+            roots = roots + [pen]
+            _backward(cid, [pen], False, backward_timeout)
+    else:
+        _backward(cid, roots, prog["retain"], backward_timeout)
+        if prog["retain"]:
+            _backward(cid, roots, False, backward_timeout)
+    return roots
+
+
+def _gather_grads(cid: int, world: int) -> tuple:
+    """({(worker, leaf name): gradient}, [entries that are no leaf]) of context ``cid``."""
+    import distgrad.rpc as rpc
+    grads, unknown = {}, []
     for w in range(world):
-        rpc.rpc_sync(f"worker{w}", _reset)
-    with dist_autograd.context() as cid:
-        roots = list(run_block(prog["main"], [], DistRuntime()))
-        _drain(world)
-        if prog.get("order", 1) == 2:
-            _backward(cid, roots, True, backward_timeout, create_graph=True)
-            parts = [_square_grads(cid)] + [rpc.rpc_sync(f"worker{w}", _square_grads, args=(cid,))
-                                            for w in range(1, world)]
-            pen = _square_sum_parts(parts)
-            if pen is not None:
-                roots.append(pen)
-                _backward(cid, [pen], False, backward_timeout)
-        else:
-            _backward(cid, roots, prog["retain"], backward_timeout)
-            if prog["retain"]:
-                _backward(cid, roots, False, backward_timeout)
-        grads, unknown = {}, []
-        for w in range(world):
-            found, unk = rpc.rpc_sync(f"worker{w}", _collect_grads, args=(cid,))
-            grads.update({(w, n): g for n, g in found.items()})
-            unknown += [f"worker{w}: {u}" for u in unk]
-    counts = collections.Counter()
-    for w in range(world):
-        counts.update(rpc.rpc_sync(f"worker{w}", _take_counts))
-    return {"roots": [t.detach() for t in roots], "grads": grads, "counts": dict(counts), "unknown": unknown}
+        found, unk = rpc.rpc_sync(f"worker{w}", _collect_grads, args=(cid,))
+        grads.update({(w, n): g for n, g in found.items()})
+        unknown += [f"worker{w}: {u}" for u in unk]
+    return grads, unknown
+
+
+def run_distributed(prog: dict, backward_timeout: float) -> dict:
+    """The program on the cluster (call on worker0, inside init_rpc; the passes, the
+    plain threads, the kept gradients: random_threads.run_passes)."""
+    return rt_threads.run_passes(prog, backward_timeout)
 
 
 def _square_sum_parts(parts: list):
@@ -1717,17 +1806,40 @@ def _square_sum_parts(parts: list):
 
 
 def compare(want: dict, got: dict) -> list:
-    """(kind, detail) for every disagreement between oracle and distributed run."""
+    """(kind, detail) for every disagreement between oracle and distributed run: the
+    roots and gradients of each pass, the counting nodes' runs, and (where the run
+    reports them) every leaf's ``.grad``."""
+    issues = _compare_pass(want, got, "")
+    if "second" in want or "second" in got:
+        if "second" not in got or "second" not in want:
+            issues.append(("second pass", f"{'no' if 'second' not in got else 'an unexpected'} second pass"))
+        else:
+            issues += _compare_pass(want["second"], got["second"], "second pass: ")
+    for u in got.get("unknown", []):
+        issues.append(("grad for a non-leaf", u))
+    if want["counts"] != got["counts"]:
+        diff = {t: (got["counts"].get(t, 0), want["counts"].get(t, 0))
+                for t in set(want["counts"]) | set(got["counts"])
+                if got["counts"].get(t, 0) != want["counts"].get(t, 0)}
+        issues.append(("node run count", "ran (distributed, local): " + ", ".join(
+            f"{t}: {a} vs {b}" for t, (a, b) in sorted(diff.items()))))
+    if "dotgrad" in got:
+        issues += rt_threads.compare_dotgrad(want, got)
+    return issues
+
+
+def _compare_pass(want: dict, got: dict, where: str) -> list:
+    """compare()'s part for one pass: its roots and leaf gradients."""
     issues = []
     if len(want["roots"]) != len(got["roots"]):
-        issues.append(("forward value", f"{len(got['roots'])} roots, local autograd has "
+        issues.append(("forward value", f"{where}{len(got['roots'])} roots, local autograd has "
                                         f"{len(want['roots'])}"))
     for i, (a, b) in enumerate(zip(want["roots"], got["roots"])):
         if a.shape != b.shape or not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
-            issues.append(("forward value", f"root {i}: {b.tolist()} != {a.tolist()}"))
+            issues.append(("forward value", f"{where}root {i}: {b.tolist()} != {a.tolist()}"))
     for key, g in sorted(want["grads"].items()):
         w, name = key
-        label = f"leaf {name.split('.', 1)[1]} on worker{w}"
+        label = f"{where}leaf {name.split('.', 1)[1]} on worker{w}"
         d = got["grads"].get(key)
         if g is None:
             if d is not None:
@@ -1747,14 +1859,6 @@ def compare(want: dict, got: dict) -> list:
                 ratio = " (= half of expected)"
             issues.append(("grad value",
                            f"{label}: max abs err {err:.3g}{ratio}: {d.tolist()} != {g.tolist()}"))
-    for u in got.get("unknown", []):
-        issues.append(("grad for a non-leaf", u))
-    if want["counts"] != got["counts"]:
-        diff = {t: (got["counts"].get(t, 0), want["counts"].get(t, 0))
-                for t in set(want["counts"]) | set(got["counts"])
-                if got["counts"].get(t, 0) != want["counts"].get(t, 0)}
-        issues.append(("node run count", "ran (distributed, local): " + ", ".join(
-            f"{t}: {a} vs {b}" for t, (a, b) in sorted(diff.items()))))
     return issues
 
 
@@ -1843,7 +1947,7 @@ def _uses(ins) -> list:
         return [ins[3]]
     if op in ("call", "async", "remote", "ckpt"):
         return list(_sub_block(ins)["params"])
-    if op in ("hook", "nodehook"):
+    if op in ("hook", "nodehook", "keep"):
         return [ins[1]]
     if op == "inplace":
         return [ins[1], *ins[3]]
@@ -1908,7 +2012,7 @@ def _rename(prog: dict, old: int, new: int) -> dict:
                 ins = ins[:3] + (sub(ins[3]),) + ins[4:] if ins[0] == "multi" else ins[:2] + (sub(ins[2]),)
             elif ins[0] == "module":
                 ins = ins[:3] + (sub(ins[3]),) + ins[4:]
-            elif ins[0] in ("hook", "nodehook"):
+            elif ins[0] in ("hook", "nodehook", "keep"):
                 ins = (ins[0], sub(ins[1])) + ins[2:]
             elif ins[0] == "inplace":
                 ins = (ins[0], sub(ins[1]), ins[2], [sub(z) for z in ins[3]], ins[4])
@@ -1919,7 +2023,13 @@ def _rename(prog: dict, old: int, new: int) -> dict:
 
 
 def _candidates(prog: dict):
-    """Smaller or simpler variants of ``prog``, biggest cuts first."""
+    """Smaller or simpler variants of ``prog``, biggest cuts first (none where a body
+    waits for a signal that is gone: it would wait forever)."""
+    return (c for c in _variants(prog) if rt_threads.paired(c))
+
+
+def _variants(prog: dict):
+    yield from rt_threads.strip(prog)
     if prog["retain"]:
         p = _copy(prog)
         p["retain"] = False
@@ -1941,6 +2051,9 @@ def _candidates(prog: dict):
     for bi in range(n_blocks):
         block = at(prog, bi)
         for ii, ins in enumerate(block["body"]):
+            if ins[0] in ("signal", "wait_for") or (_sub_block(ins) is not None
+                                                    and rt_threads.waits(_sub_block(ins))):
+                continue
             # the instruction removed, with everything that depends on it
             if not any(d in prog["roots"] for d in _defs(ins)):
                 p = _copy(prog)
