@@ -435,6 +435,9 @@ def run_block(block: dict, values, rt) -> tuple:
             _, x, attrs = ins
             if env[x].requires_grad:
                 env[x].register_hook(rt_threads.keeper(state.kept, attrs["op"]))
+        elif op == "plain_hook":   # (local autograd: no plain thread, no hook)
+            if isinstance(rt, DistRuntime) and env[ins[1]].requires_grad:
+                env[ins[1]].register_hook(rt_threads.plain_hook(state))
         elif op == "signal":
             _, key, worker = ins
             rt.signal(block["worker"], worker, key)
@@ -660,7 +663,8 @@ FEATURE_GROUPS = {"hooks": ("hook", "nodehook", "module"), "checkpoint": ("ckpt"
                   "threads": rt_threads.THREAD_FEATURES, "all": tuple(FEATURE_WEIGHTS), "none": ()}
 NOT_TWICE_DIFFERENTIABLE = ("compile", "ckpt_reentrant")
 STEP_WEIGHTS = {"hook": 0.7, "nodehook": 0.5, "module": 0.5, "ckpt": 0.4, "ckpt_reentrant": 0.3,
-                "compile": 0.5, "autocast": 0.5, "inplace": 0.5, "keep_grad": 0.5, "rendezvous": 0.5}
+                "compile": 0.5, "autocast": 0.5, "inplace": 0.5, "keep_grad": 0.5, "rendezvous": 0.5,
+                "plain_thread": 0.6}
 # ops whose backward does not save their output: a fresh result may be modified in place
 INPLACE_SAFE = {"scale", "add", "sub", "mul", "div", "square", "sin", "sum", "mean", "index",
                 "index_select", "cat", "stack", "matmul", "first_only", "count", "dot", "clone"}
@@ -736,6 +740,7 @@ class Generator:
         self.grad_leaves = {w: [] for w in range(world)}   # worker -> leaf names (plain threads)
         self.leaf_names: dict = {}                     # leaf register -> its name
         self.kept_leaves: set = set()                  # leaves a "keep" hook is on
+        self.plain_hooks: dict = {}                    # worker -> leaves with a plain_hook
 
     # -- registers ---------------------------------------------------------------------
     def new(self, kind: str, *info) -> int:
@@ -1128,7 +1133,7 @@ class Generator:
               "ckpt_reentrant": any(self.rg(t) for t in self.tensors(b)),
               "compile": b.depth >= 1, "autocast": b.depth >= 1 and bool(self.tensors(b, len)),
               "inplace": True, "keep_grad": bool(self.own_rg(b) or b.leaves), "rendezvous": b.depth < 2,
-              "plain_thread": False, "two_passes": False}
+              "plain_thread": bool(b.leaves), "two_passes": False}
         return [f for f in FEATURE_WEIGHTS if f in self.on and ok[f]]
 
     def g_hook(self, b):
@@ -1202,6 +1207,9 @@ class Generator:
 
     def g_rendezvous(self, b):
         rt_threads.g_rendezvous(self, b)
+
+    def g_plain_thread(self, b):
+        rt_threads.g_plain_hook(self, b)
 
     def g_compile(self, b):
         """A small function under torch.compile(backend="aot_eager")."""
@@ -1418,7 +1426,7 @@ def _feature_line(ins) -> str:
     if op == "inplace":
         _, x, kind, zs, a = ins
         return f"r{x}.{kind}({_r(zs) if zs else a['c']})"
-    if op in ("keep", "signal", "wait_for"):
+    if op in ("keep", "signal", "wait_for", "plain_hook"):
         return rt_threads.dump_line(ins)
     raise ValueError(f"unknown instruction {ins!r}")
 
@@ -1457,7 +1465,8 @@ def _company_features(block: dict, ins, depth: int, module_uses: collections.Cou
         if any(_sub_block(i) is not None and i[0] != "ckpt" and x in _sub_block(i)["params"]
                and _sub_block(i)["worker"] != block["worker"] for i in body):
             f.add("tensor hook on a value sent to another worker")
-        n = sum(_uses(i).count(x) for i in body if i[0] not in ("hook", "nodehook", "inplace", "keep"))
+        n = sum(_uses(i).count(x) for i in body
+                if i[0] not in ("hook", "nodehook", "inplace", "keep", "plain_hook"))
         if n + block["returns"].count(x) >= 2:
             f.add("tensor hook on a value with several uses")
     elif op == "nodehook":
@@ -1585,7 +1594,7 @@ def features(prog: dict) -> set:
         f.add("param reused across calls")
     if any(n > 1 for n in module_uses.values()):
         f.add("module reused")
-    f |= rt_threads.static_features(prog, [ins for _, ins, _, _ in walk(prog["main"])])
+    f |= rt_threads.static_features(prog, [(b["worker"], ins) for b, ins, _, _ in walk(prog["main"])])
     if len(prog["roots"]) > 1:
         f.add("several roots")
     if prog["retain"]:
@@ -1947,7 +1956,7 @@ def _uses(ins) -> list:
         return [ins[3]]
     if op in ("call", "async", "remote", "ckpt"):
         return list(_sub_block(ins)["params"])
-    if op in ("hook", "nodehook", "keep"):
+    if op in ("hook", "nodehook", "keep", "plain_hook"):
         return [ins[1]]
     if op == "inplace":
         return [ins[1], *ins[3]]
@@ -2012,7 +2021,7 @@ def _rename(prog: dict, old: int, new: int) -> dict:
                 ins = ins[:3] + (sub(ins[3]),) + ins[4:] if ins[0] == "multi" else ins[:2] + (sub(ins[2]),)
             elif ins[0] == "module":
                 ins = ins[:3] + (sub(ins[3]),) + ins[4:]
-            elif ins[0] in ("hook", "nodehook", "keep"):
+            elif ins[0] in ("hook", "nodehook", "keep", "plain_hook"):
                 ins = (ins[0], sub(ins[1])) + ins[2:]
             elif ins[0] == "inplace":
                 ins = (ins[0], sub(ins[1]), ins[2], [sub(z) for z in ins[3]], ins[4])

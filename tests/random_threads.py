@@ -8,6 +8,11 @@ Four features, each drawn per program like those of issue 18 (FEATURE_WEIGHTS)::
         leaf's ``.grad`` must hold exactly what that many plain calls accumulate in
         local autograd (the reference gives one call's gradient), every other leaf's
         ``.grad`` stays None: the distributed passes never touch ``.grad``
+    ("plain_hook", leaf)
+        a hook on ``leaf`` that, when the pass reaches it, has its worker's plain
+        thread (whose leaves include it) make one more call and waits for it: a plain
+        backward() certainly accumulates into the leaf while the pass is about to
+        (local autograd: no hook)
     prog["twice"] = True
         the forward runs twice (one after the other, each in its own context, over
         the same parameters), then both backward passes run at once on two threads;
@@ -32,7 +37,8 @@ import threading
 import torch
 
 RENDEZVOUS_TIMEOUT = 20.0   # s a body waits for its partner's signal
-PLAIN_PAUSE = 0.0005        # s between two plain backward() calls (leaves the passes the GIL)
+PLAIN_PAUSE = 0.001         # s between two plain backward() calls (unless a hook asks)
+PLAIN_WAIT = 10.0           # s a ("plain_hook", reg) hook waits for its plain call
 PHASE_TIMEOUT = 300.0       # s the passes' threads wait for each other (forwards may compile)
 THREAD_FEATURES = ("plain_thread", "two_passes", "keep_grad", "rendezvous")
 KEEP_OPS = ("mul", "zero", "add")
@@ -45,6 +51,16 @@ def keeper(kept: list, op: str):
     def hook(g):
         if g is not None:
             kept.append((g, op))
+    return hook
+
+
+def plain_hook(state):
+    """The hook of ("plain_hook", reg) in a distributed run: one plain backward() on
+    this worker's plain thread (when one runs), waited for; the gradient goes on."""
+    def hook(g):
+        plain = state.plain
+        if plain is not None and threading.current_thread() is not plain.thread:
+            plain.call_now()   # (the plain thread's own calls pass through)
     return hook
 
 
@@ -138,24 +154,48 @@ def plain_reference(prog: dict, rt) -> dict:
 
 class PlainThread:
     """A plain backward() loop over some of this worker's leaves, from start to stop
-    (at least one call)."""
+    (at least one call); :meth:`call_now` has it make one more call at once."""
 
     def __init__(self, spec: dict, leaves: dict) -> None:
         self.leaves = [t for _, t in _spec_leaves(spec, leaves)]
         self.spec, self.count, self.error = spec, 0, None
-        self.stopping = threading.Event()
+        self.stopping, self.wake = threading.Event(), threading.Event()
+        self.requests: list = []      # events of call_now()s the next call answers
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="random-programs-plain")
         self.thread.start()
 
     def _loop(self) -> None:
         try:
             while self.leaves:
+                with self.lock:
+                    answered, self.requests = self.requests, []
+                    self.wake.clear()
                 plain_loss(self.spec, self.leaves).backward()
                 self.count += 1
-                if self.stopping.wait(PLAIN_PAUSE):
+                for done in answered:
+                    done.set()
+                if self.stopping.is_set() and not self.requests:
                     return
-        except BaseException as e:  # noqa: BLE001 - reported by stop()
+                self.wake.wait(PLAIN_PAUSE)
+        except BaseException as e:  # noqa: BLE001 - reported by stop() and call_now()
             self.error = f"{type(e).__name__}: {e}"
+            with self.lock:
+                for done in self.requests:
+                    done.set()
+
+    def call_now(self) -> None:
+        """Have the loop make one plain backward() call that starts after this one
+        began, and wait for it (a hook of a pass calls it)."""
+        done = threading.Event()
+        with self.lock:
+            self.requests.append(done)
+            self.wake.set()
+        if not done.wait(PLAIN_WAIT):
+            raise RuntimeError(f"a plain backward() on another thread did not finish within "
+                               f"{PLAIN_WAIT:g} s while a hook of the pass waited for it")
+        if self.error:
+            raise RuntimeError(f"plain backward() on another thread failed: {self.error}")
 
     def stop(self) -> int:
         """Stop the loop; the number of plain backward() calls it made."""
@@ -211,6 +251,15 @@ def g_keep(gen, b) -> None:
         gen.kept_leaves.add(gen.leaf_names[x])
 
 
+def g_plain_hook(gen, b) -> None:
+    """A hook on a leaf of this block that has this worker's plain thread (over that
+    leaf) run a call while the pass waits in it: right before the pass accumulates
+    the leaf's gradient, a plain backward() accumulates into the same leaf."""
+    x = gen.rnd.choice(b.leaves)
+    gen.emit(b, ("plain_hook", x))
+    gen.plain_hooks.setdefault(b.worker, set()).add(gen.leaf_names[x])
+
+
 def g_rendezvous(gen, b) -> None:
     """Two rpc_asyncs whose bodies wait on each other (both waited later)."""
     r = gen.rnd
@@ -236,9 +285,15 @@ def program_extras(gen) -> dict:
         cands = {w: sorted({n for n in names if n not in gen.kept_leaves})
                  for w, names in gen.grad_leaves.items()}
         workers = [w for w, names in cands.items() if names]
+        # every worker with a plain_hook (over the leaves behind it), maybe one more
+        chosen = [w for w in workers if w in gen.plain_hooks]
+        others = [w for w in workers if w not in chosen]
+        if others and (not chosen or r.random() < 0.5):
+            chosen.append(r.choice(others))
         specs = []
-        for w in r.sample(workers, min(len(workers), r.randint(1, 2))):
-            names = r.sample(cands[w], min(len(cands[w]), r.randint(1, 3)))
+        for w in chosen:
+            behind = sorted(gen.plain_hooks.get(w, set()) & set(cands[w]))
+            names = behind or r.sample(cands[w], min(len(cands[w]), r.randint(1, 4)))
             specs.append({"worker": w, "leaves": names, "w": gen.name("plainw")})
         if specs:
             out["plain"] = specs
@@ -246,13 +301,17 @@ def program_extras(gen) -> dict:
 
 
 def static_features(prog: dict, instructions) -> set:
-    """features() for the thread features (``instructions``: every instruction)."""
+    """features() for the thread features (``instructions``: (worker, instruction)
+    for every instruction)."""
     f = set()
     if prog.get("plain"):
         f.add("plain backward() on another thread")
+        hooked = {w for w, ins in instructions if ins[0] == "plain_hook"}
+        if hooked & {s["worker"] for s in prog["plain"]}:
+            f.add("plain backward() while a hook of the pass waits")
     if prog.get("twice"):
         f.add("two distributed passes at once")
-    ops = {ins[0] for ins in instructions}
+    ops = {ins[0] for _, ins in instructions}
     if "keep" in ops:
         f.add("gradient kept by a hook, changed later")
     if "wait_for" in ops:
@@ -260,7 +319,8 @@ def static_features(prog: dict, instructions) -> set:
     return f
 
 
-FEATURES = ["plain backward() on another thread", "two distributed passes at once",
+FEATURES = ["plain backward() on another thread", "plain backward() while a hook of the pass waits",
+            "two distributed passes at once",
             "gradient kept by a hook, changed later", "calls waiting on each other"]
 
 
@@ -270,6 +330,8 @@ def dump_line(ins) -> str:
         return f"r{ins[1]}.register_hook(keep g; after the passes g.{ins[2]['op']}_ in place)"
     if ins[0] == "signal":
         return f"signal {ins[1]} on worker{ins[2]}"
+    if ins[0] == "plain_hook":
+        return f"r{ins[1]}.register_hook(one plain backward() on this worker's plain thread, waited)"
     return f"wait for {ins[1]}"
 
 
