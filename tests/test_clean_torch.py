@@ -247,16 +247,19 @@ def ddp() -> dict:
     return out
 
 
-# programs of tests/random_programs.py covering every feature (test_autograd_random's
-# FEATURE_SEEDS, default weights), as (seed, world)
-PROGRAMS = [(1157, 2), (1265, 2), (1280, 2), (1298, 2), (1406, 3), (1463, 3), (1560, 4), (1610, 4),
-            (5038, 4)]
+# programs of tests/random_programs.py covering every feature, as (seed, world, weights):
+# test_autograd_random's FEATURE_SEEDS (issue 18) and THREAD_SEEDS (issue 26)
+PROGRAMS = [(1157, 2, "company"), (1265, 2, "company"), (1280, 2, "company"), (1298, 2, "company"),
+            (1406, 3, "company"), (1463, 3, "company"), (1560, 4, "company"), (1610, 4, "company"),
+            (5038, 4, "company"), (357, 2, "threads"), (338, 2, "threads"), (451, 3, "threads")]
 
 
 def random_programs_local() -> dict:
     """The random-program interpreter's local half (the oracle of test_autograd_random)."""
     import random_programs as rp
-    return {f"{s}/{w}": rp.run_local(rp.generate(s, w)) for s, w in PROGRAMS}
+    weights = {"company": rp.COMPANY, "threads": rp.parse_features("plain_thread,keep_grad,rendezvous,"
+                                                                    "two_passes=0.3")}
+    return {f"{s}/{w}": rp.run_local(rp.generate(s, w, weights[k])) for s, w, k in PROGRAMS}
 
 
 SCENARIOS = {f.__name__: f for f in (
