@@ -2231,6 +2231,12 @@ def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
     import clean_ref
     if cfg.get("break_hooks") is not None:
         clean_ref.break_register_hook(cfg["break_hooks"])
+    if weights_for(cfg).get("compile"):
+        # torch.compile's first use imports dynamo and inductor, which is not safe on
+        # two threads at once (a circular-import error); this worker's programs may
+        # compile on several (the reference no longer warms it up here)
+        for name in COMPILE_FNS:
+            _compiled(name)
     if rank != 0:
         return None
     import distgrad.rpc as rpc
