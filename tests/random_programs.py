@@ -49,10 +49,18 @@ in FEATURE_WEIGHTS, ``--features`` restricts or forces them)::
     ("op", out, "compiled" | "ac_matmul" | "ac_linear" | "clone", ...)  torch.compile
                                       (aot_eager), bfloat16 under autocast, clone
 
-CLI (see ``--help``)::
+Threads (issue 26; tests/random_threads.py): plain ``backward()`` on another thread
+during the passes (``prog["plain"]``, ``("plain_hook", leaf)``; every leaf's ``.grad``
+is checked exactly), two passes at once over shared parameters (``prog["twice"]``),
+gradients kept by hooks and changed after the passes (``("keep", reg, {"op"})``), and
+rpc_asyncs whose bodies wait on each other (``("signal", key, worker)``,
+``("wait_for", key)``).
+
+CLI (see ``--help``); without ``--seed`` the base seed is fresh (and printed)::
 
     python tests/random_programs.py --programs 500 --workers 2,3,4 [--seed S] [--shrink 2]
     python tests/random_programs.py --programs 60 --features hooks,checkpoint   # only these
+    python tests/random_programs.py --programs 500 --features default,threads=0.5
 """
 from __future__ import annotations
 
