@@ -2312,7 +2312,9 @@ def run_seeds(world: int, seeds: list, cfg: dict, timeout: float, log=print) -> 
         elif crash:
             # every program was recorded, then the cluster failed (the engine-stats calls,
             # rpc.shutdown, another rank, the timeout): no program to blame, still a failure
-            raise RuntimeError(f"{crash}\n(after all {len(seeds)} programs were recorded)")
+            err = RuntimeError(f"{crash}\n(after all {len(seeds)} programs were recorded)")
+            err.records = records   # type: ignore[attr-defined]  (the CLI still reports them)
+            raise err
         elif todo:
             log(f"  restarting a {world}-worker cluster after a hang ({len(todo)} programs left)")
     return {"records": records, "engine_stats": dict(stats)}
@@ -2407,7 +2409,16 @@ def main(argv=None) -> int:
         # torch.compile costs seconds per new shape and process (more under --anomaly)
         per_program = 6 + 24 * weights.get("compile", 0.0)
         budget = 60 + len(seeds) * per_program + args.shrink * 4 * args.shrink_budget
-        res = run_seeds(w, seeds, cfg, timeout=budget)
+        try:
+            res = run_seeds(w, seeds, cfg, timeout=budget)
+        except RuntimeError as e:   # every program recorded, then the cluster failed
+            if not hasattr(e, "records"):
+                raise
+            print(f"world {w}: {str(e).splitlines()[0][:300]}", flush=True)
+            res = {"records": e.records + [{"seed": -1, "world": w, "ok": False, "size": 0,
+                                            "group": "cluster failed after its last program",
+                                            "detail": str(e)[-3000:], "dump": ""}],
+                   "engine_stats": {}}
         bad = sum(not r["ok"] for r in res["records"])
         print(f"world {w}: {len(seeds)} programs, {bad} failed, {time.monotonic() - t0:.0f} s; "
               f"engine stats {res['engine_stats']}", flush=True)
