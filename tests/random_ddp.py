@@ -19,9 +19,10 @@ plain data::
 
 Every trainer runs its steps (uneven under ``join``, inside ``ddp.join()``) and, per
 step, compares what its context holds against local autograd on the same model and
-data in its own process: for DDP's parameters, DDP's average over the trainers
-(a trainer that joined adds zeros; DDP divides by the group's size), exchanged over
-the trainers' gloo group; for the servers' parameters, this trainer's own gradient
+data, computed beforehand for every trainer in a process that never imported distgrad
+(:func:`local_reference`, tests/clean_ref.py): for DDP's parameters, DDP's average
+over the trainers (a trainer that joined adds zeros; DDP divides by the group's
+size); for the servers' parameters, this trainer's own gradient
 (fetched from the server with the context id); the parameters' ``.grad`` must stay
 None (gradients go to the context only).
 
@@ -309,9 +310,39 @@ def _close(a, b):
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-11)
 
 
-def run_program(prog: dict, rank: int) -> list:
-    """On trainer ``rank``: every step of ``prog``; returns the differences found."""
-    import torch.distributed as dist
+def local_reference(prog: dict) -> dict:
+    """Local autograd on every trainer's model and data, run in the clean reference
+    process (tests/clean_ref.py: it never imported distgrad, so no patch of torch's
+    DDP, hooks or checkpointing reaches it): {trainer: {"init": the model's initial
+    state, "steps": [({DDP parameter: grad}, {(server stage, j): grad}) per step]}}."""
+    out = {}
+    for rank in prog["trainers"]:
+        torch.manual_seed(prog["seed"] * 7 + rank)
+        local = Hybrid(prog, False)
+        steps = []
+        for step in range(prog["steps"][rank]):
+            local.zero_grad(set_to_none=True)
+            for (d, s, _i), m in MODS.items():
+                if not d and s == prog["seed"]:
+                    m.zero_grad(set_to_none=True)
+            _loss(prog["loss"], local(_batch(prog["seed"], rank, step))).backward()
+            want = {n: p.grad for n, p in local.named_parameters()}
+            per_stage = _server_grads_local(prog["seed"], prog).values()
+            steps.append((want, {k: v for per in per_stage for k, v in per.items()}))
+        out[rank] = {"init": {k: v.clone() for k, v in local.state_dict().items()}, "steps": steps}
+    for key in [k for k in MODS if k[1] == prog["seed"] and not k[0]]:
+        del MODS[key]
+    return out
+
+
+def local_references(progs: list) -> dict:
+    """{seed: :func:`local_reference`} (one call to the clean process per cluster)."""
+    return {p["seed"]: local_reference(p) for p in progs}
+
+
+def run_program(prog: dict, rank: int, ref: dict) -> list:
+    """On trainer ``rank``: every step of ``prog`` against the clean reference ``ref``
+    (:func:`local_reference`); returns the differences found."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import distgrad.autograd as dist_autograd
@@ -320,15 +351,16 @@ def run_program(prog: dict, rank: int) -> list:
     torch.manual_seed(seed * 7 + rank)  # DDP broadcasts the first trainer's parameters
     model = Hybrid(prog, True)
     ddp = DDP(model, find_unused_parameters=prog["find_unused"])
-    local = Hybrid(prog, False)
-    local.load_state_dict(model.state_dict())
     diffs = []
-    my_steps, n_max = prog["steps"][rank], max(prog["steps"].values())
+    init = model.state_dict()
+    if init.keys() != ref[rank]["init"].keys() or not all(
+            torch.equal(v, ref[rank]["init"][k]) for k, v in init.items()):
+        diffs.append("the model's parameters after DDP's constructor differ from the reference's")
     ctx = ddp.join() if prog["join"] else contextlib.nullcontext()
     rows = []
     served_compared = 0
     with ctx:
-        for step in range(my_steps):
+        for step in range(prog["steps"][rank]):
             x = _batch(seed, rank, step)
             with dist_autograd.context() as cid:
                 dist_autograd.backward(cid, [_loss(prog["loss"], ddp(x))])
@@ -345,13 +377,7 @@ def run_program(prog: dict, rank: int) -> list:
                         served.update(server_grads(seed, keys, cid))
                     else:
                         served.update(rpc.rpc_sync(f"worker{w}", server_grads, args=(seed, keys, cid)))
-            local.zero_grad(set_to_none=True)
-            for (d, s, _i), m in MODS.items():
-                if not d and s == seed:
-                    m.zero_grad(set_to_none=True)
-            _loss(prog["loss"], local(x)).backward()
-            want = {n: p.grad for n, p in local.named_parameters()}
-            want_served = {k: v for per in _server_grads_local(seed, prog).values() for k, v in per.items()}
+            want_served = ref[rank]["steps"][step][1]
             for k, v in served.items():
                 w = want_served.get(k)
                 served_compared += w is not None
@@ -359,37 +385,31 @@ def run_program(prog: dict, rank: int) -> list:
                     diffs.append(f"step {step}: server parameter {k}: got "
                                  f"{None if v is None else v.flatten()[:4].tolist()}, want "
                                  f"{None if w is None else w.flatten()[:4].tolist()}")
-            rows.append((step, got, want))
+            rows.append((step, got))
     # DDP's average: every trainer's local gradients, per step (None past its last step)
-    mine = [{n: (None if v is None else v.tolist()) for n, v in w.items()} for _, _, w in rows]
-    everyone = [None] * len(trainers)
-    dist.all_gather_object(everyone, mine)
     compared = 0
-    for step, got, _want in rows:
+    for step, got in rows:
         for name, g in got.items():
-            parts = [e[step][name] if step < len(e) else "joined" for e in everyone]
-            used = [torch.tensor(p, dtype=DTYPE) for p in parts if p not in (None, "joined")]
-            if not used:
-                want_g = None
-            else:
-                want_g = sum(used) / len(trainers)
+            parts = [ref[t]["steps"][step][0][name] if step < len(ref[t]["steps"]) else "joined"
+                     for t in trainers]
+            used = [p for p in parts if not isinstance(p, str) and p is not None]
+            want_g = sum(used) / len(trainers) if used else None
             compared += want_g is not None
             if not _close(g, want_g):
                 diffs.append(f"step {step}: DDP parameter {name}: got "
                              f"{None if g is None else g.tolist()}, want "
                              f"{None if want_g is None else want_g.tolist()} (parts {parts})")
-    del n_max
     if not compared or not served_compared:
         diffs.append(f"nothing compared ({compared} DDP, {served_compared} server gradients)")
-    for key in [k for k in MODS if k[1] == seed and not k[0]]:  # (the served ones may still be used)
-        del MODS[key]
     return diffs
 
 
-
-def cluster_main(rank: int, world: int, seeds: list, pg_port: int):
-    """run_workers target: the trainers run every program, the servers serve."""
+def cluster_main(rank: int, world: int, seeds: list, pg_port: int, refs: bytes):
+    """run_workers target: the trainers run every program against ``refs`` (packed
+    :func:`local_references`), the servers serve."""
+    import clean_ref
     import torch.distributed as dist
+    refs = clean_ref.unpack(refs)
 
     progs = [p for p in (generate(s) for s in seeds) if p["world"] == world]
     trainer_sets = {tuple(p["trainers"]) for p in progs}
@@ -403,7 +423,7 @@ def cluster_main(rank: int, world: int, seeds: list, pg_port: int):
         out = {}
         for p in progs:
             try:
-                out[p["seed"]] = run_program(p, rank)
+                out[p["seed"]] = run_program(p, rank, refs[p["seed"]])
             except Exception as e:
                 # the other trainers may be inside a collective: the cluster cannot go on
                 raise RuntimeError(f"seed {p['seed']} on trainer worker{rank}: {type(e).__name__}: "
@@ -415,6 +435,7 @@ def cluster_main(rank: int, world: int, seeds: list, pg_port: int):
 
 def run(seeds: list, timeout: float = 600.0, log=print) -> list:
     """Run ``seeds`` (grouped by cluster shape); returns records (seed, ok, diffs, features)."""
+    import clean_ref
     from mp_utils import free_port, run_workers
     groups = collections.defaultdict(list)
     for s in seeds:
@@ -423,8 +444,9 @@ def run(seeds: list, timeout: float = 600.0, log=print) -> list:
     records = []
     for (world, _trainers), group in sorted(groups.items()):
         t0 = time.monotonic()
+        refs = clean_ref.reference(local_references, [generate(s) for s in group])
         res = run_workers(cluster_main, world_size=world, timeout=timeout,
-                          args=(group, free_port()), options={"rpc_timeout": 60})
+                          args=(group, free_port(), clean_ref.pack(refs)), options={"rpc_timeout": 60})
         for s in group:
             diffs = []
             for r in res:

@@ -4,7 +4,9 @@ A *program* is plain data (dicts, lists, tuples, ints, strings): picklable, prin
 and small enough to shrink. One interpreter (:func:`run_block`) runs it either
 
 - locally: one process, plain torch autograd, every "call" is a function call; this is
-  the oracle, or
+  the oracle, computed in a process that never imported distgrad (tests/clean_ref.py:
+  :func:`reference`, :func:`prepare`), so no patch distgrad applies to torch can
+  change it, or
 - distributed: the main block runs on worker0 inside a ``dist_autograd.context()``,
   every call block runs on its worker through ``rpc_sync`` / ``rpc_async`` /
   ``remote``, and ``dist_autograd.backward`` runs over the same roots.
@@ -47,10 +49,18 @@ in FEATURE_WEIGHTS, ``--features`` restricts or forces them)::
     ("op", out, "compiled" | "ac_matmul" | "ac_linear" | "clone", ...)  torch.compile
                                       (aot_eager), bfloat16 under autocast, clone
 
-CLI (see ``--help``)::
+Threads (issue 26; tests/random_threads.py): plain ``backward()`` on another thread
+during the passes (``prog["plain"]``, ``("plain_hook", leaf)``; every leaf's ``.grad``
+is checked exactly), two passes at once over shared parameters (``prog["twice"]``),
+gradients kept by hooks and changed after the passes (``("keep", reg, {"op"})``), and
+rpc_asyncs whose bodies wait on each other (``("signal", key, worker)``,
+``("wait_for", key)``).
+
+CLI (see ``--help``); without ``--seed`` the base seed is fresh (and printed)::
 
     python tests/random_programs.py --programs 500 --workers 2,3,4 [--seed S] [--shrink 2]
     python tests/random_programs.py --programs 60 --features hooks,checkpoint   # only these
+    python tests/random_programs.py --programs 500 --features default,threads=0.5
 """
 from __future__ import annotations
 
@@ -68,6 +78,7 @@ import traceback
 import warnings
 import zlib
 
+import random_threads as rt_threads
 import torch
 
 # a module whose input needs no grad: torch warns that its full backward hook sees grad_output
@@ -343,6 +354,14 @@ class WorkerState:
         self.counts: collections.Counter = collections.Counter()
         self.remote_issued = 0
         self.remote_done = 0
+        self.kept: list = []          # (gradient, op) kept by ("keep", ...) hooks
+        self.events: dict = {}        # rendezvous key -> threading.Event
+        self.plain = None             # the running random_threads.PlainThread
+
+    def event(self, key: str) -> threading.Event:
+        """The rendezvous event ``key`` of this worker (get-or-create)."""
+        with self.lock:
+            return self.events.setdefault(key, threading.Event())
 
     def leaf(self, name: str, shape: tuple, requires_grad: bool) -> torch.Tensor:
         # get-or-create under the lock: concurrent bodies (rpc_async, remote) may share
@@ -420,6 +439,18 @@ def run_block(block: dict, values, rt) -> tuple:
         elif op == "inplace":
             _, x, kind, zs, attrs = ins
             apply_inplace(env[x], kind, [env[z] for z in zs], attrs)
+        elif op == "keep":
+            _, x, attrs = ins
+            if env[x].requires_grad:
+                env[x].register_hook(rt_threads.keeper(state.kept, attrs["op"]))
+        elif op == "plain_hook":   # (local autograd: no plain thread, no hook)
+            if isinstance(rt, DistRuntime) and env[ins[1]].requires_grad:
+                env[ins[1]].register_hook(rt_threads.plain_hook(state))
+        elif op == "signal":
+            _, key, worker = ins
+            rt.signal(block["worker"], worker, key)
+        elif op == "wait_for":
+            rt_threads.wait_for(state.event(ins[1]), ins[1])
         else:
             raise ValueError(f"unknown instruction {ins!r}")
         if isinstance(rt, LocalRuntime):
@@ -449,10 +480,15 @@ class LocalRuntime:
         return run_block(block, values, self)
 
     def call_async(self, block, values):
+        if rt_threads.waits(block):   # it waits on another body: both run at once
+            return rt_threads.LocalFuture(lambda: run_block(block, values, self))
         return run_block(block, values, self)
 
     def wait(self, handle):
-        return handle
+        return handle.wait() if isinstance(handle, rt_threads.LocalFuture) else handle
+
+    def signal(self, me: int, worker: int, key: str) -> None:
+        self.state(worker).event(key).set()
 
     def remote(self, block, values):
         return LocalRRef(run_block(block, values, self))
@@ -511,6 +547,13 @@ class DistRuntime:
 
     def to_here(self, rref):
         return rref.to_here()
+
+    def signal(self, me: int, worker: int, key: str) -> None:
+        if worker == me:
+            STATE.event(key).set()
+        else:
+            import distgrad.rpc as rpc
+            rpc.rpc_sync(f"worker{worker}", rt_threads.signal, args=(key,))
 
 
 # -- helpers the driver calls on every worker ------------------------------------------
@@ -617,11 +660,19 @@ FEATURE_WEIGHTS = {
     "autocast": 0.15,       # ("op", out, "ac_matmul"|"ac_linear", ins, {}) on a callee
     "inplace": 0.25,        # ("inplace", reg, mul_|add_, [z], attrs) on a fresh result or a clone
 }
+COMPANY = dict(FEATURE_WEIGHTS)   # issue 18's features alone (the fixed seeds chosen for them)
+FEATURE_WEIGHTS.update({          # issue 26: threads (tests/random_threads.py)
+    "plain_thread": 0.25,   # prog["plain"]: plain backward() on another thread during the passes
+    "two_passes": 0.2,      # prog["twice"]: two forwards, then both backward passes at once
+    "keep_grad": 0.25,      # ("keep", reg, {"op"}): a hook keeps a gradient, changed after the passes
+    "rendezvous": 0.2,      # two rpc_asyncs whose bodies wait on each other (signal / wait_for)
+})
 FEATURE_GROUPS = {"hooks": ("hook", "nodehook", "module"), "checkpoint": ("ckpt", "ckpt_reentrant"),
-                  "all": tuple(FEATURE_WEIGHTS), "none": ()}
+                  "threads": rt_threads.THREAD_FEATURES, "all": tuple(FEATURE_WEIGHTS), "none": ()}
 NOT_TWICE_DIFFERENTIABLE = ("compile", "ckpt_reentrant")
 STEP_WEIGHTS = {"hook": 0.7, "nodehook": 0.5, "module": 0.5, "ckpt": 0.4, "ckpt_reentrant": 0.3,
-                "compile": 0.5, "autocast": 0.5, "inplace": 0.5}
+                "compile": 0.5, "autocast": 0.5, "inplace": 0.5, "keep_grad": 0.5, "rendezvous": 0.5,
+                "plain_thread": 0.6}
 # ops whose backward does not save their output: a fresh result may be modified in place
 INPLACE_SAFE = {"scale", "add", "sub", "mul", "div", "square", "sin", "sum", "mean", "index",
                 "index_select", "cat", "stack", "matmul", "first_only", "count", "dot", "clone"}
@@ -649,10 +700,13 @@ def parse_features(spec) -> dict:
 
 def weights_for(cfg: dict) -> dict:
     """The feature weights a run uses: ``cfg["features"]`` or FEATURE_WEIGHTS, less
-    what a second-order run cannot differentiate twice."""
+    what a second-order run cannot differentiate twice, and less the threads in
+    second-order and anomaly runs (their oracles know one first-order pass)."""
     w = dict(FEATURE_WEIGHTS if cfg.get("features") is None else cfg["features"])
     if cfg.get("order", 1) == 2:
         w.update(dict.fromkeys(NOT_TWICE_DIFFERENTIABLE, 0.0))
+    if cfg.get("order", 1) == 2 or cfg.get("anomaly"):
+        w.update(dict.fromkeys(rt_threads.THREAD_FEATURES, 0.0))
     return w
 
 
@@ -691,6 +745,10 @@ class Generator:
         self.n = 0
         self.stashes = {w: [] for w in range(world)}   # worker -> [(name, shape, rg)]
         self.params = {w: [] for w in range(world)}    # worker -> [(name, shape)] reusable
+        self.grad_leaves = {w: [] for w in range(world)}   # worker -> leaf names (plain threads)
+        self.leaf_names: dict = {}                     # leaf register -> its name
+        self.kept_leaves: set = set()                  # leaves a "keep" hook is on
+        self.plain_hooks: dict = {}                    # worker -> leaves with a plain_hook
 
     # -- registers ---------------------------------------------------------------------
     def new(self, kind: str, *info) -> int:
@@ -768,6 +826,8 @@ class Generator:
         self.emit(b, ("leaf", out, name, shape, kind != "const"), out)
         if kind != "const":
             b.leaves.append(out)
+            self.leaf_names[out] = name
+            self.grad_leaves[b.worker].append(name)
         return out
 
     def op(self, b: _BlockGen, name: str, ins: list, attrs: dict, shape: tuple, rg=None) -> int:
@@ -994,14 +1054,16 @@ class Generator:
         outs = self.outs_for(self.meta[fut][1])
         self.emit(b, ("wait", outs, fut), *outs)
 
-    def g_call(self, b, target=None):
+    def g_call(self, b, target=None, mode=None, inject=None):
         """A call to any worker (a third one, the caller, itself) in one of five modes,
-        with a body generated recursively (up to 3 deep)."""
+        with a body generated recursively (up to 3 deep); ``inject``: two instructions
+        put into the body, in order (random_threads.g_rendezvous)."""
         r = self.rnd
         if target is None:
             # anyone: another worker, the caller (a call back) or this worker itself
             target = r.choice(list(range(self.world)) + [b.caller] * (b.caller is not None))
-        mode = r.choices(["sync", "async_now", "remote_here", "async", "remote"], [3, 1, 1, 1, 1.5])[0]
+        if mode is None:
+            mode = r.choices(["sync", "async_now", "remote_here", "async", "remote"], [3, 1, 1, 1, 1.5])[0]
         avail = [x for x in b.env if self.meta[x][0] in ("t", "rref")]
         n_args = min(len(avail), r.choices([0, 1, 2, 3], [0.1, 0.4, 0.3, 0.2])[0])
         args = r.sample(avail[-6:] if r.random() < 0.5 else avail, min(n_args, len(avail)))
@@ -1016,6 +1078,8 @@ class Generator:
         steps = r.randint(1, max(1, 6 - 2 * b.depth))
         child = self.gen_block(target, args, b.depth + 1, seq, b.worker, steps)
         rets = self.pick_returns(child)
+        if inject:
+            rt_threads.inject(r, child.body, inject)
         block = {"worker": target, "params": child.params, "body": child.body, "returns": rets}
         meta = [(self.shape(x), self.rg(x)) for x in rets]
         if mode in ("sync", "async_now", "remote_here"):
@@ -1076,7 +1140,8 @@ class Generator:
               "module": bool(self.tensors(b, len)), "ckpt": True,
               "ckpt_reentrant": any(self.rg(t) for t in self.tensors(b)),
               "compile": b.depth >= 1, "autocast": b.depth >= 1 and bool(self.tensors(b, len)),
-              "inplace": True}
+              "inplace": True, "keep_grad": bool(self.own_rg(b) or b.leaves), "rendezvous": b.depth < 2,
+              "plain_thread": bool(b.leaves), "two_passes": False}
         return [f for f in FEATURE_WEIGHTS if f in self.on and ok[f]]
 
     def g_hook(self, b):
@@ -1144,6 +1209,15 @@ class Generator:
 
     def g_ckpt_reentrant(self, b):
         self.g_ckpt(b, reentrant=True)
+
+    def g_keep_grad(self, b):
+        rt_threads.g_keep(self, b)
+
+    def g_rendezvous(self, b):
+        rt_threads.g_rendezvous(self, b)
+
+    def g_plain_thread(self, b):
+        rt_threads.g_plain_hook(self, b)
 
     def g_compile(self, b):
         """A small function under torch.compile(backend="aot_eager")."""
@@ -1220,8 +1294,9 @@ class Generator:
         roots = self.gen_roots(main)
         # torch refuses retain_graph=True through a compiled backward with donated buffers
         retain = r.random() < 0.3 and not self.compiled
-        return {"seed": self.seed, "world": self.world, "retain": retain,
-                "roots": roots, "main": {"worker": 0, "params": [], "body": main.body, "returns": roots}}
+        return {"seed": self.seed, "world": self.world, "retain": retain, "roots": roots,
+                "main": {"worker": 0, "params": [], "body": main.body, "returns": roots},
+                **rt_threads.program_extras(self)}
 
     def gen_roots(self, b: _BlockGen) -> list:
         """1-3 scalar roots, each a weighted sum over results (call results preferred);
@@ -1283,7 +1358,11 @@ def _r(x) -> str:
 def dump(prog: dict) -> str:
     """A readable listing of the program."""
     lines = [f"program seed={prog['seed']} world={prog['world']} roots=[{_r(prog['roots'])}]"
-             f"{' backward twice (retain_graph=True)' if prog['retain'] else ''}"]
+             f"{' backward twice (retain_graph=True)' if prog['retain'] else ''}"
+             f"{'; forward twice, both backward passes at once' if prog.get('twice') else ''}"]
+    for spec in prog.get("plain", []):
+        lines.append(f"  during the passes, on worker{spec['worker']}: loop plain backward() of "
+                     f"sum(tanh(leaf) . {spec['w']}) over {spec['leaves']}")
 
     def block_lines(block, indent):
         pad = "  " * indent
@@ -1355,6 +1434,8 @@ def _feature_line(ins) -> str:
     if op == "inplace":
         _, x, kind, zs, a = ins
         return f"r{x}.{kind}({_r(zs) if zs else a['c']})"
+    if op in ("keep", "signal", "wait_for", "plain_hook"):
+        return rt_threads.dump_line(ins)
     raise ValueError(f"unknown instruction {ins!r}")
 
 
@@ -1376,7 +1457,7 @@ FEATURES = [
     "module full backward pre-hook", "module reused", "checkpoint (use_reentrant=False)",
     "checkpoint (use_reentrant=True)", "torch.compile (aot_eager)", "autocast bf16 matmul/linear",
     "in-place on a fresh result", "in-place on a clone",
-]
+] + rt_threads.FEATURES
 
 
 def _company_features(block: dict, ins, depth: int, module_uses: collections.Counter) -> set:
@@ -1392,7 +1473,8 @@ def _company_features(block: dict, ins, depth: int, module_uses: collections.Cou
         if any(_sub_block(i) is not None and i[0] != "ckpt" and x in _sub_block(i)["params"]
                and _sub_block(i)["worker"] != block["worker"] for i in body):
             f.add("tensor hook on a value sent to another worker")
-        n = sum(_uses(i).count(x) for i in body if i[0] not in ("hook", "nodehook", "inplace"))
+        n = sum(_uses(i).count(x) for i in body
+                if i[0] not in ("hook", "nodehook", "inplace", "keep", "plain_hook"))
         if n + block["returns"].count(x) >= 2:
             f.add("tensor hook on a value with several uses")
     elif op == "nodehook":
@@ -1520,6 +1602,7 @@ def features(prog: dict) -> set:
         f.add("param reused across calls")
     if any(n > 1 for n in module_uses.values()):
         f.add("module reused")
+    f |= rt_threads.static_features(prog, [(b["worker"], ins) for b, ins, _, _ in walk(prog["main"])])
     if len(prog["roots"]) > 1:
         f.add("several roots")
     if prog["retain"]:
@@ -1544,26 +1627,47 @@ def _square_sum(grads: list):
 def run_local(prog: dict) -> dict:
     """The oracle: the whole program in this process with plain torch autograd.
     ``prog["order"] == 2``: a first backward with ``create_graph=True``, then a second
-    one over the sum of squared gradients (which accumulates, as ``.grad`` does)."""
+    one over the sum of squared gradients (which accumulates, as ``.grad`` does).
+    ``prog["twice"]``: two forwards, then each one's backward (``"second"``: the
+    second's roots and gradients); ``prog["plain"]``: one plain backward()'s gradients
+    per leaf (``"plain"``), taken after the forwards (tests/random_threads.py)."""
     rt = LocalRuntime()
-    roots = list(run_block(prog["main"], [], rt))
-    if prog.get("order", 1) == 2:
-        torch.autograd.backward(roots, create_graph=True)
-        pen = _square_sum([t.grad for _, st in sorted(rt.states.items())
-                           for _, t in sorted(st.leaves.items()) if t.requires_grad])
-        if pen is not None:
-            roots.append(pen)
-            pen.backward()
-    else:
-        torch.autograd.backward(roots, retain_graph=prog["retain"])
-        if prog["retain"]:
-            torch.autograd.backward(roots)
-    grads = {(w, name): t.grad for w, st in rt.states.items()
-             for name, t in st.leaves.items() if t.requires_grad}
+    forwards = []
+    for _ in range(2 if prog.get("twice") else 1):
+        for st in rt.states.values():
+            st.events.clear()
+        forwards.append(list(run_block(prog["main"], [], rt)))
+    plain = rt_threads.plain_reference(prog, rt) if prog.get("plain") else None
+
+    def leaves():
+        return [(w, name, t) for w, st in rt.states.items() for name, t in st.leaves.items()
+                if t.requires_grad]
+    passes = []
+    for roots in forwards:
+        if prog.get("order", 1) == 2:
+            torch.autograd.backward(roots, create_graph=True)
+            pen = _square_sum([t.grad for _, st in sorted(rt.states.items())
+                               for _, t in sorted(st.leaves.items()) if t.requires_grad])
+            if pen is not None:
+                roots.append(pen)
+                pen.backward()
+        else:
+            torch.autograd.backward(roots, retain_graph=prog["retain"])
+            if prog["retain"]:
+                torch.autograd.backward(roots)
+        passes.append({"roots": [t.detach() for t in roots],
+                       "grads": {(w, name): t.grad for w, name, t in leaves()}})
+        for _, _, t in leaves():
+            t.grad = None
     counts = collections.Counter()
     for st in rt.states.values():
         counts.update(st.counts)
-    return {"roots": [t.detach() for t in roots], "grads": grads, "counts": dict(counts)}
+    out = {"roots": passes[0]["roots"], "grads": passes[0]["grads"], "counts": dict(counts)}
+    if len(passes) > 1:
+        out["second"] = passes[1]
+    if plain is not None:
+        out["plain"] = plain
+    return out
 
 
 def _square_grads(cid: int):
@@ -1676,37 +1780,41 @@ def check_anomaly(prog: dict, worker: int, backward_timeout: float = BACKWARD_TI
     return rec
 
 
-def run_distributed(prog: dict, backward_timeout: float) -> dict:
-    """The program on the cluster (call on worker0, inside init_rpc)."""
-    import distgrad.autograd as dist_autograd
+def _backward_all(cid: int, roots: list, prog: dict, backward_timeout: float) -> list:
+    """The program's backward in context ``cid`` (retained and repeated, or second
+    order: then the roots with the penalty appended)."""
     import distgrad.rpc as rpc
     world = prog["world"]
+    if prog.get("order", 1) == 2:
+        _backward(cid, roots, True, backward_timeout, create_graph=True)
+        parts = [_square_grads(cid)] + [rpc.rpc_sync(f"worker{w}", _square_grads, args=(cid,))
+                                        for w in range(1, world)]
+        pen = _square_sum_parts(parts)
+        if pen is not None:
+            roots = roots + [pen]
+            _backward(cid, [pen], False, backward_timeout)
+    else:
+        _backward(cid, roots, prog["retain"], backward_timeout)
+        if prog["retain"]:
+            _backward(cid, roots, False, backward_timeout)
+    return roots
+
+
+def _gather_grads(cid: int, world: int) -> tuple:
+    """({(worker, leaf name): gradient}, [entries that are no leaf]) of context ``cid``."""
+    import distgrad.rpc as rpc
+    grads, unknown = {}, []
     for w in range(world):
-        rpc.rpc_sync(f"worker{w}", _reset)
-    with dist_autograd.context() as cid:
-        roots = list(run_block(prog["main"], [], DistRuntime()))
-        _drain(world)
-        if prog.get("order", 1) == 2:
-            _backward(cid, roots, True, backward_timeout, create_graph=True)
-            parts = [_square_grads(cid)] + [rpc.rpc_sync(f"worker{w}", _square_grads, args=(cid,))
-                                            for w in range(1, world)]
-            pen = _square_sum_parts(parts)
-            if pen is not None:
-                roots.append(pen)
-                _backward(cid, [pen], False, backward_timeout)
-        else:
-            _backward(cid, roots, prog["retain"], backward_timeout)
-            if prog["retain"]:
-                _backward(cid, roots, False, backward_timeout)
-        grads, unknown = {}, []
-        for w in range(world):
-            found, unk = rpc.rpc_sync(f"worker{w}", _collect_grads, args=(cid,))
-            grads.update({(w, n): g for n, g in found.items()})
-            unknown += [f"worker{w}: {u}" for u in unk]
-    counts = collections.Counter()
-    for w in range(world):
-        counts.update(rpc.rpc_sync(f"worker{w}", _take_counts))
-    return {"roots": [t.detach() for t in roots], "grads": grads, "counts": dict(counts), "unknown": unknown}
+        found, unk = rpc.rpc_sync(f"worker{w}", _collect_grads, args=(cid,))
+        grads.update({(w, n): g for n, g in found.items()})
+        unknown += [f"worker{w}: {u}" for u in unk]
+    return grads, unknown
+
+
+def run_distributed(prog: dict, backward_timeout: float) -> dict:
+    """The program on the cluster (call on worker0, inside init_rpc; the passes, the
+    plain threads, the kept gradients: random_threads.run_passes)."""
+    return rt_threads.run_passes(prog, backward_timeout)
 
 
 def _square_sum_parts(parts: list):
@@ -1715,17 +1823,40 @@ def _square_sum_parts(parts: list):
 
 
 def compare(want: dict, got: dict) -> list:
-    """(kind, detail) for every disagreement between oracle and distributed run."""
+    """(kind, detail) for every disagreement between oracle and distributed run: the
+    roots and gradients of each pass, the counting nodes' runs, and (where the run
+    reports them) every leaf's ``.grad``."""
+    issues = _compare_pass(want, got, "")
+    if "second" in want or "second" in got:
+        if "second" not in got or "second" not in want:
+            issues.append(("second pass", f"{'no' if 'second' not in got else 'an unexpected'} second pass"))
+        else:
+            issues += _compare_pass(want["second"], got["second"], "second pass: ")
+    for u in got.get("unknown", []):
+        issues.append(("grad for a non-leaf", u))
+    if want["counts"] != got["counts"]:
+        diff = {t: (got["counts"].get(t, 0), want["counts"].get(t, 0))
+                for t in set(want["counts"]) | set(got["counts"])
+                if got["counts"].get(t, 0) != want["counts"].get(t, 0)}
+        issues.append(("node run count", "ran (distributed, local): " + ", ".join(
+            f"{t}: {a} vs {b}" for t, (a, b) in sorted(diff.items()))))
+    if "dotgrad" in got:
+        issues += rt_threads.compare_dotgrad(want, got)
+    return issues
+
+
+def _compare_pass(want: dict, got: dict, where: str) -> list:
+    """compare()'s part for one pass: its roots and leaf gradients."""
     issues = []
     if len(want["roots"]) != len(got["roots"]):
-        issues.append(("forward value", f"{len(got['roots'])} roots, local autograd has "
+        issues.append(("forward value", f"{where}{len(got['roots'])} roots, local autograd has "
                                         f"{len(want['roots'])}"))
     for i, (a, b) in enumerate(zip(want["roots"], got["roots"])):
         if a.shape != b.shape or not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
-            issues.append(("forward value", f"root {i}: {b.tolist()} != {a.tolist()}"))
+            issues.append(("forward value", f"{where}root {i}: {b.tolist()} != {a.tolist()}"))
     for key, g in sorted(want["grads"].items()):
         w, name = key
-        label = f"leaf {name.split('.', 1)[1]} on worker{w}"
+        label = f"{where}leaf {name.split('.', 1)[1]} on worker{w}"
         d = got["grads"].get(key)
         if g is None:
             if d is not None:
@@ -1745,14 +1876,6 @@ def compare(want: dict, got: dict) -> list:
                 ratio = " (= half of expected)"
             issues.append(("grad value",
                            f"{label}: max abs err {err:.3g}{ratio}: {d.tolist()} != {g.tolist()}"))
-    for u in got.get("unknown", []):
-        issues.append(("grad for a non-leaf", u))
-    if want["counts"] != got["counts"]:
-        diff = {t: (got["counts"].get(t, 0), want["counts"].get(t, 0))
-                for t in set(want["counts"]) | set(got["counts"])
-                if got["counts"].get(t, 0) != want["counts"].get(t, 0)}
-        issues.append(("node run count", "ran (distributed, local): " + ", ".join(
-            f"{t}: {a} vs {b}" for t, (a, b) in sorted(diff.items()))))
     return issues
 
 
@@ -1772,11 +1895,26 @@ def group_of(text: str) -> str:
     return text[:160]
 
 
-def check_program(prog: dict, backward_timeout: float = BACKWARD_TIMEOUT) -> dict:
-    """Run ``prog`` both ways (on worker0 of a live cluster) and compare."""
+def reference(prog: dict) -> dict:
+    """:func:`run_local` of ``prog`` in a process that never imported distgrad
+    (tests/clean_ref.py): a patch distgrad applies to torch cannot change it."""
+    import clean_ref
+    return clean_ref.reference(run_local, prog)
+
+
+def check_program(prog: dict, backward_timeout: float = BACKWARD_TIMEOUT, want=None,
+                  in_process: bool = False) -> dict:
+    """Run ``prog`` on the cluster (on worker0 of a live cluster) and compare with the
+    clean reference ``want`` (:func:`reference`; computed now when None; an exception:
+    the reference failed). ``in_process``: also record, as ``rec["in_process"]``, the
+    verdict of a reference computed here, where distgrad is imported (the old
+    harness: the oracle's own tests show what it misses)."""
     rec = {"seed": prog["seed"], "world": prog["world"], "size": size(prog), "ok": False}
     try:
-        want = run_local(prog)
+        want = reference(prog) if want is None else want
+        if isinstance(want, BaseException):
+            raise want
+        mine = run_local(prog) if in_process else None
     except Exception as e:  # the generator made an invalid program: our bug, not the engine's
         rec.update(group="GENERATOR BUG: " + group_of(_error_text(e)), detail=traceback.format_exc())
         return rec
@@ -1790,6 +1928,9 @@ def check_program(prog: dict, backward_timeout: float = BACKWARD_TIMEOUT) -> dic
         rec.update(group="error: " + group_of(text), detail=text + "\n" + "".join(
             traceback.format_exception(type(e), e, e.__traceback__))[-3000:])
         return rec
+    if mine is not None:
+        old = sorted({k for k, _ in compare(mine, got)})
+        rec["in_process"] = "mismatch: " + ", ".join(old) if old else "exact"
     issues = compare(want, got)
     if issues:
         kinds = sorted({k for k, _ in issues})
@@ -1823,7 +1964,7 @@ def _uses(ins) -> list:
         return [ins[3]]
     if op in ("call", "async", "remote", "ckpt"):
         return list(_sub_block(ins)["params"])
-    if op in ("hook", "nodehook"):
+    if op in ("hook", "nodehook", "keep", "plain_hook"):
         return [ins[1]]
     if op == "inplace":
         return [ins[1], *ins[3]]
@@ -1888,7 +2029,7 @@ def _rename(prog: dict, old: int, new: int) -> dict:
                 ins = ins[:3] + (sub(ins[3]),) + ins[4:] if ins[0] == "multi" else ins[:2] + (sub(ins[2]),)
             elif ins[0] == "module":
                 ins = ins[:3] + (sub(ins[3]),) + ins[4:]
-            elif ins[0] in ("hook", "nodehook"):
+            elif ins[0] in ("hook", "nodehook", "keep", "plain_hook"):
                 ins = (ins[0], sub(ins[1])) + ins[2:]
             elif ins[0] == "inplace":
                 ins = (ins[0], sub(ins[1]), ins[2], [sub(z) for z in ins[3]], ins[4])
@@ -1899,7 +2040,13 @@ def _rename(prog: dict, old: int, new: int) -> dict:
 
 
 def _candidates(prog: dict):
-    """Smaller or simpler variants of ``prog``, biggest cuts first."""
+    """Smaller or simpler variants of ``prog``, biggest cuts first (none where a body
+    waits for a signal that is gone: it would wait forever)."""
+    return (c for c in _variants(prog) if rt_threads.paired(c))
+
+
+def _variants(prog: dict):
+    yield from rt_threads.strip(prog)
     if prog["retain"]:
         p = _copy(prog)
         p["retain"] = False
@@ -1921,6 +2068,9 @@ def _candidates(prog: dict):
     for bi in range(n_blocks):
         block = at(prog, bi)
         for ii, ins in enumerate(block["body"]):
+            if ins[0] in ("signal", "wait_for") or (_sub_block(ins) is not None
+                                                    and rt_threads.waits(_sub_block(ins))):
+                continue
             # the instruction removed, with everything that depends on it
             if not any(d in prog["roots"] for d in _defs(ins)):
                 p = _copy(prog)
@@ -2006,19 +2156,44 @@ def shrink(prog: dict, group: str, budget_s: float = 60.0, max_tries: int = 300,
 # ---------------------------------------------------------------------------------------
 # the cluster side and the CLI
 # ---------------------------------------------------------------------------------------
-def _with_features(prog: dict, cfg: dict) -> dict:
-    """``prog`` regenerated with the run's feature weights (see :func:`weights_for`)
-    when they are not the defaults the cluster generated it with."""
-    w = weights_for(cfg)
-    return prog if w == FEATURE_WEIGHTS else generate(prog["seed"], prog["world"], w)
-
-
-def _check_one(prog: dict, cfg: dict, shrunk_per_group: collections.Counter) -> dict:
-    """Check ``prog`` (second order with ``cfg["order"] == 2``), shrinking a failure."""
-    prog = _with_features(prog, cfg)
+def program_for(seed: int, world: int, cfg: dict) -> dict:
+    """The program a run with ``cfg`` checks for ``seed``: generated with the run's
+    feature weights (:func:`weights_for`), marked for a second-order run."""
+    prog = generate(seed, world, weights_for(cfg))
     if cfg.get("order", 1) == 2:
         prog["order"] = 2
-    rec = check_program(prog, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
+    return prog
+
+
+def poison_for(prog: dict, seed: int) -> tuple:
+    """``--anomaly``: :func:`poisoned` with the seed's own random stream (run in the
+    clean reference process: local anomaly mode decides where the poison is reached)."""
+    return poisoned(prog, random.Random(seed))
+
+
+def prepare(world: int, seeds: list, cfg: dict) -> dict:
+    """{seed: {"prog", "want" | "poison"}}: each seed's program and its reference,
+    computed in the clean reference process (tests/clean_ref.py) before the cluster
+    starts (a failed reference: the exception, raised where it is used)."""
+    import clean_ref
+    plan = {}
+    for seed in seeds:
+        prog = program_for(seed, world, cfg)
+        key, fn, args = (("poison", poison_for, (prog, seed)) if cfg.get("anomaly")
+                         else ("want", run_local, (prog,)))
+        try:
+            value = clean_ref.reference(fn, *args)
+        except clean_ref.CleanReferenceError as e:
+            value = e
+        plan[seed] = {"prog": prog, key: value}
+    return plan
+
+
+def _check_one(prog: dict, cfg: dict, shrunk_per_group: collections.Counter, want=None) -> dict:
+    """Check ``prog`` against its clean reference ``want`` (None: computed now),
+    shrinking a failure."""
+    rec = check_program(prog, cfg.get("backward_timeout", BACKWARD_TIMEOUT), want,
+                        in_process=cfg.get("in_process", False))
     rec["features"] = sorted(features(prog))
     if not rec["ok"]:
         rec["dump"] = dump(prog)
@@ -2033,10 +2208,15 @@ def _check_one(prog: dict, cfg: dict, shrunk_per_group: collections.Counter) -> 
     return rec
 
 
-def _check_poisoned(prog: dict, seed: int, world: int, cfg: dict) -> dict:
-    """``--anomaly``: poison one op of ``prog`` and check what detect_anomaly reports."""
-    prog = _with_features(prog, cfg)
-    bad, worker = poisoned(prog, random.Random(seed))
+def _check_poisoned(prog: dict, seed: int, world: int, cfg: dict, poison=None) -> dict:
+    """``--anomaly``: poison one op of ``prog`` (``poison``: :func:`poison_for`'s answer
+    from the clean process; None: asked now) and check what detect_anomaly reports."""
+    if poison is None:
+        import clean_ref
+        poison = clean_ref.reference(poison_for, prog, seed)
+    if isinstance(poison, BaseException):
+        raise poison
+    bad, worker = poison
     if bad is None:  # no op of this program is reached by its backward
         return {"seed": seed, "world": world, "size": size(prog), "ok": True, "skipped": True}
     rec = check_anomaly(bad, worker, cfg.get("backward_timeout", BACKWARD_TIMEOUT))
@@ -2049,19 +2229,33 @@ def _check_poisoned(prog: dict, seed: int, world: int, cfg: dict) -> dict:
 def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
     """run_workers target: worker0 runs and checks every seed's program; the others serve.
 
+    ``cfg["plan"]``: :func:`prepare`'s programs and clean references, packed (a seed
+    not in it is prepared on worker0). ``cfg["break_hooks"]``: a factor; every rank
+    first applies clean_ref.break_register_hook (the oracle's own tests).
     Records go to ``cfg["out"]`` (JSON lines, one per program, flushed) when given, so a
     parent learns how far a cluster got even if it dies; they are also returned.
     Stops early after a hang (the cluster may be wedged): the rest run in a new one.
     """
+    import clean_ref
+    if cfg.get("break_hooks") is not None:
+        clean_ref.break_register_hook(cfg["break_hooks"])
+    if weights_for(cfg).get("compile"):
+        # torch.compile's first use imports dynamo and inductor, which is not safe on
+        # two threads at once (a circular-import error); this worker's programs may
+        # compile on several (the reference no longer warms it up here)
+        for name in COMPILE_FNS:
+            _compiled(name)
     if rank != 0:
         return None
     import distgrad.rpc as rpc
+    plan = clean_ref.unpack(cfg["plan"]) if cfg.get("plan") else {}
     records = []
     shrunk_per_group: collections.Counter = collections.Counter()
     for seed in seeds:
-        prog = generate(seed, world)
-        rec = (_check_poisoned(prog, seed, world, cfg) if cfg.get("anomaly")
-               else _check_one(prog, cfg, shrunk_per_group))
+        entry = plan.get(seed) or {"prog": program_for(seed, world, cfg)}
+        prog = entry["prog"]
+        rec = (_check_poisoned(prog, seed, world, cfg, entry.get("poison")) if cfg.get("anomaly")
+               else _check_one(prog, cfg, shrunk_per_group, entry.get("want")))
         records.append(rec)
         if cfg.get("out"):
             with open(cfg["out"], "a") as f:
@@ -2082,11 +2276,14 @@ def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
 
 
 def run_seeds(world: int, seeds: list, cfg: dict, timeout: float, log=print) -> dict:
-    """Run ``seeds`` on ``world``-worker clusters (a new one after a hang or a crash)."""
+    """Run ``seeds`` on ``world``-worker clusters (a new one after a hang or a crash),
+    each against its reference from the clean process (:func:`prepare`, here)."""
+    import clean_ref
     from mp_utils import run_workers
     records: list = []
     stats: collections.Counter = collections.Counter()
     todo = list(seeds)
+    cfg = dict(cfg, plan=clean_ref.pack(prepare(world, todo, cfg)))
     while todo:
         fd, out = tempfile.mkstemp(prefix="random-programs-", suffix=".jsonl")
         os.close(fd)
@@ -2108,14 +2305,16 @@ def run_seeds(world: int, seeds: list, cfg: dict, timeout: float, log=print) -> 
         if crash and todo:
             seed = todo.pop(0)  # the program running when the cluster went down
             log(f"  seed {seed}: {crash.splitlines()[0]}")
-            prog = generate(seed, world)
+            prog = program_for(seed, world, cfg)
             records.append({"seed": seed, "world": world, "ok": False, "size": size(prog),
                             "group": "cluster crashed or timed out", "detail": crash,
                             "dump": dump(prog), "features": sorted(features(prog))})
         elif crash:
             # every program was recorded, then the cluster failed (the engine-stats calls,
             # rpc.shutdown, another rank, the timeout): no program to blame, still a failure
-            raise RuntimeError(f"{crash}\n(after all {len(seeds)} programs were recorded)")
+            err = RuntimeError(f"{crash}\n(after all {len(seeds)} programs were recorded)")
+            err.records = records   # type: ignore[attr-defined]  (the CLI still reports them)
+            raise err
         elif todo:
             log(f"  restarting a {world}-worker cluster after a hang ({len(todo)} programs left)")
     return {"records": records, "engine_stats": dict(stats)}
@@ -2210,7 +2409,16 @@ def main(argv=None) -> int:
         # torch.compile costs seconds per new shape and process (more under --anomaly)
         per_program = 6 + 24 * weights.get("compile", 0.0)
         budget = 60 + len(seeds) * per_program + args.shrink * 4 * args.shrink_budget
-        res = run_seeds(w, seeds, cfg, timeout=budget)
+        try:
+            res = run_seeds(w, seeds, cfg, timeout=budget)
+        except RuntimeError as e:   # every program recorded, then the cluster failed
+            if not hasattr(e, "records"):
+                raise
+            print(f"world {w}: {str(e).splitlines()[0][:300]}", flush=True)
+            res = {"records": e.records + [{"seed": -1, "world": w, "ok": False, "size": 0,
+                                            "group": "cluster failed after its last program",
+                                            "detail": str(e)[-3000:], "dump": ""}],
+                   "engine_stats": {}}
         bad = sum(not r["ok"] for r in res["records"])
         print(f"world {w}: {len(seeds)} programs, {bad} failed, {time.monotonic() - t0:.0f} s; "
               f"engine stats {res['engine_stats']}", flush=True)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(240)
 
 # world size -> seeds, run without the features of issue 18 (CLASSIC: hooks, modules,
 # checkpoint, compile, autocast, in-place ops all off), so they are the very programs
-# they were chosen for; with FEATURE_SEEDS they exercise every entry of
+# they were chosen for; with FEATURE_SEEDS and THREAD_SEEDS they exercise every entry of
 # random_programs.FEATURES (test_seeds_cover_every_feature checks it)
 CLASSIC: dict = {}
 SEEDS = {
@@ -34,7 +34,7 @@ SEEDS = {
 # (the last seeds of each list once failed: 671981/2 a tensor unused two calls deep,
 # 20082/3, 5007/3 and 30080/4 an RPC argument the callee never used)
 
-# world size -> seeds, run with the default random_programs.FEATURE_WEIGHTS: together
+# world size -> seeds, run with random_programs.COMPANY (issue 18's weights): together
 # they cover every feature of issue 18 (hooks, module hooks, checkpoint both ways,
 # torch.compile, autocast, in-place ops)
 FEATURE_SEEDS = {
@@ -49,10 +49,23 @@ FEATURE_SEEDS = {
 # donated buffers", as outside an engine call torch says the graph is kept)
 
 
+# world size -> seeds, run with THREADS: plain backward() on another thread during the
+# passes (a hook on a leaf has it accumulate into that leaf while the pass is about to),
+# two passes at once over shared parameters, gradients kept by hooks and changed after
+# the passes, rpc_asyncs that wait on each other (tests/random_threads.py; issue 26)
+THREADS = "plain_thread,keep_grad,rendezvous,two_passes=0.3"
+THREAD_SEEDS = {2: [357, 338], 3: [355, 451, 342]}
+# (with distgrad's .grad route, before issue 26: 357/2, 338/2 and 355/3 failed, a plain
+# backward()'s accumulation landed in the context and was lost from .grad)
+
+
 def _programs():
     """(program, its feature weights) for every fixed seed."""
+    threads = rp.parse_features(THREADS)
     return ([(rp.generate(s, w, CLASSIC), CLASSIC) for w, seeds in SEEDS.items() for s in seeds]
-            + [(rp.generate(s, w), None) for w, seeds in FEATURE_SEEDS.items() for s in seeds])
+            + [(rp.generate(s, w, rp.COMPANY), rp.COMPANY) for w, seeds in FEATURE_SEEDS.items()
+               for s in seeds]
+            + [(rp.generate(s, w, threads), threads) for w, seeds in THREAD_SEEDS.items() for s in seeds])
 
 
 def test_seeds_cover_every_feature():
@@ -189,8 +202,17 @@ def test_random_programs(world):
 def test_random_programs_in_company(world):
     """Hooks (tensor, grad_fn, AccumulateGrad, module full backward), checkpoint,
     torch.compile, autocast and in-place ops in the programs (issue 18)."""
-    _run_checked(world, FEATURE_SEEDS[world], {}, "programs with hooks/checkpoint/compile/autocast/"
-                 "in-place ops differ from local autograd")
+    _run_checked(world, FEATURE_SEEDS[world], {"features": rp.COMPANY}, "programs with hooks/checkpoint/"
+                 "compile/autocast/in-place ops differ from local autograd", " --features default,threads=0")
+
+
+@pytest.mark.parametrize("world", sorted(THREAD_SEEDS))
+def test_random_programs_with_threads(world):
+    """Threads (issue 26): every context's gradients equal the clean reference's, and
+    every leaf's ``.grad`` holds exactly what the plain backward() calls on another
+    thread accumulate in local autograd (None where none touched it)."""
+    _run_checked(world, THREAD_SEEDS[world], {"features": rp.parse_features(THREADS)},
+                 "programs with threads differ from local autograd", f" --features {THREADS}")
 
 
 # chosen so that the second pass changes the gradients (12 per world size), plus one
@@ -243,3 +265,21 @@ def test_random_programs_anomaly_in_company():
     res = _run_checked(2, [30021], {"anomaly": True, "features": rp.parse_features("all")},
                        "poisoned programs misreported", " --anomaly --features all")
     assert [r for r in res["records"] if not r.get("skipped")]
+
+
+# programs with tensor hooks (world 2) whose gradients a doubled hook changes
+BROKEN_HOOK_SEEDS = [1, 19, 34]
+
+
+def test_a_broken_patch_is_caught_only_by_the_clean_reference():
+    """The oracle's reference comes from a process that never imported distgrad
+    (tests/clean_ref.py). With ``Tensor.register_hook`` broken on purpose in the
+    workers (every hook's gradient doubled, as a faulty patch would), the clean
+    reference reports a mismatch on every program, while a reference computed on
+    worker0 itself (the old harness: its local autograd shares the break) calls each
+    of them exact."""
+    res = rp.run_seeds(2, BROKEN_HOOK_SEEDS, {"shrink": 0, "features": rp.parse_features("hook"),
+                                              "break_hooks": 2.0, "in_process": True},
+                       timeout=200, log=lambda *a: None)
+    verdicts = {r["seed"]: (r.get("group", "exact"), r.get("in_process")) for r in res["records"]}
+    assert verdicts == {s: ("mismatch: grad value", "exact") for s in BROKEN_HOOK_SEEDS}, verdicts

@@ -4,17 +4,17 @@ gradient (the caller's leaves, the block's parameters on its worker) equal to lo
 autograd's, and no ``.grad`` written (torch's own distributed autograd fails on all
 of these); a checkpoint node run on a thread of its own (as torch runs CUDA nodes)
 still belongs to its pass. A block that makes an RPC is refused with a message that
-says what to do.
+says what to do. The local autograd reference runs in a process that never imported
+distgrad (tests/clean_ref.py; this module imports distgrad only where it runs
+distributed).
 """
 import threading
 
+import clean_ref
 import pytest
 import torch
 from mp_utils import run_workers
 from torch.utils.checkpoint import checkpoint
-
-import distgrad.autograd as dist_autograd
-import distgrad.rpc as rpc
 
 pytestmark = pytest.mark.timeout(240)
 MODS: dict = {}
@@ -38,8 +38,15 @@ def _nested(dist, x):
     return m[2](inner) * 2
 
 
+def _dist():
+    """(distgrad.rpc, distgrad.autograd), imported where a function runs distributed."""
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    return rpc, dist_autograd
+
+
 def _call(dist, worker, fn, *args):
-    return rpc.rpc_sync(f"worker{worker}", fn, args=(dist, *args)) if dist else fn(dist, *args)
+    return _dist()[0].rpc_sync(f"worker{worker}", fn, args=(dist, *args)) if dist else fn(dist, *args)
 
 
 def _third(dist, b):
@@ -91,7 +98,7 @@ def _param_grads(dist, cid):
     ps = list(_mods(dist).parameters())
     if dist:
         assert all(p.grad is None for p in ps)
-        g = dist_autograd.get_gradients(cid)
+        g = _dist()[1].get_gradients(cid)
         return [g.get(p) for p in ps]
     return [p.grad for p in ps]
 
@@ -105,6 +112,7 @@ def _run(dist, kind):
         outs = _caller_side(False, x) if kind == "caller" else _callee(False, x, kind)
         sum((o * (i + 1)).sum() for i, o in enumerate(outs)).backward()
         return [x.grad], _param_grads(False, None)
+    rpc, dist_autograd = _dist()
     with dist_autograd.context() as cid:
         outs = _caller_side(True, x) if kind == "caller" else _call(True, 1, _callee, x, kind)
         dist_autograd.backward(cid, [sum((o * (i + 1)).sum() for i, o in enumerate(outs))])
@@ -119,12 +127,21 @@ def _same(a, b):
         for p, q in zip(a, b))
 
 
-def _main(rank, world):
+KINDS = ("callee", "caller", "shared", "nested", "thread")
+
+
+def _local_reference():
+    """Every kind's local autograd half (run in the clean reference process)."""
+    return {kind: _run(False, kind) for kind in KINDS}
+
+
+def _main(rank, world, want):
     if rank != 0:
         return None
+    want = clean_ref.unpack(want)
     out = {}
-    for kind in ("callee", "caller", "shared", "nested", "thread"):
-        (wx, wp), (gx, gp) = _run(False, kind), _run(True, kind)
+    for kind in KINDS:
+        (wx, wp), (gx, gp) = want[kind], _run(True, kind)
         out[kind] = (_same(wx, gx), _same(wp, gp), sum(p is not None for p in gp))
     try:
         _run(True, "rpc_inside")
@@ -135,7 +152,8 @@ def _main(rank, world):
 
 
 def test_reentrant_checkpoint_across_workers():
-    res = run_workers(_main, world_size=3, timeout=200)[0]
+    want = clean_ref.pack(clean_ref.reference(_local_reference))
+    res = run_workers(_main, world_size=3, timeout=200, args=(want,))[0]
     assert res == {
         "callee": (True, True, 4),     # the block's two layers: weight and bias each
         "caller": (True, True, 4),

@@ -3,27 +3,34 @@ several entries (the node-by-node executor): tensor hooks on intermediates, node
 pre-/post-hooks, module full backward hooks, retain_grad, post-accumulate-grad
 hooks, and node hooks on a leaf's AccumulateGrad node.
 
-Each scenario is one function run twice on worker0: once as plain local autograd
-(every "call" a function call) and once distributed over 3 workers (every call an
-rpc_sync); every leaf gradient, hook observation and retained grad must agree.
+Each scenario is one function run twice: once as plain local autograd (every "call"
+a function call) in a process that never imported distgrad (tests/clean_ref.py), and
+once distributed over 3 workers (every call an rpc_sync); every leaf gradient, hook
+observation and retained grad must agree. (This module imports distgrad only inside
+the functions that run distributed: the reference process imports it too.)
 In each, a value on worker1 feeds two outputs, both returned, one also sent on to
 worker2: worker1's region is shared by two entries.
 """
+import clean_ref
 import pytest
 import torch
 from mp_utils import run_workers
-
-import distgrad.autograd as dist_autograd
-import distgrad.rpc as rpc
 
 pytestmark = pytest.mark.timeout(240)
 SEEN: dict = {}       # (dist, key) -> what hooks observed, per process
 MODULES: dict = {}    # (dist, name) -> module, built from a seed on its worker
 
 
+def _dist():
+    """(distgrad.rpc, distgrad.autograd), imported where a function runs distributed."""
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    return rpc, dist_autograd
+
+
 def _call(dist, worker, fn, *args):
     if dist:
-        return rpc.rpc_sync(f"worker{worker}", fn, args=(dist, *args))
+        return _dist()[0].rpc_sync(f"worker{worker}", fn, args=(dist, *args))
     return fn(dist, *args)
 
 
@@ -99,7 +106,7 @@ def _module_callee(dist, x):
 def _module_grads(dist, cid):
     ps = list(_module(dist, "lin").parameters())
     if dist:
-        g = dist_autograd.get_gradients(cid)
+        g = _dist()[1].get_gradients(cid)
         return [g[p].clone() for p in ps]
     return [p.grad.clone() for p in ps]
 
@@ -117,6 +124,7 @@ def _run(dist, fn, *args):
         _loss(_call(False, 1, fn, x, *args)).backward()
         mod = _module_grads(False, None) if fn is _module_callee else None
         return [x.grad], mod
+    rpc, dist_autograd = _dist()
     with dist_autograd.context() as cid:
         dist_autograd.backward(cid, [_loss(_call(True, 1, fn, x, *args))])
         mod = (rpc.rpc_sync("worker1", _module_grads, args=(True, cid)) if fn is _module_callee
@@ -128,22 +136,39 @@ def _close(a, b):
     return len(a) == len(b) and all(torch.allclose(p, q, rtol=1e-12, atol=1e-12) for p, q in zip(a, b))
 
 
-def _scenarios(rank, world):
+def _local_reference():
+    """Every scenario's local autograd half (run in the clean reference process)."""
+    out = {}
+    for kind in ("tensor", "node", "retain"):
+        out[kind] = {"grads": _run(False, _callee, kind)[0]}
+        if kind == "node":
+            out[kind]["post"] = _fetch(False, "post")
+        if kind == "retain":
+            out[kind]["retained"] = _retained(False)
+    out["module"] = dict(zip(("grads", "params"), _run(False, _module_callee)))
+    return out
+
+
+def _scenarios(rank, world, want):
     if rank != 0:
         return None
+    rpc = _dist()[0]
+    want = clean_ref.unpack(want)
     out = {}
     for kind in ("tensor", "node", "retain"):
         shared = [rpc.rpc_sync(f"worker{w}", _passes_shared) for w in range(world)]
-        want, got = _run(False, _callee, kind), _run(True, _callee, kind)
+        got = _run(True, _callee, kind)
         after = [rpc.rpc_sync(f"worker{w}", _passes_shared) for w in range(world)]
-        out[kind] = {"grads": _close(want[0], got[0]), "shared_on_1": after[1] > shared[1]}
+        out[kind] = {"grads": _close(want[kind]["grads"], got[0]), "shared_on_1": after[1] > shared[1]}
         if kind == "node":
             remote = rpc.rpc_sync("worker1", _fetch, args=(True, "post"))
-            out[kind]["post"] = _close(_fetch(False, "post"), remote)
+            out[kind]["post"] = _close(want[kind]["post"], remote)
         if kind == "retain":
-            out[kind]["retained"] = _close(_retained(False), rpc.rpc_sync("worker1", _retained, args=(True,)))
-    want, got = _run(False, _module_callee), _run(True, _module_callee)
-    out["module"] = {"grads": _close(want[0], got[0]), "params": _close(want[1], got[1])}
+            out[kind]["retained"] = _close(want[kind]["retained"],
+                                           rpc.rpc_sync("worker1", _retained, args=(True,)))
+    got = _run(True, _module_callee)
+    out["module"] = {"grads": _close(want["module"]["grads"], got[0]),
+                     "params": _close(want["module"]["params"], got[1])}
     return out
 
 
@@ -155,7 +180,8 @@ def _passes_shared():
 def test_hooks_in_shared_regions_match_local_autograd():
     """Tensor hooks (scaling, masking, clipping), node pre-/post-hooks, retain_grad and
     module full backward (pre-)hooks on worker1, inside a region two entries share."""
-    res = run_workers(_scenarios, world_size=3, timeout=180)[0]
+    want = clean_ref.pack(clean_ref.reference(_local_reference))
+    res = run_workers(_scenarios, world_size=3, timeout=180, args=(want,))[0]
     assert res == {
         "tensor": {"grads": True, "shared_on_1": True},
         "node": {"grads": True, "shared_on_1": True, "post": True},
@@ -165,33 +191,45 @@ def test_hooks_in_shared_regions_match_local_autograd():
 
 
 # -- post-accumulate-grad hooks, and node hooks on a leaf and an intermediate --------
-def _post_acc(rank, world):
+def _post_acc_case(dist, shared):
+    """What the post-accumulate-grad hook saw, then x's gradient (``shared``: y also
+    feeds the root on worker0, so worker0's region is shared)."""
+    torch.manual_seed(1)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    log = []
+    x.register_post_accumulate_grad_hook(lambda p: log.append(p.grad.clone()))
+    y = x * 2
+    if not dist:
+        y.grad_fn.next_functions[0][0].register_prehook(lambda gos: (gos[0] * 5,))
+        y.grad_fn.register_prehook(lambda gos: (gos[0] * 3,))
+        z = y * 3.0
+        (z.sum() + (y.sum() if shared else 0)).backward()
+        return log + [x.grad.clone()]
+    # an AccumulateGrad hook and an intermediate node hook: found through torch's
+    # own registration, whoever made it when
+    rpc, dist_autograd = _dist()
+    y.grad_fn.next_functions[0][0].register_prehook(lambda gos: (gos[0] * 5,))
+    y.grad_fn.register_prehook(lambda gos: (gos[0] * 3,))
+    with dist_autograd.context() as cid:
+        z = rpc.rpc_sync("worker1", torch.mul, args=(y, 3.0))
+        dist_autograd.backward(cid, [z.sum() + (y.sum() if shared else 0)])
+        grad = dist_autograd.get_gradients(cid)[x]
+        assert x.grad is None  # restored after the hook
+    return log + [grad]
+
+
+def _post_acc_local():
+    return {shared: _post_acc_case(False, shared) for shared in (False, True)}
+
+
+def _post_acc(rank, world, want):
     if rank != 0:
         return None
+    want = clean_ref.unpack(want)
     res = {}
     for shared in (False, True):
-        seen = {}
-        for dist in (False, True):
-            torch.manual_seed(1)
-            x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-            log = seen[dist] = []
-            x.register_post_accumulate_grad_hook(lambda p, log=log: log.append(p.grad.clone()))
-            y = x * 2
-            # an AccumulateGrad hook and an intermediate node hook: found by probing
-            # the node through torch's own registration, whoever registered them when
-            y.grad_fn.next_functions[0][0].register_prehook(lambda gos: (gos[0] * 5,))
-            y.grad_fn.register_prehook(lambda gos: (gos[0] * 3,))
-            if not dist:
-                z = y * 3.0
-                (z.sum() + (y.sum() if shared else 0)).backward()
-                seen[dist].append(x.grad.clone())
-                continue
-            with dist_autograd.context() as cid:
-                z = rpc.rpc_sync("worker1", torch.mul, args=(y, 3.0))
-                dist_autograd.backward(cid, [z.sum() + (y.sum() if shared else 0)])
-                seen[dist].append(dist_autograd.get_gradients(cid)[x])
-                assert x.grad is None  # restored after the hook
-        res[shared] = _close(seen[False], seen[True]) and len(seen[True]) == 2
+        got = _post_acc_case(True, shared)
+        res[shared] = _close(want[shared], got) and len(got) == 2
     return res
 
 
@@ -199,4 +237,5 @@ def test_post_accumulate_grad_hooks_and_unseen_node_hooks():
     """register_post_accumulate_grad_hook runs once the context holds the gradient (and
     reads it as ``p.grad``), in native and shared regions; node hooks on the leaf's
     AccumulateGrad node and on an intermediate run too, in both."""
-    assert run_workers(_post_acc, world_size=2, timeout=120)[0] == {False: True, True: True}
+    want = clean_ref.pack(clean_ref.reference(_post_acc_local))
+    assert run_workers(_post_acc, world_size=2, timeout=120, args=(want,))[0] == {False: True, True: True}
