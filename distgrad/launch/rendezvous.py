@@ -253,27 +253,40 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
     Two rounds of sealed entries (:mod:`.sealed`): every rank publishes a fresh
     nonce, then its pair bound to all ranks' nonces, so an entry of any other
     rendezvous (replayed) fails the check as a forged one does. One that fails it
-    is ignored while its rank may still publish a good one (a worker whose own
-    entry was deleted or overwritten writes it again); at the timeout
-    StoreTamperedError names every such entry. Nothing read is unpickled.
+    is ignored while its rank may still publish a good one: until the exchange's
+    barrier, a worker whose own entry was deleted or overwritten writes it again,
+    and one that read a nonce its rank has since written over (a replayed one)
+    redoes the second round. At the timeout StoreTamperedError names every entry
+    that failed. Nothing read is unpickled.
 
     Raises RuntimeError when two workers chose the same name or on timeout.
     """
     seal = seal if seal is not None else store_seal(store, worker=name)
-    deadline = time.monotonic() + timeout
-    rounds = _Rounds(store, prefix, seal, name, timeout, deadline)
-    nonces = rounds.gather("nonce", rank, world_size, {"nonce": os.urandom(16).hex()}, _check_nonce)
-    attempt = hashlib.sha256(",".join(v["nonce"] for v in nonces).encode()).hexdigest()
-    rounds.seal = seal.bound(attempt)
-    entries = rounds.gather("worker", rank, world_size, {"name": name, "address": address},
-                           check_pair)
+    rounds = _Rounds(store, prefix, seal, name, timeout, time.monotonic() + timeout)
+    nonces = rounds.gather("nonce", seal, rank, world_size, {"nonce": os.urandom(16).hex()},
+                           _check_nonce)
+    while True:  # again when a nonce we read was since replaced (its rank wrote over a replay)
+        attempt = hashlib.sha256(",".join(v["nonce"] for v in nonces).encode()).hexdigest()
+        try:
+            entries = rounds.gather("worker", seal.bound(attempt), rank, world_size,
+                                    {"name": name, "address": address}, check_pair,
+                                    renewed=lambda n=nonces: rounds.renewed(n, rank))
+            break
+        except _Renewed as e:
+            nonces = e.values
     peers = [(e["name"], e["address"]) for e in entries]
     # Rank 0 hosts the store: it must not leave (and, on a name clash, raise and
     # drop the store) before every rank has read the table.
     try:
-        barrier(store, "exchange", rank, world_size, timeout)
+        # every rank has read all by now: what is left of the timeout, but time enough
+        # for the last ones to arrive on a loaded machine
+        barrier(store, "exchange", rank, world_size,
+                max(rounds.deadline - time.monotonic(), min(timeout, 10.0)), give_up=rounds.guard)
     except Exception as e:
-        raise RuntimeError(f"rendezvous of worker {name!r} failed after the exchange: {e}") from e
+        what = f"rendezvous of worker {name!r} failed after the exchange: {e}"
+        if seal.tampered:
+            raise seal.tampered_error(what) from e
+        raise RuntimeError(what) from e
     seen: dict[str, int] = {}
     for r, (n, _) in enumerate(peers):
         if n in seen:
@@ -286,24 +299,39 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
     return peers
 
 
+class _Renewed(Exception):
+    """A round's inputs changed in the store (see :meth:`_Rounds.gather`)."""
+
+    def __init__(self, values: list) -> None:
+        super().__init__("renewed")
+        self.values = values
+
+
 class _Rounds:
-    """One exchange's rounds in its session of the store (see :func:`exchange`)."""
+    """One exchange's rounds in its session of the store (see :func:`exchange`).
+    Until the exchange's barrier completes, this worker keeps its own entries as it
+    wrote them: one deleted or overwritten is written again (and noted)."""
 
     def __init__(self, store: Any, prefix: str, seal: StoreSeal, name: str, timeout: float,
                  deadline: float) -> None:
         self.store, self.prefix, self.seal = store, prefix, seal
         self.name, self.timeout, self.deadline = name, timeout, deadline
+        self.own: dict[str, bytes] = {}   # key -> the bytes we wrote
+        self.guarded = self.looked = 0.0
 
     def full(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def gather(self, tag: str, rank: int, world_size: int, mine: dict,
-               check: Callable[[Any], str | None]) -> list[Any]:
-        """Publish ``mine`` under ``<tag>/<rank>``; every rank's value once each
-        passed the check (ours as we wrote it)."""
+    def gather(self, tag: str, seal: StoreSeal, rank: int, world_size: int, mine: dict,
+               check: Callable[[Any], str | None],
+               renewed: Callable[[], list | None] | None = None) -> list[Any]:
+        """Publish ``mine`` under ``<tag>/<rank>``, sealed with ``seal``; every rank's
+        value once each passed the check (ours as we wrote it). While waiting,
+        ``renewed()`` returning values ends the round with _Renewed."""
         keys = [f"{tag}/{r}" for r in range(world_size)]
-        own = self.seal.seal(self.full(keys[rank]), mine)
+        own = seal.seal(self.full(keys[rank]), mine)
         self.store.set(keys[rank], own)
+        self.own[keys[rank]] = own
         got: dict[int, Any] = {rank: mine}
         pause = 0.001
         while True:
@@ -311,34 +339,60 @@ class _Rounds:
             if pending and self.store.check([keys[r] for r in pending]):
                 for r in pending:
                     raw = self._get(keys[r])
-                    value = None if raw is None else self.seal.open(self.full(keys[r]), raw, check)
+                    value = None if raw is None else seal.open(self.full(keys[r]), raw, check)
                     if value is not None:
                         got[r] = value
                 pending = [r for r in pending if r not in got]
             if not pending:
                 return [got[r] for r in range(world_size)]
-            self._guard(keys[rank], own)
+            self.guard()
+            fresh = renewed() if renewed is not None else None
+            if fresh is not None:
+                raise _Renewed(fresh)
             now = time.monotonic()
             if now >= self.deadline:
-                raise self._timeout(tag, [keys[r] for r in pending], pending)
+                raise self._timeout(tag, pending)
             time.sleep(min(pause, self.deadline - now))
             pause = min(pause * 1.5, 0.05)
 
+    def renewed(self, values: list, rank: int) -> list | None:
+        """The nonces in the store when an authentic one differs from ``values`` (read
+        at most every 100 ms), else None."""
+        now = time.monotonic()
+        if now - self.looked < 0.1:
+            return None
+        self.looked = now
+        fresh = list(values)
+        for r in range(len(values)):
+            key = f"nonce/{r}"
+            raw = self._get(key) if r != rank else None
+            value = None if raw is None else self.seal.open(self.full(key), raw, _check_nonce)
+            if value is not None:
+                fresh[r] = value
+        return fresh if fresh != values else None
+
     def _get(self, key: str) -> bytes | None:
         try:
-            return self.store.get(key)
+            return self.store.get(key) if self.store.check([key]) else None
         except Exception:  # noqa: BLE001 - deleted between check and get: not there
             return None
 
-    def _guard(self, key: str, own: bytes) -> None:
-        """Our entry is still there as we wrote it, or written again (noted)."""
-        raw = self._get(key) if self.store.check([key]) else None
-        if raw != own:
-            self.seal.reject(self.full(key), "deleted (this worker wrote it; written again)"
-                             if raw is None else "overwritten (this worker wrote it; written again)")
-            self.store.set(key, own)
+    def guard(self) -> bool:
+        """Write again any of our entries that was deleted or overwritten (at most
+        every 20 ms); False, for :func:`barrier`'s ``give_up``."""
+        now = time.monotonic()
+        if now - self.guarded < 0.02:
+            return False
+        self.guarded = now
+        for key, own in self.own.items():
+            raw = self._get(key)
+            if raw != own:
+                self.seal.reject(self.full(key), "deleted (this worker wrote it; written again)"
+                                 if raw is None else "overwritten (this worker wrote it; written again)")
+                self.store.set(key, own)
+        return False
 
-    def _timeout(self, tag: str, keys: list[str], ranks: list[int]) -> Exception:
+    def _timeout(self, tag: str, ranks: list[int]) -> Exception:
         what = (f"rendezvous timed out after {self.timeout:.0f} s on worker {self.name!r}: ranks "
                 f"{ranks} never joined" + (f" (store keys {self.prefix}/{tag}/...)" if self.prefix else ""))
         if self.seal.tampered:
