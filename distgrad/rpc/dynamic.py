@@ -104,6 +104,7 @@ def start(store: Any, name: str, rank: int | None, make_transport: Any, host: st
         if transport is not None:
             transport.close(0)
         try:
+            group.timeout = min(group.timeout, 2.0)  # best effort: the table may be what failed
             group.leave(rank, incarnation)
         except Exception:  # noqa: BLE001 - the join's error is the one to raise
             pass

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 MIXED = "RPC group mixes statically and dynamically initialized members which is not supported."
 _MISSING_GRACE = 2.0  # an entry numbered but never written: its writer died in between
 _PROBE_TIMEOUT = 2.0
-_MAX_SCAN = 4096  # ledger entries one look reads past the watermark (the counter is anyone's)
+_MAX_SCAN = 1024  # ledger entries one look reads past the watermark (the counter is anyone's)
 
 
 def root(attempt: str | None = None) -> str:
@@ -86,7 +86,7 @@ def live_static_member(store: Any, seal: StoreSeal | None = None) -> str | None:
     seal = _seal(store, seal)
     count = rendezvous.counter(store, _key("count"), 0)
     done_key = _key("done")
-    ours = _get(store, done_key) or b""
+    ours = _get(store, done_key) or b""   # the watermark as read (forged: rewritten)
     mark = seal.open(done_key, ours, _check_done) if ours else None
     done = mark["done"] if mark is not None else 0  # entries 1..done are all out
     end = min(count, done + _MAX_SCAN)
@@ -99,16 +99,21 @@ def live_static_member(store: Any, seal: StoreSeal | None = None) -> str | None:
         if not _is_out(store, slot, seal):
             entry = _entry(store, slot, seal, grace)
             if entry is not None and _listening(entry["address"]):
+                _advance(store, seal, ours, done, slot - 1)
                 return entry["name"]
             if count_out(store, slot, seal):
                 log.info("static member %s (ledger entry %d) is gone: counted out",
                          entry["name"] if entry else "(never written, or forged)", slot)
-        # every entry up to slot is out: move the watermark, forward only (best effort:
-        # once another joiner moved it first, leave it to them)
-        if ours is not None:
-            new = seal.seal(done_key, {"done": slot})
-            ours = new if store.compare_set(done_key, ours, new) == new else None
+    _advance(store, seal, ours, done, end)
     return None
+
+
+def _advance(store: Any, seal: StoreSeal, ours: bytes, done: int, to: int) -> None:
+    """Move the watermark from ``done`` (read as ``ours``) to ``to``: every entry up to
+    it is out. Forward only, best effort: when another joiner moved it first, it stays."""
+    if to > done:
+        key = _key("done")
+        store.compare_set(key, ours, seal.seal(key, {"done": to}))
 
 
 def _check_done(value: Any) -> str | None:
