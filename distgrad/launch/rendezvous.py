@@ -418,7 +418,7 @@ def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: fl
         return
     # ">=": the counter is anyone's to move; a moved one ends the wait early or never
     # (then the timeout's error says what it read), it cannot stop it from ending
-    if store.add(key, 1) >= world_size:
+    if counter(store, key, 1) >= world_size:
         store.set(key + "/done", b"1")
     deadline = time.monotonic() + timeout
     if give_up is None:
@@ -435,12 +435,12 @@ def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: fl
                 raise RuntimeError(f"barrier {key!r} timed out after {timeout:.1f} s "
                                    f"({_counted(store, key)} of {world_size} ranks counted)")
             time.sleep(0.005)
-    n = store.add(key + "/left", 1)
+    n = counter(store, key + "/left", 1)
     if rank == 0:
         deadline = time.monotonic() + min(timeout, 10.0)
         while n < world_size and time.monotonic() < deadline and not (give_up and give_up()):
             time.sleep(0.005)
-            n = store.add(key + "/left", 0)
+            n = counter(store, key + "/left", 0)
 
 
 def _counted(store: dist.Store, key: str) -> str:
