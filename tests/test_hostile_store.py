@@ -20,21 +20,17 @@ import json
 import os
 import pickle
 import socket
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from mp_utils import free_port, run_workers
+from mp_utils import distgrad_store, free_port, run_workers
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parents[1]
 BOUND = 45.0   # generous: an attacked start ends (either way) well within this
 
 
@@ -133,10 +129,11 @@ class _Attacker:
 def _worker(rank: int, world_size: int, cfg: dict) -> dict:
     """init_rpc as ``cfg`` says, a call to every other member, shutdown;
     ``cfg['rounds']`` times. With ``cfg['coord']`` (a store's port) each round
-    starts at key ``cfg['go']`` (``{rank}``, ``{i}``: the round), and in a dynamic group
-    the start is reported (``up/<rank>/<i>``) and, once it succeeded, the member stays
-    until ``release/<i>``. Rank ``r`` waits ``cfg['delay'][r]`` seconds before its
-    init_rpc in round ``cfg['delay_round']``. Returns what happened, and the warnings."""
+    starts at key ``cfg['go']`` (``{rank}``, ``{i}``: the round); with ``cfg['report']``
+    its start is reported (``up/<rank>/<i>``: ok or failed); a start that succeeded in
+    round ``i`` stays until key ``cfg['hold'][i]``, if any. Rank ``r`` waits
+    ``cfg['delay'][r]`` seconds before its init_rpc in round ``cfg['delay_round']``.
+    Returns what happened, and the warnings."""
     import logging
 
     import distgrad.rpc as rpc
@@ -152,7 +149,6 @@ def _worker(rank: int, world_size: int, cfg: dict) -> dict:
     logging.getLogger("distgrad").addHandler(_Keep(level=logging.WARNING))
     os.environ.update(cfg.get("env", {}))
     coord = _client(cfg["coord"]) if cfg.get("coord") else None
-    dynamic = cfg["init"] == "dynamic"
     out = {"rounds": []}
     for i in range(cfg.get("rounds", 1)):
         if coord is not None:
@@ -163,7 +159,7 @@ def _worker(rank: int, world_size: int, cfg: dict) -> dict:
         t0 = time.monotonic()
         got = {"ok": False, "error": None}
         try:
-            if dynamic:
+            if cfg["init"] == "dynamic":
                 opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
                 rpc.init_rpc(f"d{rank}", rank=cfg["rank"][str(rank)], rpc_backend_options=opts)
             elif cfg["init"] == "agent":
@@ -177,11 +173,11 @@ def _worker(rank: int, world_size: int, cfg: dict) -> dict:
         except Exception as e:  # noqa: BLE001 - what happened is the result
             got["error"] = f"{type(e).__name__}: {e}"
         got["init_s"] = time.monotonic() - t0
-        if dynamic and coord is not None:
+        if cfg.get("report"):
             coord.set(f"up/{rank}/{i}", "failed" if got["error"] else "ok")
         if got["error"] is None:
-            if dynamic and coord is not None:
-                coord.wait([f"release/{i}"], timedelta(seconds=90))
+            if str(i) in cfg.get("hold", {}):
+                coord.wait([cfg["hold"][str(i)]], timedelta(seconds=90))
             names = [w.name for w in rpc.api._get_current_rpc_agent().get_worker_infos()]
             me = rpc.get_worker_info().name
             got["calls"] = [rpc.rpc_sync(n, torch.add, args=(torch.ones(1), 1)).item()
@@ -288,6 +284,7 @@ def test_forged_member_and_replays_from_another_rendezvous_static_group():
         while "distgrad/0.1/worker/1" not in recorded and time.monotonic() < deadline:
             time.sleep(0.02)
         attackers[0].stop()
+        coord.set("recorded", "1")   # the first rendezvous' workers may go on
         # rank 1 starts 2 s after go/1: until then rank 0 reads rank 1's nonce entry,
         # then (both nonces in) rank 1's exchange entry
         phases[:] = [time.monotonic() + 2.3, time.monotonic() + 4.5]
@@ -297,7 +294,7 @@ def test_forged_member_and_replays_from_another_rendezvous_static_group():
     coord.set("go/0", "1")
     threading.Thread(target=second_round, daemon=True).start()
     cfg = {"init": "tcp", "ports": ports, "rdv": 25.0, "rounds": 2, "coord": coord_port,
-           "delay": {"1": 2.0}, "delay_round": 1}
+           "delay": {"1": 2.0}, "delay_round": 1, "hold": {"0": "recorded"}}
     try:
         results = run_workers(_worker, world_size=2, init=False, timeout=150, args=(cfg,))
     finally:
@@ -351,11 +348,7 @@ def test_distgrad_store_evil_ledger_then_flipped_table(tmp_path):
     timeout with StoreTamperedError naming the table."""
     marker = str(tmp_path / "owned")
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    server = subprocess.Popen([sys.executable, "-m", "distgrad", "store", "--host", "127.0.0.1",
-                               "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        assert "serving on 127.0.0.1" in server.stdout.readline()
+    with distgrad_store(port):
         store = _client(port)
         store.add("distgrad/0/static/count", 10**9)
         store.set("distgrad/0/static/1", _evil(marker))
@@ -374,11 +367,9 @@ def test_distgrad_store_evil_ledger_then_flipped_table(tmp_path):
         store.set("go/0", "1")
         threading.Thread(target=flip_then_second, daemon=True).start()
         cfg = {"init": "dynamic", "port": port, "rdv": 6.0, "coord": port, "go": "go/{rank}",
-               "env": {"DISTGRAD_STORE_HOSTED": "1"}, "rank": {"0": 0, "1": None}}
+               "env": {"DISTGRAD_STORE_HOSTED": "1"}, "rank": {"0": 0, "1": None}, "report": True,
+               "hold": {"0": "release/0"}}
         results = run_workers(_worker, world_size=2, init=False, timeout=150, args=(cfg,))
-    finally:
-        server.terminate()
-        server.wait(10)
     assert not os.path.exists(marker), "a worker unpickled an entry of the store"
     first, second = results[0]["rounds"][0], results[1]["rounds"][0]
     assert first["ok"], first
@@ -425,7 +416,8 @@ def test_table_held_at_an_old_version_fails_the_joiner_clearly():
     coord.set("go/0", "1")
     threading.Thread(target=second, daemon=True).start()
     cfg = {"init": "dynamic", "port": port, "rdv": 6.0, "coord": coord_port, "go": "go/{rank}",
-           "env": {"DISTGRAD_STORE_LINGER": "0.5"}, "rank": {"0": 0, "1": None}}
+           "env": {"DISTGRAD_STORE_LINGER": "0.5"}, "rank": {"0": 0, "1": None}, "report": True,
+           "hold": {"0": "release/0"}}
     try:
         results = run_workers(_worker, world_size=2, init=False, timeout=150, args=(cfg,))
     finally:

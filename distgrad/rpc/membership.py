@@ -153,14 +153,17 @@ class Group:
     def _load(self) -> tuple[bytes, Table | None]:
         """The table's bytes and the table (None when it cannot be trusted: it failed
         authentication, or is older than one read before, or gone after it was read)."""
-        raw = self.raw.get(self.key) if self.raw.check([self.key]) else b""
+        try:
+            raw = self.raw.get(self.key) if self.raw.check([self.key]) else b""
+        except dist.DistStoreError:  # deleted between check and get
+            raw = b""
         table = decode(raw, self.seal, self.key)
         if table is not None and table.version < self.high:
             table = self.seal.reject(self.key, f"rolled back to version {table.version} after "
                                                f"version {self.high} was read" if raw else
                                      f"deleted after version {self.high} was read")
         if table is not None:
-            self.high = table.version
+            self.high = max(self.high, table.version)
         return raw, table
 
     def _unusable(self, what: str) -> StoreTamperedError:
@@ -191,7 +194,7 @@ class Group:
                 table.version += 1
                 new = encode(table, self.seal, self.key)
                 if self.raw.compare_set(self.key, raw, new) == new:
-                    self.high = table.version
+                    self.high = max(self.high, table.version)
                     return result
             if time.monotonic() > deadline:
                 if table is None:
