@@ -383,9 +383,9 @@ class Lease:
     def _run(self) -> None:
         while time.monotonic() < self.until:
             try:
-                self.store.add(self.key, 1)
-            except Exception as e:  # noqa: BLE001 - the join itself reports a store that is gone
-                log.info("could not move the join lease %s: %s", self.key, e)
+                rendezvous.counter(self.store, self.key, 1)
+            except Exception as e:  # noqa: BLE001 - the join itself fails on a store that is gone
+                log.warning("could not move the join lease: %s", e)
                 return
             if self.stop.wait(LEASE_INTERVAL):
                 return
