@@ -260,22 +260,22 @@ def test_forged_member_and_replays_from_another_rendezvous_static_group():
 
     def forge(store):
         now = time.monotonic()
-        key, other = keys[0] if now < phases[0] else keys[1]
         if now > phases[1]:
             return
         turn[0] += 1
         kind = turn[0] % 4
-        if kind == 1:    # what a worker that unpickles would connect to
-            value = pickle.dumps(("worker1", listener.address()))
-        elif kind == 2:  # rank 1 taken over: a well-formed entry with the attacker's address
-            value = _forged({"name": "worker1", "address": listener.address()}
-                            if "worker" in key else {"nonce": "ab" * 16})
-        elif kind == 3:  # rank 1's entry of the first rendezvous
-            value = recorded.get(key, b"")
-        else:            # rank 0's entry under rank 1's key
-            value = store.get(other) if store.check([other]) else b""
-        if value:
-            store.set(key, value)
+        for key, other in keys if now < phases[0] else keys[1:]:
+            if kind == 1:    # what a worker that unpickles would connect to
+                value = pickle.dumps(("worker1", listener.address()))
+            elif kind == 2:  # rank 1 taken over: a well-formed entry with the attacker's address
+                value = _forged({"name": "worker1", "address": listener.address()}
+                                if "worker" in key else {"nonce": "ab" * 16})
+            elif kind == 3:  # rank 1's entry of the first rendezvous
+                value = recorded.get(key, b"")
+            else:            # rank 0's entry under rank 1's key
+                value = store.get(other) if store.check([other]) else b""
+            if value:
+                store.set(key, value)
 
     attackers = [_Attacker(ports[0], record)]
 
@@ -285,8 +285,8 @@ def test_forged_member_and_replays_from_another_rendezvous_static_group():
             time.sleep(0.02)
         attackers[0].stop()
         coord.set("recorded", "1")   # the first rendezvous' workers may go on
-        # rank 1 starts 2 s after go/1: until then rank 0 reads rank 1's nonce entry,
-        # then (both nonces in) rank 1's exchange entry
+        # rank 1 starts 2 s after go/1: until then rank 0 reads rank 1's nonce entry
+        # (both of rank 1's entries are forged), then (both nonces in) its exchange entry
         phases[:] = [time.monotonic() + 2.3, time.monotonic() + 4.5]
         attackers.append(_Attacker(ports[1], forge, every=0.001))
         coord.set("go/1", "1")
@@ -301,11 +301,11 @@ def test_forged_member_and_replays_from_another_rendezvous_static_group():
         for a in attackers:
             a.stop()
         listener.close()
-    assert sorted(recorded) == ["distgrad/0.1/nonce/1", "distgrad/0.1/worker/1"], recorded
     assert listener.hits == 0, "a worker connected to the address the attacker wrote"
     for r in results:
         _clean_start_or_tampered(r)
         assert [g["ok"] for g in r["rounds"]] == [True, True], r
+    assert sorted(recorded) == ["distgrad/0.1/nonce/1", "distgrad/0.1/worker/1"], recorded
     # rank 0 read what the attacker wrote for rank 1 while rank 1 was not there, and
     # said so (its exchange entry too, most of the time: not asserted, a matter of timing)
     assert any("distgrad/0.1/nonce/1" in w for w in results[0]["warnings"]), results[0]
@@ -340,6 +340,28 @@ def test_deleted_entries_are_written_again_under_torchruns_agent_store():
     assert any("deleted (this worker wrote it; written again)" in w for w in results[1]["warnings"])
 
 
+def _two_joiners(port: int, coord, coord_port: int, env: dict, attack, after=None) -> list:
+    """Two members of a dynamic group on the store at ``port``: d0 (rank 0) joins,
+    ``attack()`` runs, d1 (rank None) joins, ``after()`` runs, d0 leaves; ordered
+    through ``coord`` (a client of the store at ``coord_port``)."""
+    def order():
+        try:
+            coord.wait(["up/0/0"], timedelta(seconds=90))
+            attack()
+        finally:   # whatever happened to the first member
+            coord.set("go/1", "1")
+            coord.wait(["up/1/0"], timedelta(seconds=90))
+            if after is not None:
+                after()
+            coord.set("release/0", "1")
+
+    coord.set("go/0", "1")
+    threading.Thread(target=order, daemon=True).start()
+    cfg = {"init": "dynamic", "port": port, "rdv": 6.0, "coord": coord_port, "go": "go/{rank}",
+           "env": env, "rank": {"0": 0, "1": None}, "report": True, "hold": {"0": "release/0"}}
+    return run_workers(_worker, world_size=2, init=False, timeout=150, args=(cfg,))
+
+
 def test_distgrad_store_evil_ledger_then_flipped_table(tmp_path):
     """``distgrad store`` serves a dynamic group. An evil pickle waits in the static
     members' ledger (a dynamic joiner reads it), whose counter says a billion entries:
@@ -353,23 +375,12 @@ def test_distgrad_store_evil_ledger_then_flipped_table(tmp_path):
         store.add("distgrad/0/static/count", 10**9)
         store.set("distgrad/0/static/1", _evil(marker))
 
-        def flip_then_second():
-            try:
-                store.wait(["up/0/0"], timedelta(seconds=90))
-                raw = bytearray(store.get("distgrad/0/dyn/members"))
-                raw[len(raw) // 2] ^= 0x01
-                store.set("distgrad/0/dyn/members", bytes(raw))
-            finally:   # whatever happened to the first member
-                store.set("go/1", "1")
-                store.wait(["up/1/0"], timedelta(seconds=90))
-                store.set("release/0", "1")
+        def flip():
+            raw = bytearray(store.get("distgrad/0/dyn/members"))
+            raw[len(raw) // 2] ^= 0x01
+            store.set("distgrad/0/dyn/members", bytes(raw))
 
-        store.set("go/0", "1")
-        threading.Thread(target=flip_then_second, daemon=True).start()
-        cfg = {"init": "dynamic", "port": port, "rdv": 6.0, "coord": port, "go": "go/{rank}",
-               "env": {"DISTGRAD_STORE_HOSTED": "1"}, "rank": {"0": 0, "1": None}, "report": True,
-               "hold": {"0": "release/0"}}
-        results = run_workers(_worker, world_size=2, init=False, timeout=150, args=(cfg,))
+        results = _two_joiners(port, store, port, {"DISTGRAD_STORE_HOSTED": "1"}, flip)
     assert not os.path.exists(marker), "a worker unpickled an entry of the store"
     first, second = results[0]["rounds"][0], results[1]["rounds"][0]
     assert first["ok"], first
@@ -402,24 +413,15 @@ def test_table_held_at_an_old_version_fails_the_joiner_clearly():
 
     attacker = _Attacker(port, hold, every=0.0005)
 
-    def second():
-        coord.wait(["up/0/0"], timedelta(seconds=90))
+    def record():
         joined.set()
         deadline = time.monotonic() + 30
         while "table" not in saved and time.monotonic() < deadline:
             time.sleep(0.01)
-        coord.set("go/1", "1")
-        coord.wait(["up/1/0"], timedelta(seconds=90))
-        attacker.stop()
-        coord.set("release/0", "1")
 
-    coord.set("go/0", "1")
-    threading.Thread(target=second, daemon=True).start()
-    cfg = {"init": "dynamic", "port": port, "rdv": 6.0, "coord": coord_port, "go": "go/{rank}",
-           "env": {"DISTGRAD_STORE_LINGER": "0.5"}, "rank": {"0": 0, "1": None}, "report": True,
-           "hold": {"0": "release/0"}}
     try:
-        results = run_workers(_worker, world_size=2, init=False, timeout=150, args=(cfg,))
+        results = _two_joiners(port, coord, coord_port, {"DISTGRAD_STORE_LINGER": "0.5"}, record,
+                               after=attacker.stop)
     finally:
         attacker.stop()
     first, joiner = results[0]["rounds"][0], results[1]["rounds"][0]
