@@ -13,7 +13,10 @@ name in ``.worker_name`` and in the message.
     ├── BackwardError                        a node raised during a distributed
     │   │                                    backward ("Error on Node N: ...")
     │   └── AnomalyError                     detect_anomaly(): a node returned NaN/Inf
-    ├── ProtocolError                        malformed or unexpected frames
+    ├── ProtocolError                        malformed or unexpected frames (or
+    │   │                                    store entries)
+    │   └── StoreTamperedError               rendezvous store entries failed their
+    │                                        check (forged, replayed, deleted)
     ├── IncarnationsExhaustedError           a dynamic group's rank was held by as
     │                                        many processes as its ids allow
     └── SerializationError (also TypeError)  an argument or result cannot be
@@ -119,7 +122,23 @@ def _rebuild_anomaly(summary, worker, node, stack, hops, chains) -> AnomalyError
 
 
 class ProtocolError(DistgradError):
-    """A peer sent bytes that do not form a valid distgrad message."""
+    """A peer sent bytes that do not form a valid distgrad message (or the
+    rendezvous store holds an entry that is not a valid distgrad entry)."""
+
+
+class StoreTamperedError(ProtocolError):
+    """Entries distgrad needs in the rendezvous store failed authentication (forged,
+    altered, replayed from another key or attempt, written without the cluster
+    secret), or were deleted or rolled back, so the start could not complete.
+    ``keys`` maps each such key to what was wrong with it."""
+
+    def __init__(self, message: str, worker_name: str | None = None,
+                 keys: dict | None = None) -> None:
+        super().__init__(message, worker_name)
+        self.keys = dict(keys or {})
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.worker_name, self.keys))
 
 
 class IncarnationsExhaustedError(DistgradError):
@@ -202,5 +221,5 @@ def serialization_error(message: str, cause: BaseException,
 
 
 __all__ = ["AnomalyError", "BackwardError", "DistgradError", "RPCTimeoutError", "WorkerLostError",
-           "RemoteError", "ProtocolError", "IncarnationsExhaustedError", "SerializationError",
-           "serialization_error"]
+           "RemoteError", "ProtocolError", "StoreTamperedError", "IncarnationsExhaustedError",
+           "SerializationError", "serialization_error"]

@@ -10,14 +10,18 @@ every process is killed before this returns.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -119,6 +123,23 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+@contextlib.contextmanager
+def distgrad_store(port: int) -> Iterator[subprocess.Popen]:
+    """``distgrad store`` serving on 127.0.0.1:``port`` in a process of its own,
+    for the block (the store of a dynamic group whose members all come and go)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    server = subprocess.Popen([sys.executable, "-m", "distgrad", "store", "--host", "127.0.0.1",
+                               "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        assert "serving on 127.0.0.1" in line, line
+        yield server
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def tmp_path_for(name: str) -> str:

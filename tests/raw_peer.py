@@ -10,19 +10,22 @@ The handshake (distgrad/transport/handshake.py)::
 """
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import socket
 import time
 
+from distgrad.launch import sealed
 from distgrad.transport import framing
 from distgrad.transport.handshake import _HELLO, _WELCOME, F_ENCRYPT, F_SECRET, MAGIC  # noqa: F401
 
 
 def worker_address(agent, rank: int) -> tuple[tuple[str, int], str | None, dict]:
     """((host, port), unix socket name or None, tags) of worker ``rank``, as published
-    in the store (``tcp://127.0.0.1:PORT#unix=@name#host=...#auth=...``)."""
-    full = pickle.loads(agent.store.get(f"worker/{rank}"))[1]
+    in the store (``tcp://127.0.0.1:PORT#unix=@name#host=...#auth=...``; the entry's
+    JSON read without its check: see distgrad/launch/sealed.py)."""
+    raw = bytes(agent.store.get(f"worker/{rank}"))
+    full = json.loads(raw[len(sealed.MAGIC) + sealed.TAG_BYTES:])["address"]
     addr, *tagged = full.split("#")
     tags = dict(t.partition("=")[::2] for t in tagged)
     host, _, port = addr[len("tcp://"):].rpartition(":")

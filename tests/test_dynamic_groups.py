@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from mp_utils import free_port, run_workers
+from mp_utils import distgrad_store, free_port, run_workers
 
 
 def _coord(port: int) -> dist.TCPStore:
@@ -365,20 +365,9 @@ def _hosted_store(rank, world_size, store_port, coord_port):
 def test_store_of_its_own_lets_rank_0_come_and_go():
     """``distgrad store`` serves the store; with DISTGRAD_STORE_HOSTED=1 rank 0 is a member
     like the others: it leaves first, its rank is given to a joiner meanwhile, ... ."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
     store_port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    server = subprocess.Popen([sys.executable, "-m", "distgrad", "store", "--host", "127.0.0.1",
-                               "--port", str(store_port)], env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        assert "serving on 127.0.0.1" in server.stdout.readline()
+    with distgrad_store(store_port):
         w0, w1, w2 = _run(_hosted_store, store_port, timeout=120)
-    finally:
-        server.terminate()
-        server.wait(10)
     assert w0["leave_s"] < 30, w0      # without waiting for the others (deadline 60 s)
     assert w1["names_without_0"] == ["w1"]
     assert w2["rank"] == 0 and w2["call"] == [2.0]   # the smallest free rank, while w0 was out
@@ -539,9 +528,12 @@ def test_join_past_the_incarnation_limit_fails_at_init_rpc(tmp_path):
     """256 short-lived clients, each taking the smallest free rank (0), use up rank 0's
     incarnations; the next join under rank 0 fails at init_rpc with an error naming the
     rank, the limit and what to do, and rank=None goes on to a rank with incarnations left."""
+    from distgrad.launch import rendezvous
     from distgrad.rpc import membership
     path = tmp_path / "store"
-    group = membership.Group(dist.FileStore(str(path), -1), timeout=10)
+    store = dist.FileStore(str(path), -1)
+    # the workers' secret (tests/mp_utils.py): the table they read must be sealed with it
+    group = membership.Group(store, timeout=10, seal=rendezvous.store_seal(store, b"distgrad-tests"))
     for _ in range(256):
         r, inc, _ = group.join("client", None)
         assert r == 0

@@ -14,17 +14,20 @@ are ever read.
 """
 from __future__ import annotations
 
+import hashlib
 import os
-import pickle
 import stat
 import time
 from collections.abc import Callable, Collection
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
 from ..errors import DistgradError
+from ..transport.auth import secret_from_env
+from .sealed import StoreSeal, expect
 
 _PREFIX = "distgrad/"
 
@@ -227,46 +230,119 @@ def _store_error(name: str | None, rank: int, host: str, port: int, host_it: boo
     return DistgradError(f"rendezvous of {who} failed: {what}", name)
 
 
-def session(store: dist.Store, rank: int) -> dist.Store:
-    """This init_rpc's own namespace in ``store``: ``distgrad/<attempt>.<n>/``.
+def session(store: dist.Store, rank: int) -> tuple[dist.Store, str]:
+    """This init_rpc's own namespace in ``store``: ``distgrad/<attempt>.<n>/``;
+    returns the prefixed store and its prefix.
 
     ``n`` counts this rank's joins on the store (every rank counts the same: the
     workers init and shut down together) and ``attempt`` is torchrun's restart
     count, so a store that outlives an init_rpc (shared with a process group,
-    or torchrun's agent store) never serves its keys to the next one.
+    or torchrun's agent store) never serves its keys to the next one. ``n`` is a
+    counter anyone who reaches the store may move: a wrong one puts ranks in
+    different namespaces, so at worst the rendezvous times out.
 
     Example::
 
-        >>> s = session(store, rank=0)   # first init_rpc on this store
-        >>> s.set("worker/0", b"...")    # key distgrad/0.1/worker/0 in store
+        >>> s, prefix = session(store, rank=0)   # first init_rpc on this store
+        >>> s.set("worker/0", b"...")            # key distgrad/0.1/worker/0 in store
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    n = store.add(f"{_PREFIX}{attempt}/joins/{rank}", 1)
-    return dist.PrefixStore(f"{_PREFIX}{attempt}.{n}", store)
+    n = counter(store, f"{_PREFIX}{attempt}/joins/{rank}", 1)
+    prefix = f"{_PREFIX}{attempt}.{n}"
+    return dist.PrefixStore(prefix, store), prefix
+
+
+def counter(store: Any, key: str, delta: int = 1) -> int:
+    """``store.add(key, delta)``. A counter is anyone's to move: its value is read as
+    a liveness or ordering hint only. Raises DistgradError naming the key when the
+    store refuses: torch's store drops the connection when the key holds something
+    that is not an integer (another writer put it there)."""
+    try:
+        return int(store.add(key, delta))
+    except RuntimeError as e:
+        raise DistgradError(f"{describe(store)} refused to move the counter {key!r}, or is gone: a "
+                            "value that is not an integer under that key (put there by another "
+                            "writer of the store: its entries were tampered with) makes torch's "
+                            f"store drop the connection ({str(e).splitlines()[0]})") from None
+
+
+def describe(store: Any) -> str:
+    """The store in words, for messages: ``the rendezvous store at tcp://host:port``
+    (torchrun's agent store, a file)."""
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if isinstance(inner, dist.TCPStore):
+        where = f"tcp://{inner.host}:{inner.port}"
+        if agent_hosts_store(inner.port):
+            where += " (torchrun's agent store)"
+    elif isinstance(inner, dist.FileStore):
+        where = f"file://{inner.path}"
+    else:
+        where = f"a {type(inner).__name__}"
+    return f"the rendezvous store at {where}"
+
+
+def store_seal(store: Any, secret: bytes | None = None, worker: str | None = None) -> StoreSeal:
+    """The :class:`~distgrad.launch.sealed.StoreSeal` of entries in ``store``, keyed
+    from ``secret`` (None: ``DISTGRAD_SECRET``; unset: nothing authenticated)."""
+    return StoreSeal(secret or secret_from_env(), describe(store), worker=worker)
+
+
+def _check_nonce(value: Any) -> str | None:
+    problem = expect(value, nonce=str)
+    if problem is None and len(value["nonce"]) != 32:
+        problem = f"a nonce of {len(value['nonce'])} characters, not 32"
+    return problem
+
+
+def check_pair(value: Any) -> str | None:
+    """What is wrong with an entry ``{"name": str, "address": str}`` (None: nothing)."""
+    return expect(value, name=str, address=str)
 
 
 def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: str,
-             timeout: float) -> list[tuple[str, str]]:
-    """Publish ``(name, address)`` for ``rank`` in ``store`` (a :func:`session`)
-    and return every rank's pair.
+             timeout: float, seal: StoreSeal | None = None, prefix: str = "") -> list[tuple[str, str]]:
+    """Publish ``(name, address)`` for ``rank`` in ``store`` (a :func:`session`, whose
+    keys are under ``prefix``) and return every rank's pair.
+
+    Two rounds of sealed entries (:mod:`.sealed`): every rank publishes a fresh
+    nonce, then its pair bound to all ranks' nonces, so an entry of any other
+    rendezvous (replayed) fails the check as a forged one does. One that fails it
+    is ignored while its rank may still publish a good one: until the exchange's
+    barrier, a worker whose own entry was deleted or overwritten writes it again,
+    and one that read a nonce its rank has since written over (a replayed one)
+    redoes the second round. At the timeout StoreTamperedError names every entry
+    that failed. Nothing read is unpickled.
 
     Raises RuntimeError when two workers chose the same name or on timeout.
     """
-    store.set(f"worker/{rank}", pickle.dumps((name, address)))
-    keys = [f"worker/{r}" for r in range(world_size)]
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except Exception as e:
-        missing = [r for r in range(world_size) if not store.check([keys[r]])]
-        raise RuntimeError(f"rendezvous timed out after {timeout:.0f} s on worker {name!r}: "
-                           f"ranks {missing} never joined") from e
-    peers = [pickle.loads(store.get(k)) for k in keys]
+    seal = seal if seal is not None else store_seal(store, worker=name)
+    rounds = _Rounds(store, prefix, seal, name, timeout, time.monotonic() + timeout)
+    nonces = rounds.gather("nonce", seal, rank, world_size, {"nonce": os.urandom(16).hex()},
+                           _check_nonce)
+    while True:  # again when a nonce we read was since replaced (its rank wrote over a replay)
+        attempt = hashlib.sha256(",".join(v["nonce"] for v in nonces).encode()).hexdigest()
+        try:
+            entries = rounds.gather("worker", seal.bound(attempt), rank, world_size,
+                                    {"name": name, "address": address}, check_pair,
+                                    renewed=lambda n=nonces: rounds.renewed(n, rank))
+            break
+        except _Renewed as e:
+            nonces = e.values
+    peers = [(e["name"], e["address"]) for e in entries]
     # Rank 0 hosts the store: it must not leave (and, on a name clash, raise and
     # drop the store) before every rank has read the table.
     try:
-        barrier(store, "exchange", rank, world_size, timeout)
+        # every rank has read all by now: what is left of the timeout, but time enough
+        # for the last ones to arrive on a loaded machine
+        barrier(store, "exchange", rank, world_size,
+                max(rounds.deadline - time.monotonic(), min(timeout, 10.0)), give_up=rounds.guard)
     except Exception as e:
-        raise RuntimeError(f"rendezvous of worker {name!r} failed after the exchange: {e}") from e
+        what = f"rendezvous of worker {name!r} failed after the exchange: {e}"
+        if seal.tampered:
+            raise seal.tampered_error(what) from e
+        raise RuntimeError(what) from e
     seen: dict[str, int] = {}
     for r, (n, _) in enumerate(peers):
         if n in seen:
@@ -277,6 +353,107 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
                                "same name.")
         seen[n] = r
     return peers
+
+
+class _Renewed(Exception):
+    """A round's inputs changed in the store (see :meth:`_Rounds.gather`)."""
+
+    def __init__(self, values: list) -> None:
+        super().__init__("renewed")
+        self.values = values
+
+
+class _Rounds:
+    """One exchange's rounds in its session of the store (see :func:`exchange`).
+    Until the exchange's barrier completes, this worker keeps its own entries as it
+    wrote them: one deleted or overwritten is written again (and noted)."""
+
+    def __init__(self, store: Any, prefix: str, seal: StoreSeal, name: str, timeout: float,
+                 deadline: float) -> None:
+        self.store, self.prefix, self.seal = store, prefix, seal
+        self.name, self.timeout, self.deadline = name, timeout, deadline
+        self.own: dict[str, bytes] = {}   # key -> the bytes we wrote
+        self.guarded = self.looked = 0.0
+
+    def full(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def gather(self, tag: str, seal: StoreSeal, rank: int, world_size: int, mine: dict,
+               check: Callable[[Any], str | None],
+               renewed: Callable[[], list | None] | None = None) -> list[Any]:
+        """Publish ``mine`` under ``<tag>/<rank>``, sealed with ``seal``; every rank's
+        value once each passed the check (ours as we wrote it). While waiting,
+        ``renewed()`` returning values ends the round with _Renewed."""
+        keys = [f"{tag}/{r}" for r in range(world_size)]
+        own = seal.seal(self.full(keys[rank]), mine)
+        self.store.set(keys[rank], own)
+        self.own[keys[rank]] = own
+        got: dict[int, Any] = {rank: mine}
+        pause = 0.001
+        while True:
+            pending = [r for r in range(world_size) if r not in got]
+            if pending and self.store.check([keys[r] for r in pending]):
+                for r in pending:
+                    raw = self._get(keys[r])
+                    value = None if raw is None else seal.open(self.full(keys[r]), raw, check)
+                    if value is not None:
+                        got[r] = value
+                pending = [r for r in pending if r not in got]
+            if not pending:
+                return [got[r] for r in range(world_size)]
+            self.guard()
+            fresh = renewed() if renewed is not None else None
+            if fresh is not None:
+                raise _Renewed(fresh)
+            now = time.monotonic()
+            if now >= self.deadline:
+                raise self._timeout(tag, pending)
+            time.sleep(min(pause, self.deadline - now))
+            pause = min(pause * 1.5, 0.05)
+
+    def renewed(self, values: list, rank: int) -> list | None:
+        """The nonces in the store when an authentic one differs from ``values`` (read
+        at most every 100 ms), else None."""
+        now = time.monotonic()
+        if now - self.looked < 0.1:
+            return None
+        self.looked = now
+        fresh = list(values)
+        for r in range(len(values)):
+            key = f"nonce/{r}"
+            raw = self._get(key) if r != rank else None
+            value = None if raw is None else self.seal.open(self.full(key), raw, _check_nonce)
+            if value is not None:
+                fresh[r] = value
+        return fresh if fresh != values else None
+
+    def _get(self, key: str) -> bytes | None:
+        try:
+            return self.store.get(key) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - deleted between check and get: not there
+            return None
+
+    def guard(self) -> bool:
+        """Write again any of our entries that was deleted or overwritten (at most
+        every 20 ms); False, for :func:`barrier`'s ``give_up``."""
+        now = time.monotonic()
+        if now - self.guarded < 0.02:
+            return False
+        self.guarded = now
+        for key, own in self.own.items():
+            raw = self._get(key)
+            if raw != own:
+                self.seal.reject(self.full(key), "deleted (this worker wrote it; written again)"
+                                 if raw is None else "overwritten (this worker wrote it; written again)")
+                self.store.set(key, own)
+        return False
+
+    def _timeout(self, tag: str, ranks: list[int]) -> Exception:
+        what = (f"rendezvous timed out after {self.timeout:.0f} s on worker {self.name!r}: ranks "
+                f"{ranks} never joined" + (f" (store keys {self.prefix}/{tag}/...)" if self.prefix else ""))
+        if self.seal.tampered:
+            return self.seal.tampered_error(what)
+        return RuntimeError(what)
 
 
 def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: float,
@@ -295,24 +472,38 @@ def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: fl
     if lost is not None:
         _survivor_barrier(store, key, rank, world_size, timeout, lost)
         return
-    if store.add(key, 1) == world_size:
+    # ">=": the counter is anyone's to move; a moved one ends the wait early or never
+    # (then the timeout's error says what it read), it cannot stop it from ending
+    if counter(store, key, 1) >= world_size:
         store.set(key + "/done", b"1")
     deadline = time.monotonic() + timeout
     if give_up is None:
-        store.wait([key + "/done"], timedelta(seconds=timeout))
+        try:
+            store.wait([key + "/done"], timedelta(seconds=timeout))
+        except Exception as e:  # noqa: BLE001 - torch's timeout, or a store that is gone
+            raise RuntimeError(f"barrier {key!r} timed out after {timeout:.1f} s "
+                               f"({_counted(store, key)} of {world_size} ranks counted): {e}") from e
     else:
         while not store.check([key + "/done"]):
             if give_up():
                 return
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"barrier {key!r} timed out after {timeout:.1f} s")
+                raise RuntimeError(f"barrier {key!r} timed out after {timeout:.1f} s "
+                                   f"({_counted(store, key)} of {world_size} ranks counted)")
             time.sleep(0.005)
-    n = store.add(key + "/left", 1)
+    n = counter(store, key + "/left", 1)
     if rank == 0:
         deadline = time.monotonic() + min(timeout, 10.0)
         while n < world_size and time.monotonic() < deadline and not (give_up and give_up()):
             time.sleep(0.005)
-            n = store.add(key + "/left", 0)
+            n = counter(store, key + "/left", 0)
+
+
+def _counted(store: dist.Store, key: str) -> str:
+    try:
+        return str(int(store.add(key, 0)))
+    except Exception:  # noqa: BLE001 - the store is gone
+        return "?"
 
 
 def _survivor_barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: float,

@@ -43,10 +43,11 @@ def hello() -> bool:
 
 
 def start(store: Any, name: str, rank: int | None, make_transport: Any, host: str, opts: Any,
-          timeout: float, hosts_store: bool = False) -> RpcAgent:
+          timeout: float, hosts_store: bool = False, seal: Any = None) -> RpcAgent:
     """Join the dynamic group on ``store``; install and start this process's agent
-    (``make_transport(rank)`` builds its transport once the rank is known)."""
-    group = Group(store, timeout)
+    (``make_transport(rank)`` builds its transport once the rank is known; ``seal``
+    checks the table's entries, see :mod:`distgrad.launch.sealed`)."""
+    group = Group(store, timeout, seal)
     # a crashed member is out of the table within its heartbeat deadline (at once when
     # its connections closed): a replacement that starts sooner waits that long
     rank, incarnation, others = group.join(name, rank, wait=2 * opts.heartbeat_deadline + 2)
@@ -103,6 +104,7 @@ def start(store: Any, name: str, rank: int | None, make_transport: Any, host: st
         if transport is not None:
             transport.close(0)
         try:
+            group.timeout = min(group.timeout, 2.0)  # best effort: the table may be what failed
             group.leave(rank, incarnation)
         except Exception:  # noqa: BLE001 - the join's error is the one to raise
             pass

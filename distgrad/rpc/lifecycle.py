@@ -51,8 +51,9 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
     if secret is None:
         # once per cluster (rank 0 speaks for it), not once per worker: the others log it at INFO
         log.log(logging.WARNING if rank == 0 else logging.INFO,
-                "worker %s: no cluster secret (DISTGRAD_SECRET): messages between the %s are "
-                "not authenticated and anyone who can connect can run code on them", name,
+                "worker %s: no cluster secret (DISTGRAD_SECRET): messages between the %s (and "
+                "their entries in the rendezvous store) are not authenticated and anyone who can "
+                "connect can run code on them", name,
                 f"{world_size} workers" if world_size else "dynamic group's members")
 
     def make_transport(rank: int):
@@ -66,9 +67,12 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
                                opts.max_message_size, secret=secret, encrypt=encrypt,
                                num_threads=opts.num_worker_threads)
 
+    # nothing read from the store is unpickled; with a secret nothing unsealed is believed
+    seal = rendezvous.store_seal(store, secret, name)
     if world_size is None:
         try:
-            agent = dynamic.start(store, name, rank, make_transport, host, opts, timeout, hosts_store)
+            agent = dynamic.start(store, name, rank, make_transport, host, opts, timeout, hosts_store,
+                                  seal)
         except BaseException:
             remote_profiling.detach()
             raise
@@ -80,14 +84,14 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         address = transport.listen(host)
         # in the ledger first, then the check: a dynamic joiner that starts at the same
         # time checks the ledger once in its table, so one of the two sees the other
-        slot = mixing.count_in(store, name, address)
-        membership.check_static_join(store, name)
-        store = rendezvous.session(store, rank)  # this init_rpc's keys only
-        peers = rendezvous.exchange(store, rank, world_size, name, address, timeout)
+        slot = mixing.count_in(store, name, address, seal)
+        membership.check_static_join(store, name, seal)
+        store, prefix = rendezvous.session(store, rank)  # this init_rpc's keys only
+        peers = rendezvous.exchange(store, rank, world_size, name, address, timeout, seal, prefix)
         workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
         agent = RpcAgent(name, rank, world_size, workers, transport, opts)
         agent.store = store
-        agent.static_store, agent.static_slot = raw, slot
+        agent.static_store, agent.static_slot, agent.static_seal = raw, slot, seal
         agent.shutdown_arrivals = set()  # ranks that announced their shutdown (see shutdown)
         agent.control_handlers["shutdown_arrived"] = lambda peer: agent.shutdown_arrivals.add(peer)
         # Installed before the transport accepts anything: a request that arrives
@@ -101,13 +105,13 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         remote_profiling.detach()
         transport.close(0)
         if slot is not None:
-            _uncount(raw, slot)
+            _uncount(raw, slot, seal)
         raise
 
 
-def _uncount(store: Any, slot: int) -> None:
+def _uncount(store: Any, slot: int, seal: Any) -> None:
     try:
-        mixing.count_out(store, slot)
+        mixing.count_out(store, slot, seal)
     except Exception:  # noqa: BLE001 - the store's host may be gone
         pass
 
@@ -180,7 +184,7 @@ def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
         static_store = getattr(agent, "static_store", None)
         if static_store is not None:
             agent.static_store = None
-            _uncount(static_store, agent.static_slot)
+            _uncount(static_store, agent.static_slot, agent.static_seal)
         # Let go of the store: on rank 0 its server closes once nothing else in this
         # process (a process group on the same port) holds it.
         agent.store = None

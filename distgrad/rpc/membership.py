@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import random
 import threading
 import time
@@ -55,8 +54,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import DistgradError, IncarnationsExhaustedError
+from ..errors import DistgradError, IncarnationsExhaustedError, StoreTamperedError
 from ..ids import INCARNATION_BITS, MAX_INCARNATIONS
+from ..launch import rendezvous
+from ..launch.sealed import StoreSeal, is_int
 from . import mixing
 from .mixing import MIXED
 
@@ -78,22 +79,60 @@ class Table:
         self.incarnations: dict[int, int] = dict(incarnations or {})
 
 
-def encode(table: Table) -> bytes:
-    """The table as the store holds it (its format lives here and in :func:`decode`)."""
-    return pickle.dumps((table.version, table.members, table.incarnations))
+def encode(table: Table, seal: StoreSeal, key: str) -> bytes:
+    """The table as the store holds it under ``key``: sealed JSON (its format lives
+    here and in :func:`decode`)."""
+    return seal.seal(key, {"version": table.version,
+                           "members": [[r, n, a, i] for r, (n, a, i) in sorted(table.members.items())],
+                           "incarnations": sorted([r, i] for r, i in table.incarnations.items())})
 
 
-def decode(raw: bytes) -> Table:
-    """The table from the store's bytes (empty bytes: no table yet)."""
+def decode(raw: bytes, seal: StoreSeal, key: str) -> Table | None:
+    """The table from the store's bytes under ``key`` (empty bytes: no table yet);
+    None when it fails authentication (``seal`` warned and noted it). Raises
+    ProtocolError when it is not a well-formed table."""
     if not raw:
         return Table()
-    version, members, incarnations = pickle.loads(raw)
-    return Table(version, members, incarnations)
+    value = seal.open(key, raw, _check_table)
+    if value is None:
+        return None
+    return Table(value["version"], {r: (n, a, i) for r, n, a, i in value["members"]},
+                 dict(value["incarnations"]))
 
 
-def check_static_join(store: Any, name: str) -> None:
-    """A static member may not join a store where a dynamic group runs (torch's message)."""
-    mixing.check_static_join(store, name, Group(store).members())
+def _check_table(value: Any) -> str | None:
+    """What is wrong with a decoded table (None: nothing)."""
+    if not (isinstance(value, dict) and set(value) == {"version", "members", "incarnations"}):
+        return "expected {'version', 'members', 'incarnations'}"
+    if not is_int(value["version"], 1, 1 << 62):
+        return f"bad version {value['version']!r}"
+    members, incarnations = value["members"], value["incarnations"]
+    if not (isinstance(members, list) and isinstance(incarnations, list)):
+        return "members and incarnations must be lists"
+    ranks = set()
+    for m in members:
+        if not (isinstance(m, list) and len(m) == 4 and is_int(m[0], 0, 1 << 16)
+                and isinstance(m[1], str) and isinstance(m[2], str)
+                and is_int(m[3], 1, MAX_INCARNATIONS + 1)) or m[0] in ranks:
+            return f"bad member entry {m!r:.80}"
+        ranks.add(m[0])
+    given = set()
+    for e in incarnations:
+        if not (isinstance(e, list) and len(e) == 2 and is_int(e[0], 0, 1 << 16)
+                and is_int(e[1], 1, MAX_INCARNATIONS + 1)) or e[0] in given:
+            return f"bad incarnation entry {e!r:.80}"
+        given.add(e[0])
+    return None
+
+
+def check_static_join(store: Any, name: str, seal: StoreSeal | None = None) -> None:
+    """A static member may not join a store where a dynamic group runs (torch's message).
+    A table that fails authentication is ignored (its seal warned)."""
+    try:
+        members = Group(store, seal=seal).members()
+    except StoreTamperedError:
+        members = {}
+    mixing.check_static_join(store, name, members)
 
 
 class _Taken(Exception):
@@ -103,37 +142,64 @@ class _Taken(Exception):
 class Group:
     """One dynamic group's table in ``store`` (see the module docstring)."""
 
-    def __init__(self, store: Any, timeout: float = 60.0) -> None:
+    def __init__(self, store: Any, timeout: float = 60.0, seal: StoreSeal | None = None) -> None:
         self.raw = store
         self.root = mixing.root()
         self.key = self.root + "dyn/members"
         self.timeout = timeout
+        self.seal = seal if seal is not None else rendezvous.store_seal(store)
+        self.high = 0   # the highest version read: a lower one is a rollback
 
-    def _load(self) -> tuple[bytes, Table]:
-        raw = self.raw.get(self.key) if self.raw.check([self.key]) else b""
-        return raw, decode(raw)
+    def _load(self) -> tuple[bytes, Table | None]:
+        """The table's bytes and the table (None when it cannot be trusted: it failed
+        authentication, or is older than one read before, or gone after it was read)."""
+        try:
+            raw = self.raw.get(self.key) if self.raw.check([self.key]) else b""
+        except dist.DistStoreError:  # deleted between check and get
+            raw = b""
+        table = decode(raw, self.seal, self.key)
+        if table is not None and table.version < self.high:
+            table = self.seal.reject(self.key, f"rolled back to version {table.version} after "
+                                               f"version {self.high} was read" if raw else
+                                     f"deleted after version {self.high} was read")
+        if table is not None:
+            self.high = max(self.high, table.version)
+        return raw, table
+
+    def _unusable(self, what: str) -> StoreTamperedError:
+        return self.seal.tampered_error(what, {self.key: self.seal.tampered.get(self.key, "unusable")})
 
     def members(self) -> dict[int, tuple[str, str, int]]:
-        """The table now: ``{rank: (name, address, incarnation)}``."""
-        return self._load()[1].members
+        """The table now: ``{rank: (name, address, incarnation)}``. Raises
+        StoreTamperedError when the table cannot be trusted."""
+        table = self._load()[1]
+        if table is None:
+            raise self._unusable("the dynamic group's member table cannot be used")
+        return table.members
 
     def update(self, change: Callable[[Table], Any]) -> Any:
         """Change the table as one compare-and-set on the version read; returns what
         ``change`` returns. ``change`` edits the table it is given (or raises to
         refuse); when another writer got in first it runs again on the new table.
-        Nothing is written when it changed nothing."""
+        Nothing is written when it changed nothing. A table that cannot be trusted
+        (see :meth:`_load`) is waited on until the deadline: StoreTamperedError."""
         deadline, pause = time.monotonic() + self.timeout, 0.001
         while True:
             raw, table = self._load()
-            members, incarnations = dict(table.members), dict(table.incarnations)
-            result = change(table)
-            if table.members == members and table.incarnations == incarnations:
-                return result
-            table.version += 1
-            new = encode(table)
-            if self.raw.compare_set(self.key, raw, new) == new:
-                return result
+            if table is not None:
+                members, incarnations = dict(table.members), dict(table.incarnations)
+                result = change(table)
+                if table.members == members and table.incarnations == incarnations:
+                    return result
+                table.version += 1
+                new = encode(table, self.seal, self.key)
+                if self.raw.compare_set(self.key, raw, new) == new:
+                    self.high = max(self.high, table.version)
+                    return result
             if time.monotonic() > deadline:
+                if table is None:
+                    raise self._unusable(f"could not change the dynamic group's table for "
+                                         f"{self.timeout:.0f} s")
                 raise DistgradError(f"could not change the dynamic group's table in the store for "
                                     f"{self.timeout:.0f} s: other writers kept changing it first")
             time.sleep(pause * random.uniform(0.5, 1.5))
@@ -159,7 +225,7 @@ class Group:
                     raise RuntimeError(str(e)) from None
                 time.sleep(0.05)
         # checked once listed: a static member checks the table once in the ledger
-        static = mixing.live_static_member(self.raw)
+        static = mixing.live_static_member(self.raw, self.seal)
         if static is not None:
             self.leave(got, incarnation)
             raise RuntimeError(f"{MIXED} (worker {name!r} has no world_size; static member "
@@ -179,7 +245,7 @@ class Group:
 
     def lease_value(self, rank: int) -> int:
         """The lease counter of ``rank`` (see :class:`Lease`)."""
-        return int(self.raw.add(f"{self.root}dyn/lease/{rank}", 0))
+        return rendezvous.counter(self.raw, f"{self.root}dyn/lease/{rank}", 0)
 
     def addresses(self, others: dict, deadline: float,
                   patience: float | None = None) -> dict[int, tuple[str, str, int]]:
@@ -193,8 +259,14 @@ class Group:
         seen: dict[int, tuple[int, float]] = {}  # rank -> (lease value, when it last moved)
         pause = 0.002
         while True:
-            table = self.members()
-            ready = {r: e for r, e in table.items() if r in others and e[2] == others[r][2]}
+            table = self._load()[1]
+            if table is None:  # tampered with: wait for the deadline (StoreTamperedError)
+                if time.monotonic() >= deadline:
+                    raise self._unusable("members' addresses could not be read")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+                continue
+            ready = {r: e for r, e in table.members.items() if r in others and e[2] == others[r][2]}
             waiting = [r for r, e in ready.items() if not e[1]]
             if not waiting:
                 return ready
@@ -226,8 +298,10 @@ class Group:
         return self.update(change)
 
     def entry(self, rank: int) -> tuple[str, str, int] | None:
-        """What the table lists under ``rank`` (None when nobody)."""
-        return self.members().get(rank)
+        """What the table lists under ``rank`` (None when nobody, or when the table
+        cannot be trusted)."""
+        table = self._load()[1]
+        return None if table is None else table.members.get(rank)
 
     def wait_empty(self, but: int, deadline: float, lost: Any = (), linger: float | None = None) -> bool:
         """Wait until no member but ``but`` (and those in ``lost``) is listed, and none
@@ -238,7 +312,10 @@ class Group:
             linger = float(os.environ.get("DISTGRAD_STORE_LINGER", "5"))
         pause, quiet_since = 0.005, None
         while True:
-            left = set(self.members()) - {but} - set(lost)
+            try:
+                left = set(self.members()) - {but} - set(lost)
+            except StoreTamperedError:
+                left = {-1}   # unknown: as if someone were still listed
             now = time.monotonic()
             if left:
                 quiet_since = None
@@ -306,9 +383,9 @@ class Lease:
     def _run(self) -> None:
         while time.monotonic() < self.until:
             try:
-                self.store.add(self.key, 1)
-            except Exception as e:  # noqa: BLE001 - the join itself reports a store that is gone
-                log.info("could not move the join lease %s: %s", self.key, e)
+                rendezvous.counter(self.store, self.key, 1)
+            except Exception as e:  # noqa: BLE001 - the join itself fails on a store that is gone
+                log.warning("could not move the join lease: %s", e)
                 return
             if self.stop.wait(LEASE_INTERVAL):
                 return

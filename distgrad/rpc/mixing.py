@@ -26,16 +26,19 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 import time
 from typing import Any
 from urllib.parse import urlparse
 
+from ..launch import rendezvous
+from ..launch.sealed import StoreSeal, expect
+
 log = logging.getLogger(__name__)
 MIXED = "RPC group mixes statically and dynamically initialized members which is not supported."
 _MISSING_GRACE = 2.0  # an entry numbered but never written: its writer died in between
 _PROBE_TIMEOUT = 2.0
+_MAX_SCAN = 1024  # ledger entries one look reads past the watermark (the counter is anyone's)
 
 
 def root(attempt: str | None = None) -> str:
@@ -47,18 +50,24 @@ def _key(*parts: Any) -> str:
     return root() + "static/" + "/".join(str(p) for p in parts)
 
 
-def count_in(store: Any, name: str, address: str) -> int:
+def _seal(store: Any, seal: StoreSeal | None) -> StoreSeal:
+    return seal if seal is not None else rendezvous.store_seal(store)
+
+
+def count_in(store: Any, name: str, address: str, seal: StoreSeal | None = None) -> int:
     """Enter the ledger as a live static member listening on ``address``; returns
     the slot to :func:`count_out` with."""
-    slot = int(store.add(_key("count"), 1))
-    store.set(_key(slot), pickle.dumps((name, address)))
+    seal = _seal(store, seal)
+    slot = rendezvous.counter(store, _key("count"), 1)
+    store.set(_key(slot), seal.seal(_key(slot), {"name": name, "address": address}))
     return slot
 
 
-def count_out(store: Any, slot: int) -> bool:
+def count_out(store: Any, slot: int, seal: StoreSeal | None = None) -> bool:
     """Mark ledger entry ``slot`` gone; True when this call did (once per entry)."""
-    token = f"{os.getpid()}:{os.urandom(6).hex()}".encode()
-    return store.compare_set(_key(slot, "out"), "", token) == token
+    key = _key(slot, "out")
+    token = _seal(store, seal).seal(key, {"by": f"{os.getpid()}:{os.urandom(6).hex()}"})
+    return store.compare_set(key, "", token) == token
 
 
 def check_static_join(store: Any, name: str, table: dict) -> None:
@@ -69,34 +78,76 @@ def check_static_join(store: Any, name: str, table: dict) -> None:
                            f"this store has {sorted(n for n, _, _ in table.values())})")
 
 
-def live_static_member(store: Any) -> str | None:
+def live_static_member(store: Any, seal: StoreSeal | None = None) -> str | None:
     """The name of a static member that may still live on this store (None when
-    none): entries whose address refuses a connection, or that were never written,
-    are marked out here (see the module docstring)."""
-    count = int(store.add(_key("count"), 0))
-    done_raw = store.get(_key("done")) if store.check([_key("done")]) else b""
-    done = int(done_raw or 0)  # entries 1..done are all out (a watermark, moved forward only)
-    for slot in range(done + 1, count + 1):
-        if not store.check([_key(slot, "out")]):
-            entry = _entry(store, slot)
-            if entry is not None and _listening(entry[1]):
-                return entry[0]
-            if count_out(store, slot):
+    none): entries whose address refuses a connection, or that were never written
+    (or fail authentication), are marked out here (see the module docstring). The
+    ledger's counter is anyone's to move: at most ``_MAX_SCAN`` entries are looked at."""
+    seal = _seal(store, seal)
+    count = rendezvous.counter(store, _key("count"), 0)
+    done_key = _key("done")
+    ours = _get(store, done_key) or b""   # the watermark as read (forged: rewritten)
+    mark = seal.open(done_key, ours, _check_done) if ours else None
+    done = mark["done"] if mark is not None else 0  # entries 1..done are all out
+    end = min(count, done + _MAX_SCAN)
+    if end < count:
+        log.warning("the static ledger's counter %s reads %d, %d past the entries counted out: "
+                    "looking at %d of them (was it moved by another writer of %s?)",
+                    _key("count"), count, count - done, _MAX_SCAN, seal.where)
+    grace: list[float] = []
+    for slot in range(done + 1, end + 1):
+        if not _is_out(store, slot, seal):
+            entry = _entry(store, slot, seal, grace)
+            if entry is not None and _listening(entry["address"]):
+                _advance(store, seal, ours, done, slot - 1)
+                return entry["name"]
+            if count_out(store, slot, seal):
                 log.info("static member %s (ledger entry %d) is gone: counted out",
-                         entry[0] if entry else "(never written)", slot)
-        # every entry up to slot is out; best effort (another joiner may move it first)
-        store.compare_set(_key("done"), str(done) if done else "", str(slot))
-        done = slot
+                         entry["name"] if entry else "(never written, or forged)", slot)
+    _advance(store, seal, ours, done, end)
     return None
 
 
-def _entry(store: Any, slot: int) -> tuple[str, str] | None:
-    deadline = time.monotonic() + _MISSING_GRACE
-    while not store.check([_key(slot)]):
-        if time.monotonic() >= deadline:
+def _advance(store: Any, seal: StoreSeal, ours: bytes, done: int, to: int) -> None:
+    """Move the watermark from ``done`` (read as ``ours``) to ``to``: every entry up to
+    it is out. Forward only, best effort: when another joiner moved it first, it stays."""
+    if to > done:
+        key = _key("done")
+        store.compare_set(key, ours, seal.seal(key, {"done": to}))
+
+
+def _check_done(value: Any) -> str | None:
+    problem = expect(value, done=int)
+    return problem if problem is not None or value["done"] >= 0 else "a negative watermark"
+
+
+def _get(store: Any, key: str) -> bytes | None:
+    try:
+        return store.get(key) if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - deleted between check and get
+        return None
+
+
+def _is_out(store: Any, slot: int, seal: StoreSeal) -> bool:
+    """Whether entry ``slot`` was counted out (a marker that fails authentication is
+    no marker: its seal warned)."""
+    key = _key(slot, "out")
+    raw = _get(store, key)
+    return raw is not None and seal.open(key, raw, lambda v: expect(v, by=str)) is not None
+
+
+def _entry(store: Any, slot: int, seal: StoreSeal, grace: list[float]) -> dict | None:
+    """Ledger entry ``slot`` (None when it is never written within the grace, shared by
+    every entry of one look in ``grace``, or fails authentication)."""
+    key = _key(slot)
+    while not store.check([key]):
+        if not grace:
+            grace.append(time.monotonic() + _MISSING_GRACE)
+        if time.monotonic() >= grace[0]:
             return None
         time.sleep(0.05)
-    return pickle.loads(store.get(_key(slot)))
+    raw = _get(store, key)
+    return None if raw is None else seal.open(key, raw, rendezvous.check_pair)
 
 
 def _listening(address: str) -> bool:
