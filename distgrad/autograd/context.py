@@ -164,7 +164,10 @@ class DistAutogradContext:
             old = grads_of.get(leaf)
             if old is not None:
                 grads_of[leaf] = _combine(mine, leaf, old, g)
-            elif key in seen or not _keepable(g, leaf):
+            elif key in seen or r > _BASE_REFS or not _keepable(g, leaf):
+                # shared with another result, held by someone else (a hook kept it: a
+                # copy, as torch's use count rule; a received buffer too), or a layout
+                # torch would not keep
                 grads_of[leaf] = _copy(g, leaf)
                 mine.add(leaf)
             elif key in given_keys:
@@ -174,9 +177,6 @@ class DistAutogradContext:
                 else:  # a caller's tensor (grad_tensors) must not become ours
                     grads_of[leaf] = _copy(g, leaf)
                     mine.add(leaf)
-            elif r > _BASE_REFS:  # another holder: a copy, as torch's use count rule
-                grads_of[leaf] = _copy(g, leaf)
-                mine.add(leaf)
             else:
                 grads_of[leaf] = g.detach() if g.requires_grad else g
                 mine.add(leaf)

@@ -1,0 +1,34 @@
+"""A gradient that arrived over the network and that a hook on the leaf kept is
+copied when the context takes it, as torch's AccumulateGrad copies a gradient
+someone else holds: changing the kept tensor afterwards leaves the context alone
+(found by the random programs with threads, seed 519026/2)."""
+import pytest
+import torch
+from mp_utils import run_workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _kept(rank, world):
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    out = []
+    for keep in (False, True):
+        w = torch.ones(4, requires_grad=True)
+        stash = []
+        h = w.register_hook(lambda g, stash=stash: stash.append(g)) if keep else None
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("worker1", torch.mul, args=(w, 3.0))
+            dist_autograd.backward(cid, [y.sum()])
+            if keep:
+                stash[0].zero_()  # the user changes the gradient the hook kept
+            out.append(dist_autograd.get_gradients(cid)[w].tolist())
+        if h is not None:
+            h.remove()
+    return out
+
+
+def test_a_kept_received_gradient_is_copied():
+    assert run_workers(_kept, world_size=2, timeout=90)[0] == [[3.0] * 4, [3.0] * 4]
