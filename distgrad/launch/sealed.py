@@ -135,6 +135,12 @@ class StoreSeal:
                                         "another key or attempt, or written with another secret")
         elif len(raw) < head or raw[:len(MAGIC)] != MAGIC:
             raise self.malformed(key, f"not a distgrad entry ({_preview(raw)})")
+        elif raw[len(MAGIC):head] != _ZERO_TAG:
+            # a peer sealed it: the group runs with a secret this worker lacks (without a
+            # secret nothing is authenticated, so failing at once costs no protection)
+            raise self.malformed(key, "it was sealed by a worker that requires the cluster secret "
+                                      "(DISTGRAD_SECRET) and this worker has none: set the same "
+                                      "DISTGRAD_SECRET on every worker")
         try:
             value = json.loads(raw[head:].decode("utf-8"))
         except (ValueError, RecursionError) as e:
