@@ -237,6 +237,9 @@ def run(args) -> dict:
     assert env_secret
 
     def start(role, rank):
+        # distgrad takes the secret out of os.environ once it read it (no child inherits
+        # it by accident): a member started here gets it on purpose
+        os.environ["DISTGRAD_SECRET"] = env_secret
         p = ctx.Process(target=_member, args=(role, rank, port, args, progress, results, kill_time),
                         daemon=True)
         p.start()
