@@ -328,7 +328,7 @@ def test_deleted_entries_are_written_again_under_torchruns_agent_store():
     attacker = _Attacker(port, delete_once, every=0.001)
     try:
         results = run_workers(_worker, world_size=2, init=False, timeout=120,
-                              args=({"init": "agent", "port": port, "rdv": 25.0,
+                              args=({"init": "agent", "port": port, "rdv": 60.0,
                                      "delay": {"0": 2.0}},))
     finally:
         attacker.stop()
