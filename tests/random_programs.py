@@ -2245,9 +2245,16 @@ def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
         # compile on several (the reference no longer warms it up here)
         for name in COMPILE_FNS:
             _compiled(name)
+    stacks = os.environ.get("DISTGRAD_RP_STACKS")
+    if stacks:  # a directory: on a hang every worker writes its threads' stacks there
+        import faulthandler
+        import signal
+        f = open(os.path.join(stacks, f"worker{rank}-{os.getpid()}.txt"), "w")  # noqa: SIM115
+        faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
     if rank != 0:
         return None
     import distgrad.rpc as rpc
+    pids = [rpc.rpc_sync(f"worker{w}", os.getpid) for w in range(world)] if stacks else []
     plan = clean_ref.unpack(cfg["plan"]) if cfg.get("plan") else {}
     records = []
     shrunk_per_group: collections.Counter = collections.Counter()
@@ -2262,6 +2269,11 @@ def cluster_main(rank: int, world: int, seeds: list, cfg: dict):
                 f.write(json.dumps(rec) + "\n")
         if not rec["ok"] and cfg.get("verbose"):
             print(f"  FAIL seed {seed} world {world}: {rec['group']}", flush=True)
+        if rec.get("hang") and pids:
+            import signal
+            for pid in pids:
+                os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
         if rec.get("hang") and cfg.get("out"):
             # a pass may still be in flight and a graceful shutdown could wait on it:
             # leave now; the parent sees the record and goes on in a fresh cluster

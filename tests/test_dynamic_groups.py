@@ -670,18 +670,20 @@ def _static_then_dynamic(rank, world_size, path, coord_port):
         assert rpc.rpc_sync(f"s{1 - rank}", torch.add, args=(torch.ones(1), 1)).tolist() == [2.0]
         store.add("static_up", 1)
         _until(lambda: int(store.add("static_up", 0)) == 2, 60)
+        _wait(store, "tried")             # live until the joiner has tried
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)      # never counts itself out
         rpc.shutdown()                    # the survivor shuts down (its peer is lost)
         store.set("static_gone", "1")
         return out
-    _wait(store, "static_up")
+    _until(lambda: int(store.add("static_up", 0)) == 2, 60)
     try:                                  # the static group lives: torch's refusal
         rpc.init_rpc("d0", rank=None, rpc_backend_options=opts)
         out["while_static"] = "joined"
         rpc.shutdown()
     except RuntimeError as e:
         out["while_static"] = str(e)
+    store.set("tried", "1")
     _wait(store, "static_gone")
     rpc.init_rpc("d0", rank=None, rpc_backend_options=opts)   # it is gone: a dynamic group starts
     out["rank"] = rpc.get_worker_info().id

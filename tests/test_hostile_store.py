@@ -328,7 +328,7 @@ def test_deleted_entries_are_written_again_under_torchruns_agent_store():
     attacker = _Attacker(port, delete_once, every=0.001)
     try:
         results = run_workers(_worker, world_size=2, init=False, timeout=120,
-                              args=({"init": "agent", "port": port, "rdv": 60.0,
+                              args=({"init": "agent", "port": port, "rdv": 25.0,
                                      "delay": {"0": 2.0}},))
     finally:
         attacker.stop()
@@ -338,6 +338,50 @@ def test_deleted_entries_are_written_again_under_torchruns_agent_store():
     assert host.check(["distgrad/0/joins/0"])
     assert {"distgrad/0.1/nonce/1", "distgrad/0.1/worker/1"} <= gone, gone
     assert any("deleted (this worker wrote it; written again)" in w for w in results[1]["warnings"])
+
+
+class _DeletingStore:
+    """A TCPStore whose ``check`` deletes the keys it just found: the attacker of
+    the test above, at the worst moment, every time."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def check(self, keys):
+        found = self.store.check(keys)
+        for key in keys:
+            self.store.delete_key(key)
+        return found
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_key_deleted_between_check_and_read_does_not_block_its_writer():
+    """``store.get`` waits for a missing key up to the store's timeout, and only the
+    worker itself writes its own entry again: reading it back after ``check`` found
+    it hung that worker for the whole timeout (the run above failed 1 time in 4)."""
+    from distgrad.launch import rendezvous
+    from distgrad.launch.sealed import StoreSeal
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=30))
+    store = _DeletingStore(host)
+    assert rendezvous.peek(host, "nothing") is None and not host.check(["nothing"])
+    host.set("k", b"v")
+    assert rendezvous.peek(host, "k") == b"v"
+    seal = StoreSeal(b"s" * 32, "test store", worker="w0")
+    rounds = rendezvous._Rounds(store, "", seal, "w0", 5.0, time.monotonic() + 5.0)
+    rounds.own["mine"] = b"what I wrote"
+    host.set("mine", b"what I wrote")
+    t0 = time.monotonic()
+    rounds.guard()      # a check that found it is followed by its deletion
+    assert time.monotonic() - t0 < 5.0
+    assert host.check(["mine"])
+    host.delete_key("mine")
+    rounds.guarded = 0.0
+    rounds.guard()
+    assert host.get("mine") == b"what I wrote"   # written again, and said so
+    assert "deleted" in seal.tampered.get("mine", ""), seal.tampered
 
 
 def _two_joiners(port: int, coord, coord_port: int, env: dict, attack, after=None) -> list:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _fake_agent(rpc_timeout=60.0):
     return types.SimpleNamespace(control_handlers={}, rpc_timeout=rpc_timeout, lost={},
-                                 shutting_down=False, rank=1)
+                                 shutting_down=False, rank=1, workers={}, dynamic=False)
 
 
 def test_confirmation_before_or_after_the_fork():
@@ -45,13 +45,20 @@ def test_wait_ends_when_the_owner_is_lost_or_at_the_timeout():
     assert 0.3 < time.monotonic() - start < 5 and key in ctx.unconfirmed
     agent.rpc_timeout = 0  # no limit: only the loss ends it
 
+    told = []
+
     def lose():
         agent.lost[2] = "gone"
         ctx.on_peer_lost(2, "gone")
+        told.append(True)
     threading.Timer(0.3, lose).start()
     start = time.monotonic()
     ctx.wait_confirmed(key, owner=2)
     assert 0.2 < time.monotonic() - start < 5
+    deadline = time.monotonic() + 5
+    while not told and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert told, "on_peer_lost raised (see the thread's traceback)"
 
 
 def check_confirmed(rref):

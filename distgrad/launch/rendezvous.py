@@ -252,6 +252,33 @@ def session(store: dist.Store, rank: int) -> tuple[dist.Store, str]:
     return dist.PrefixStore(prefix, store), prefix
 
 
+_ABSENT = b"\x00distgrad: no such key\x00"
+
+
+def peek(store: Any, key: str) -> bytes | None:
+    """The bytes under ``key``, or None when there are none, without waiting.
+
+    ``store.get`` waits for a missing key (up to the store's timeout, 60 s or more),
+    so ``check`` then ``get`` blocks when someone deletes the key in between, and
+    forever in effect when only the reader would write it again. A compare-and-set
+    whose expected and new values are one marker never changes the store (torch's
+    stores answer the marker when the key is missing, the current value otherwise).
+    An entry that *is* the marker reads as missing: no one but a tamperer writes it.
+
+    Example::
+
+        >>> peek(dist.HashStore(), "nothing") is None
+        True
+    """
+    try:
+        got = store.compare_set(key, _ABSENT, _ABSENT)
+    except (NotImplementedError, RuntimeError) as e:  # a store without compare-and-set
+        if "not implemented" not in str(e).lower() and not isinstance(e, NotImplementedError):
+            raise
+        return bytes(store.get(key)) if store.check([key]) else None
+    return None if got == _ABSENT else bytes(got)
+
+
 def counter(store: Any, key: str, delta: int = 1) -> int:
     """``store.add(key, delta)``. A counter is anyone's to move: its value is read as
     a liveness or ordering hint only. Raises DistgradError naming the key when the
@@ -428,10 +455,7 @@ class _Rounds:
         return fresh if fresh != values else None
 
     def _get(self, key: str) -> bytes | None:
-        try:
-            return self.store.get(key) if self.store.check([key]) else None
-        except Exception:  # noqa: BLE001 - deleted between check and get: not there
-            return None
+        return peek(self.store, key)
 
     def guard(self) -> bool:
         """Write again any of our entries that was deleted or overwritten (at most

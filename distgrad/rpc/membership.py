@@ -153,10 +153,7 @@ class Group:
     def _load(self) -> tuple[bytes, Table | None]:
         """The table's bytes and the table (None when it cannot be trusted: it failed
         authentication, or is older than one read before, or gone after it was read)."""
-        try:
-            raw = self.raw.get(self.key) if self.raw.check([self.key]) else b""
-        except dist.DistStoreError:  # deleted between check and get
-            raw = b""
+        raw = rendezvous.peek(self.raw, self.key) or b""
         table = decode(raw, self.seal, self.key)
         if table is not None and table.version < self.high:
             table = self.seal.reject(self.key, f"rolled back to version {table.version} after "

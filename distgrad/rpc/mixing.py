@@ -122,10 +122,7 @@ def _check_done(value: Any) -> str | None:
 
 
 def _get(store: Any, key: str) -> bytes | None:
-    try:
-        return store.get(key) if store.check([key]) else None
-    except Exception:  # noqa: BLE001 - deleted between check and get
-        return None
+    return rendezvous.peek(store, key)
 
 
 def _is_out(store: Any, slot: int, seal: StoreSeal) -> bool:
