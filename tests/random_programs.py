@@ -357,6 +357,7 @@ class WorkerState:
         self.kept: list = []          # (gradient, op) kept by ("keep", ...) hooks
         self.events: dict = {}        # rendezvous key -> threading.Event
         self.plain = None             # the running random_threads.PlainThread
+        self.accumulators: list = []  # every leaf's AccumulateGrad node (see _hold_accumulator)
 
     def event(self, key: str) -> threading.Event:
         """The rendezvous event ``key`` of this worker (get-or-create)."""
@@ -370,7 +371,19 @@ class WorkerState:
             t = self.leaves.get(name)
             if t is None:
                 t = self.leaves[name] = _named_randn(name, shape).requires_grad_(requires_grad)
+                self._hold_accumulator(t)
             return t
+
+    def _hold_accumulator(self, t: torch.Tensor) -> None:
+        """Create ``t``'s AccumulateGrad node now, on one thread, and hold it. torch
+        2.13 can deadlock when two threads use a leaf whose node does not exist yet:
+        one creates it holding the leaf's mutex and waits for the GIL (to take a
+        reference to the tensor's Python object), the other holds the GIL in a custom
+        Function's ``apply`` and waits for the mutex. Seen in the clean reference
+        process (no distgrad loaded) with two rendezvous bodies on threads; a node
+        that lives is returned without either lock order."""
+        if t.requires_grad and t.grad_fn is None:
+            self.accumulators.append(torch.autograd.graph.get_gradient_edge(t).node)
 
     def module(self, name: str, attrs: dict) -> torch.nn.Module:
         """Get-or-create the Linear ``name``; its parameters are leaves like the others."""
@@ -379,6 +392,8 @@ class WorkerState:
             if m is None:
                 m = self.modules[name] = make_linear(name, attrs)
                 self.leaves[name + ".weight"], self.leaves[name + ".bias"] = m.weight, m.bias
+                self._hold_accumulator(m.weight)
+                self._hold_accumulator(m.bias)
             return m
 
     def count(self, tag: str) -> None:
