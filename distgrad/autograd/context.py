@@ -116,7 +116,8 @@ class DistAutogradContext:
                 self.grads_mine.add(leaf)
 
     def accumulate_fresh(self, leaves: list, grads: Sequence, given: Sequence,
-                         owned: bool = False, lazy: bool = False) -> None:
+                         owned: bool = False, lazy: bool = False,
+                         given_refs: Sequence[int] | None = None) -> None:
         """Accumulate an engine call's results ``grads`` for ``leaves``
         (AccumulateGrad nodes), with torch's no-copy rule: a first gradient is
         kept as it is only when nobody else holds it and its layout is the one
@@ -134,8 +135,23 @@ class DistAutogradContext:
         another holder, everything is taken in at once (its copy made before the
         holder can change it); otherwise the results wait in ``_pending`` until the
         gradients are read or added to (the common path then costs no Python work
-        per leaf)."""
+        per leaf).
+
+        ``given_refs`` (with ``owned``): each ``given`` gradient's reference count read
+        just before the engine call. A received gradient the engine hands back
+        unchanged (a leaf sent as is) is then held by distgrad's own references too;
+        only references added since (a hook kept it) count as another holder, so it
+        is kept without a copy, as torch keeps it."""
         refs = list(map(sys.getrefcount, grads))  # the shape _calibrate() measures
+        if owned and given_refs is not None:
+            before = {id(t): n for t, n in zip(given, given_refs)}
+            for i, g in enumerate(grads):
+                n = before.get(id(g))
+                if n is not None:
+                    # since then: one reference per slot of ``grads`` holding it, plus
+                    # whatever else took one (a holder)
+                    slots = sum(1 for h in grads if h is g)
+                    refs[i] = _BASE_REFS + max(0, refs[i] - n - slots)
         if lazy:
             # torch decides copy-or-keep as it accumulates: a result someone else holds
             # (a hook kept it; one tensor for two leaves) is copied now, before its holder
@@ -166,8 +182,7 @@ class DistAutogradContext:
                 grads_of[leaf] = _combine(mine, leaf, old, g)
             elif key in seen or r > _BASE_REFS or not _keepable(g, leaf):
                 # shared with another result, held by someone else (a hook kept it: a
-                # copy, as torch's use count rule; a received buffer too), or a layout
-                # torch would not keep
+                # copy, as torch's use count rule), or a layout torch would not keep
                 grads_of[leaf] = _copy(g, leaf)
                 mine.add(leaf)
             elif key in given_keys:

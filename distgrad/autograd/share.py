@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import gc
 import itertools
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -192,13 +193,17 @@ class PassState(Executor):
             # the leaf tensors, not GradientEdges: the same edges to the engine, ~8x cheaper
             variables = [n.variable for n in region.leaves]
             outs, given = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
+            # distgrad's own references to the received gradients, counted before the
+            # engine runs: one it hands back unchanged is held by nobody else unless a
+            # hook kept it since (DistAutogradContext.accumulate_fresh)
+            before = list(map(sys.getrefcount, given)) if key != "root" else None
             with fed_slots(fed):
                 inputs = variables + [_ANCHOR] if region.recvs else variables
                 res = grad_call(outs, given, tuple(inputs), self.retain_graph, self.create_graph)
             if res is not None:
                 # gradients that came over the network belong to this pass: no defensive copy
                 self.take_leaves(region.leaves, res, given, owned=key != "root",
-                                 variables=variables)
+                                 variables=variables, given_refs=before)
         if len(pairs) < len(outputs) and region.recvs:
             # torch's engine runs a node even when all its gradients are absent, so a
             # recv function behind an absent gradient still sends (absent gradients):
@@ -206,14 +211,16 @@ class PassState(Executor):
             ship_absent(region.recvs)
 
     def take_leaves(self, leaves: list, res: Sequence, given: Sequence, owned: bool,
-                    variables: Sequence | None = None, lazy: bool = True) -> None:
+                    variables: Sequence | None = None, lazy: bool = True,
+                    given_refs: list | None = None) -> None:
         """An engine call's gradients ``res`` for ``leaves`` (AccumulateGrad nodes) into the
         context, doing what their AccumulateGrad nodes would: DDP's held for the flush,
         the nodes' pre-hooks, accumulation, post-accumulate-grad hooks, post-hooks.
         ``given``: the gradients the call started from (:meth:`.DistAutogradContext.accumulate_fresh`);
         ``variables``: the leaves' tensors, where the caller has them; ``lazy``: the results
         and ``given`` are the pass's alone once the call returned (so the context may take
-        them in later: :meth:`.DistAutogradContext.accumulate_fresh`)."""
+        them in later: :meth:`.DistAutogradContext.accumulate_fresh`); ``given_refs``: the
+        reference counts of ``given``, read just before the call."""
         if ddp.active[0]:
             res = self._hold_ddp(leaves, res)
         hooked = _leaf_hooks(leaves, res, variables)
@@ -227,7 +234,8 @@ class PassState(Executor):
         else:
             # not lazily when the caller's grad_tensors are among ``given``
             self.ctx.accumulate_fresh(leaves, res, given, owned=owned,
-                                      lazy=lazy and (owned or not self.user_grads))
+                                      lazy=lazy and (owned or not self.user_grads),
+                                      given_refs=given_refs if not hooked else None)
         for i, _, post, post_acc in hooked:
             if post_acc:
                 node_hooks.run_post_accumulate(leaves[i].variable, self.ctx.gradient_of(leaves[i]))
