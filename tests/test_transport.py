@@ -715,3 +715,34 @@ def test_unreachable_hint_names_a_loopback_address_across_hosts():
         assert t._unreachable_hint(3) == ""  # same host: loopback is fine
     finally:
         t.close(0)
+
+
+def test_liveness_credit_of_a_long_message_is_withdrawn_when_it_fails_authentication():
+    # Parts of a long message on their way keep its sender alive (its heartbeats queue
+    # behind it), on credit: a message that then fails its MAC withdraws the credit, so
+    # bytes nobody authenticated never stand for a sign of life (issue 30). Here b goes
+    # silent and its connection carries, part by part for ~1.5 s, a forged message.
+    from distgrad.transport.auth import AUTH_FRAME_BYTES
+    a, b, ha, _ = _pair(threshold=0, heartbeat_interval=0.05, heartbeat_deadline=0.5,
+                        secret=b"s" * 32)
+    try:
+        b._heartbeat = lambda now: None  # b sends nothing of its own from now on
+        frames = [b"\x00" * AUTH_FRAME_BYTES, b"x" * (64 << 10)]
+        raw = b"".join(bytes(v) for v in framing._views(frames))
+        sock = b._conns[0].sock
+        sock.setblocking(True)
+        parts = 15
+        step = len(raw) // parts
+        for i in range(parts - 1):           # ~1.5 s of parts: a keeps b alive meanwhile
+            sock.sendall(raw[i * step:(i + 1) * step])
+            time.sleep(0.1)
+            assert not ha.lost, f"lost while the message was on its way: {ha.lost}"
+        sock.sendall(raw[(parts - 1) * step:])   # the message ends: its MAC fails
+        with ha.cond:
+            assert ha.cond.wait_for(lambda: ha.lost, 10), "the silent peer was never lost"
+        assert ha.lost[0][0] == 1 and "no heartbeat" in ha.lost[0][1], ha.lost
+        silent = float(ha.lost[0][1].split("no heartbeat for ")[1].split(" s")[0])
+        assert silent >= 1.2, f"the parts' credit stood: silent for {silent} s only"
+    finally:
+        a.close(0)
+        b.close(0)

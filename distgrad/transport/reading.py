@@ -142,9 +142,10 @@ class Reading:
             self._lose(peer, why, graceful=False)
             return
         if not msgs and conn.reader.received != before:
-            # part of a long message on its way: news for now (the message itself
-            # counts only once it opened); an empty read (the heartbeat's look) is none
-            self._last_recv[peer] = time.monotonic()
+            # part of a long message on its way: news for now, on credit (withdrawn
+            # if the message then fails authentication); an empty read (the
+            # heartbeat's look) is none
+            self._last_partial[peer] = time.monotonic()
         if msgs:
             self.batches[2] += 1
             self.batches[3] += len(msgs)
@@ -161,6 +162,8 @@ class Reading:
             elif self._auth is not None:
                 body = self._auth.open(peer, body, shm.parsed_frames(body[1:]))
         except AuthError as e:
+            # liveness counts only authenticated bytes: the credit its parts earned goes
+            self._last_partial.pop(peer, None)
             self._reject(peer, str(e))
             return
         self._last_recv[peer] = time.monotonic()  # liveness: only what authenticated

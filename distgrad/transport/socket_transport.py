@@ -107,7 +107,8 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         self._conns: dict[int, _Conn] = {}
         self._by_fd: dict[int, _Conn] = {}
         self._peers: set[int] = set()
-        self._last_recv: dict[int, float] = {}
+        self._last_recv: dict[int, float] = {}   # the last authenticated message per peer
+        self._last_partial: dict[int, float] = {}  # the last part of a long one, on credit
         self._last_sent: dict[int, float] = {}
         self._lost: set[int] = set()
         self._lose_lock = threading.Lock()
@@ -273,6 +274,8 @@ class SocketTransport(Sending, Reading, Opening, Transport):
             # silence over that time is not theirs to answer for
             for p in list(self._last_recv):
                 self._last_recv[p] += stalled
+            for p in list(self._last_partial):
+                self._last_partial[p] += stalled
         tick = getattr(self._handler, "on_tick", None)
         if tick is not None:
             with self._dispatch:
@@ -285,7 +288,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         for peer, conn in list(self._conns.items()):
             if conn.lost:
                 continue
-            silent = now - self._last_recv.get(peer, now)
+            silent = now - max(self._last_recv.get(peer, now), self._last_partial.get(peer, 0.0))
             if silent > deadline and not conn.owned and conn.rlock.acquire(False):
                 try:  # read what already arrived before calling anyone silent
                     work: list = []
@@ -293,7 +296,8 @@ class SocketTransport(Sending, Reading, Opening, Transport):
                     self._hand_off(work)
                 finally:
                     conn.rlock.release()
-                silent = now - self._last_recv.get(peer, now) if not conn.lost else 0
+                silent = (now - max(self._last_recv.get(peer, now), self._last_partial.get(peer, 0.0))
+                          if not conn.lost else 0)
             if silent > deadline:
                 self._lose(peer, f"no heartbeat for {silent:.1f} s", graceful=False)
                 continue
