@@ -71,19 +71,40 @@ def _connect(target, timeout=2.0):
     return socket.create_connection(target, timeout=timeout)
 
 
+class _Held:
+    """A stranger's socket that tells :class:`Strangers` when it closes."""
+
+    def __init__(self, sock, owner, ep):
+        self.sock, self.owner, self.ep, self.open = sock, owner, ep, True
+
+    def close(self):
+        if self.open:
+            self.open = False
+            self.sock.close()
+            self.owner._closed(self.ep)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
 class Strangers:
     """Attacks every listening socket of the processes whose pids appear in
     ``pid_dir`` (one file per worker, its pid inside): per endpoint ``drip``
     connections that send one byte every 2 s, ``idle`` that send nothing, and a
-    flood of new connections (each held a moment, the newest ``flood`` kept)."""
+    flood of new connections (each held a moment, the newest ``flood`` kept): 100
+    strangers at each socket by default, all from 127.0.0.1 (one source, past the
+    gate's 64 per source)."""
 
-    def __init__(self, pid_dir: str, drip: int = 15, idle: int = 15, flood: int = 30,
+    def __init__(self, pid_dir: str, drip: int = 35, idle: int = 35, flood: int = 30,
                  exclude_ports=()) -> None:
         self.pid_dir, self.drip, self.idle, self.flood = pid_dir, drip, idle, flood
         self.exclude = set(exclude_ports)
         self.stop = threading.Event()
         self.targets: set = set()
         self.connects = 0
+        self.live: collections.Counter = collections.Counter()   # endpoint -> open now
+        self.peak = 0      # the most strangers open at once at one endpoint
+        self._count = threading.Lock()
         self.threads: list[threading.Thread] = []
 
     def __enter__(self):
@@ -118,10 +139,17 @@ class Strangers:
     def _open(self, ep):
         try:
             s = _connect(ep)
-            self.connects += 1
-            return s
         except OSError:
             return None
+        with self._count:
+            self.connects += 1
+            self.live[ep] += 1
+            self.peak = max(self.peak, self.live[ep])
+        return _Held(s, self, ep)
+
+    def _closed(self, ep):
+        with self._count:
+            self.live[ep] -= 1
 
     def _keep(self, ep, held: list, n: int):
         for i, s in enumerate(held):
@@ -208,9 +236,10 @@ def test_a_group_starts_while_strangers_drip_idle_and_flood(tmp_path):
         res = run_workers(_static_start, world_size=2, init=False, timeout=90,
                           args=(str(tmp_path / "store"), pid_dir))
         hit = len(attack.targets)
-        connects = attack.connects
+        connects, peak = attack.connects, attack.peak
     assert hit >= 4, f"the attacker found only {attack.targets}"  # TCP + Unix of both workers
     assert connects > 100
+    assert peak >= 90, f"at most {peak} strangers at once at one socket"
     assert [r[1] for r in res] == [[1.0, 1.0], [2.0, 2.0]]
     for took, _ in res:
         assert took < 45, f"init_rpc took {took:.1f} s under attack"
@@ -267,6 +296,7 @@ def test_a_joiner_gets_in_while_strangers_drip_idle_and_flood(tmp_path):
                               args=(rdv, coord, pid_dir))
             took = float(host.get("took"))
         assert len(attack.targets) >= 4
+        assert attack.peak >= 90, f"at most {attack.peak} strangers at once at one socket"
         for names, calls in res:
             assert names == ["w0", "w1", "w2"]
             assert len(calls) == 2
