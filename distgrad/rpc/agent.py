@@ -31,6 +31,7 @@ import torch
 from ..errors import DistgradError, ProtocolError, RPCTimeoutError, WorkerLostError
 from ..transport import Transport
 from ..wire import Kind, decode, dumps, encode, loads
+from ..wire.fast_header import FAST_MAGIC, decode_fast, fast_header
 from ..wire.messages import peek_header, request_id
 from .extensions import EXTENSION_TYPES, AgentExtension
 from .fast_path import FastPath
@@ -253,8 +254,12 @@ class RpcAgent(FastPath, Serving, Members):
     def on_message(self, peer: int, frames: list) -> tuple | None:
         """Handle what must happen in arrival order; return the work (``(fn, args)``)
         the reading thread runs once another thread reads in its place."""
+        env = frames[0] if frames else b""
+        fast = (env[:2] == FAST_MAGIC) if type(env) is bytearray else None
         try:
-            kind, rid, _ = peek_header(frames)
+            # peek_header, inlined for the common fast envelope in a bytearray
+            header = fast_header(frames) if fast else None
+            kind, rid, _ = header if fast else peek_header(frames)
         except ProtocolError as e:
             log.warning("worker %s: dropped a malformed message from worker %d: %s", self.name, peer, e)
             rid = request_id(frames)
@@ -279,7 +284,7 @@ class RpcAgent(FastPath, Serving, Members):
             log.debug("worker %s: dropped a repeated request %d from worker %d", self.name, rid, peer)
             return
         try:
-            msg = decode(frames, peer)
+            msg = decode_fast(frames, peer, header) if fast else decode(frames, peer)
         except ProtocolError as e:
             log.warning("worker %s: malformed message from worker %d: %s", self.name, peer, e)
             if kind in (Kind.CALL, Kind.REMOTE):

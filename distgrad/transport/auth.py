@@ -94,9 +94,13 @@ class Authenticator:
 
     @staticmethod
     def _tag(key: bytes, head: bytes, full: int, frames) -> bytes:
+        """The tag of ``frames`` (the first ``full`` in full, the rest by length)."""
         n = len(frames)
+        sizes = []
+        for f in frames:
+            sizes.append(memoryview(f).nbytes)
         mac = hashlib.blake2b(head, key=key[:32], digest_size=TAG_BYTES)
-        mac.update(struct.pack(f"!I{n}Q", n, *[memoryview(f).nbytes for f in frames]))
+        mac.update(struct.pack(f"!I{n}Q", n, *sizes))
         for f in frames[:full]:
             mac.update(f)
         return mac.digest()

@@ -64,6 +64,9 @@ _DIMS = [struct.Struct(f"!{n}Q") for n in range(MAX_DIMS + 1)]
 _KINDS = {int(k): k for k in (Kind.CALL, Kind.NOTIFY, Kind.REPLY)}
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _strided = torch.strided
+_tuple_new = tuple.__new__
+# TensorSpec's fields after dtype, shape, requires_grad and kind, at their defaults
+_SPEC_REST = tuple(TensorSpec._field_defaults[f] for f in TensorSpec._fields[4:])
 
 
 def encode_fast(kind: Kind, rid: int, what: str, payload: bytes,
@@ -121,10 +124,12 @@ def fast_header(frames: Sequence) -> tuple:
     return k, rid, nbuf
 
 
-def decode_fast(frames: Sequence, sender=None) -> Message:
+def decode_fast(frames: Sequence, sender=None, header: tuple | None = None) -> Message:
     """Parse a fast envelope and build its tensors on the buffers (no copy);
-    raises ProtocolError and nothing else (the payload is not touched)."""
-    kind, rid, nbuf = fast_header(frames)
+    raises ProtocolError and nothing else (the payload is not touched).
+    ``header``: what :func:`fast_header` returned for these frames, when the
+    caller already checked it."""
+    kind, rid, nbuf = fast_header(frames) if header is None else header
     env = memoryview(frames[0])
     size = env.nbytes
     _, _, _, _, _, what_len, ntensors = FAST.unpack_from(env)
@@ -182,7 +187,9 @@ def decode_fast(frames: Sequence, sender=None) -> Message:
                 t = _Parameter(t, requires_grad=rg)
             elif rg:
                 t.requires_grad_(True)
-            specs.append(TensorSpec(_NAMES[code], shape, rg, _PARAMETER if flags & _PARAM else 0))
+            # (TensorSpec's fields without its generated __new__: a call less per tensor)
+            specs.append(_tuple_new(TensorSpec, (_NAMES[code], shape, rg,
+                                                 _PARAMETER if flags & _PARAM else 0) + _SPEC_REST))
             tensors.append(t)
     except ProtocolError:
         raise

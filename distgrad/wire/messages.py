@@ -124,7 +124,8 @@ def decode(frames: Sequence, sender: Any = None) -> Message:
     b"DF") is parsed by :func:`~.fast_header.decode_fast`, which checks its
     table and builds its tensors here.
     """
-    if _is_fast(frames):
+    env = frames[0] if frames else b""
+    if (env[:2] == FAST_MAGIC) if type(env) is bytearray else _is_fast(frames):
         return decode_fast(frames, sender)
     kind, rid, _, meta_len = _header(frames)
     env = memoryview(frames[0])
