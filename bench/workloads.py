@@ -18,6 +18,7 @@ import graph_bench
 import mesh_bench
 import ps_bench
 import rpc_bench
+import small_calls_bench
 import transformer_bench
 
 
@@ -117,6 +118,20 @@ WORKLOADS = [
             "ratio<=0.5", ".3f"),
     ], 600, 420, cluster={"num_worker_threads": 8, "rpc_timeout": 300,
                           "shutdown_grace": 60}, about="mesh_bench.mesh_workload"),
+    Workload("small_calls_1", 2, lambda q: functools.partial(
+        small_calls_bench.small_calls_workload, peers=1, calls=3000, quick=q), [
+        Row("small_1_calls_per_s", "small calls, 32 in flight, 1 peer", "calls/s", "higher",
+            "ratio>=1.2", ".0f"),
+        Row("small_1_cpu_us_per_call", "small calls, 1 peer: CPU (all processes) per call", "us",
+            "lower", "ratio<=0.5", ".0f"),
+    ], 300, 150, about="small_calls_bench.small_calls_workload"),
+    Workload("small_calls_3", 4, lambda q: functools.partial(
+        small_calls_bench.small_calls_workload, peers=3, calls=4000, quick=q), [
+        Row("small_3_calls_per_s", "small calls, 32 in flight per peer, 3 peers", "calls/s",
+            "higher", "ratio>=1.2", ".0f"),
+        Row("small_3_cpu_us_per_call", "small calls, 3 peers: CPU (all processes) per call", "us",
+            "lower", "ratio<=0.5", ".0f"),
+    ], 300, 150, about="small_calls_bench.small_calls_workload"),
     Workload("idle", 2, lambda q: _rpc(q, parts=("idle",)), [
         Row("idle_cpu_worker1_pct", "idle worker CPU (callee)", "% core", "lower", "distgrad<=1"),
         Row("idle_cpu_worker0_pct", "idle worker CPU (rank 0)", "% core", "lower", "distgrad<=1"),
