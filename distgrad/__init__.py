@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     autograd,  # noqa: F401,E402  (registers its agent extension)
     errors,
     rpc,
+    trace,  # distgrad.trace(path): one timeline of a distributed step (callable module)
 )
 
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@ Examples::
     distgrad launch --nnodes 1:4 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \\
         --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job1 train.py   # elastic, as torchrun
     distgrad store --port 29500                    # a store that outlives a dynamic group's members
+    distgrad trace-plot trace.json -o step.png     # draw a distgrad.trace file, print its summary
     python -m distgrad demo                        # same as `distgrad demo`
 """
 from __future__ import annotations
@@ -52,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to listen on (default: 127.0.0.1, this host only; give the "
                             "address the members reach, or 0.0.0.0, to serve other hosts)")
     store.add_argument("--port", type=int, default=29500, help="port (default: 29500)")
+    tp = sub.add_parser(
+        "trace-plot", help="draw a distgrad.trace file (workers as rows) and print its summary",
+        description="Draw a trace written by distgrad.trace(path) with matplotlib: one row per "
+                    "worker, its time coloured computing / serving / network / idle, messages as "
+                    "arrows, the critical path underlined; print each worker's shares and the "
+                    "critical path of the step.")
+    tp.add_argument("trace", help="the trace file (JSON) distgrad.trace wrote")
+    tp.add_argument("-o", "--output", default="trace.png", help="the picture to write (default: trace.png)")
+    tp.add_argument("--title", default=None, help="the picture's title (default: the trace's path)")
     return parser
 
 
@@ -91,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch(args)
     if args.command == "store":
         return _serve_store(args.host, args.port)
+    if args.command == "trace-plot":
+        from .trace.plot import main as trace_plot
+        return trace_plot(args)
     raise AssertionError(args.command)  # pragma: no cover
 
 

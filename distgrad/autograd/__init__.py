@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..trace import recorder as _trace
+from ..trace.clock import local_ns
 from .anomaly import detect_anomaly
 from .context import CONTAINER, DistAutogradContext
 from .engine import ENGINE, debug_info
@@ -148,7 +150,15 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         ...     g = dist_autograd.get_gradients(cid)[x]            # 3 x**2, requires grad
         ...     dist_autograd.backward(cid, [(g ** 2).sum()])    # adds 36 x**3
     """
-    _backward_sync(context_id, roots, retain_graph, grad_tensors, create_graph)
+    tr = _trace.ACTIVE
+    if tr is None:
+        _backward_sync(context_id, roots, retain_graph, grad_tensors, create_graph)
+        return
+    t0 = local_ns()
+    try:
+        _backward_sync(context_id, roots, retain_graph, grad_tensors, create_graph)
+    finally:
+        tr.span("dist_autograd.backward", "backward.call", t0, {"context": context_id})
 
 
 def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False,

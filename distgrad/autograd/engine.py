@@ -37,6 +37,8 @@ from ..errors import AnomalyError, BackwardError
 from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
 from ..rpc.remote_exc import pack_exception, unpack_exception
+from ..trace import recorder as _trace
+from ..trace.clock import local_ns
 from . import anomaly as anomaly_mode
 from . import checkpoint as _checkpoint
 from .checks import check_roots as _check_roots
@@ -84,6 +86,8 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
     if checkpoints:
         _checkpoint.enter(state, checkpoints)
     err = None
+    tr = _trace.ACTIVE
+    t0 = local_ns() if tr is not None else 0
     try:
         # torch's engine runs a pass (nodes, hooks) with grad mode = create_graph
         with torch.set_grad_enabled(state.create_graph):
@@ -96,8 +100,16 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
         state.running -= 1
         exp, targets = _tls.exp, _tls.targets
         _tls.state, _tls.exp, _tls.targets, _tls.shipped = prev
+        if tr is not None:
+            args = {"pass": state.trace_key(), "shipped_to": sorted(targets)}
+            if err is not None:
+                args["error"] = repr(err)
+            tr.span(f"backward {_RUNS.get(fn.__name__, fn.__name__)}", "backward", t0, args)
     _report(state.ctx.id, state.pass_id, state.initiator, exp, state.blocked(), targets, err,
             state.holds_ddp())
+
+
+_RUNS = {"run_entry": "run", "resume": "resume", "flush_ddp": "DDP flush"}
 
 
 def _report(context_id: int, pass_id: tuple, initiator: int, exp: int, blocked: bool,
@@ -404,6 +416,8 @@ def _run_alone(state: PassState, roots: list, grads: list,
     checkpoints = state.checkpoints
     if checkpoints:
         _checkpoint.enter(state, checkpoints)
+    tr = _trace.ACTIVE
+    t0 = local_ns() if tr is not None else 0
     try:
         with torch.set_grad_enabled(False):
             state.run_entry("root", roots, grads)
@@ -416,6 +430,8 @@ def _run_alone(state: PassState, roots: list, grads: list,
         _tls.state, _tls.exp, _tls.targets, _tls.shipped = prev
         state.finished = True
         ENGINE.finish(state)
+        if tr is not None:
+            tr.span("backward run (local only)", "backward", t0, {"pass": state.trace_key()})
     deliver(err)
 
 

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from ..trace import recorder as _trace
+from ..trace.clock import local_ns
 from . import ddp, node_hooks
 from .context import CONTAINER, DistAutogradContext
 from .executor import Executor
@@ -157,11 +159,29 @@ class PassState(Executor):
         return (not self.shared and not self.create_graph and not ddp.active[0]
                 and not self.ctx.send_functions and region is not None and not region.recvs)
 
+    def trace_key(self) -> str:
+        """This pass's name in traces: its initiator's rank and number there (``"0.3"``)."""
+        return f"{self.pass_id[0]}.{self.pass_id[1]}"
+
     # -- execution ----------------------------------------------------------------
     def run_entry(self, key: Any, outputs: list, grads: list) -> None:
         """Run ``key``'s region with gradients for ``outputs`` (tensors or edges)."""
         if self.aborted:
             return
+        tr = _trace.ACTIVE
+        if tr is None:
+            self._run_entry(key, outputs, grads)
+            return
+        t0 = local_ns()
+        try:
+            self._run_entry(key, outputs, grads)
+        finally:
+            where = "roots" if key == "root" else f"send function {key}"
+            how = "executor" if self.shared else "native"
+            tr.span(f"backward region from {where} ({how})", "backward.region", t0,
+                    {"pass": self.trace_key(), "entry": str(key), "mode": how})
+
+    def _run_entry(self, key: Any, outputs: list, grads: list) -> None:
         if self.shared:
             with self.lock:
                 self._feed(outputs, grads)

@@ -38,6 +38,8 @@ import torch
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 from distgrad.errors import DistgradError
+from distgrad.trace import recorder as _trace
+from distgrad.trace.clock import local_ns
 
 __all__ = ["DistributedOptimizer"]
 
@@ -99,6 +101,18 @@ class _LocalOptimizer:
 
     def step(self, context_id: int) -> None:
         """Step with the gradients of ``context_id`` on this worker."""
+        tr = _trace.ACTIVE
+        if tr is None:
+            self._step(context_id)
+            return
+        t0 = local_ns()
+        try:
+            self._step(context_id)
+        finally:
+            tr.span(f"optimizer step ({type(self.optim).__name__}, {len(self.params)} parameters)", "optim",
+                    t0, {"context": context_id})
+
+    def _step(self, context_id: int) -> None:
         grads = dist_autograd.get_gradients(context_id)
         for lock in self._locks:
             lock.acquire()
@@ -218,9 +232,16 @@ class DistributedOptimizer:
             ...     dist_autograd.backward(cid, [loss])
             ...     dist_opt.step(cid)
         """
+        tr = _trace.ACTIVE
+        t0 = local_ns() if tr is not None else 0
         # the RRef's method proxy: no new fork of the optimizer's RRef per step
         futs = [(o.owner_name(), o.rpc_async().step(context_id)) for o in self.remote_optimizers]
-        _wait_all(futs, "step")
+        try:
+            _wait_all(futs, "step")
+        finally:
+            if tr is not None:
+                tr.span("DistributedOptimizer.step", "optim.call", t0,
+                        {"owners": [o.owner_name() for o in self.remote_optimizers]})
 
     def __repr__(self) -> str:
         owners = ", ".join(o.owner_name() for o in self.remote_optimizers)

@@ -23,6 +23,7 @@ import torch
 
 from ..errors import DistgradError, WorkerLostError
 from ..ids import agent_range
+from ..trace import recorder as _trace
 from . import remote_profiling
 from .extensions import AgentExtension, register_extension
 
@@ -100,13 +101,25 @@ class RRefContext(AgentExtension):
             entry = self._entry(rref_id, future)
             entry.forks[(fork_id, child)] += 1
             self._gc(rref_id, entry, (fork_id, child))
-            return entry.future
+        tr = _trace.ACTIVE
+        if tr is not None:
+            tr.instant("rref fork", "rref", self._fork_args(rref_id, fork_id, child))
+        return entry.future
 
     def del_fork(self, rref_id: tuple, fork_id: tuple, child: int) -> None:
         with self.lock:
             entry = self._entry(rref_id)
             entry.forks[(fork_id, child)] -= 1
             self._gc(rref_id, entry, (fork_id, child))
+            left = sum(entry.forks.values())
+        tr = _trace.ACTIVE
+        if tr is not None:
+            tr.instant("rref delete", "rref", dict(self._fork_args(rref_id, fork_id, child), forks_left=left))
+
+    def _fork_args(self, rref_id: tuple, fork_id: tuple, child: int) -> dict:
+        w = self.agent.workers.get(child)
+        return {"rref": f"{rref_id[0]}:{rref_id[1]}", "fork": f"{fork_id[0]}:{fork_id[1]}",
+                "holder": w.name if w is not None else f"rank {child}"}
 
     def _gc(self, rref_id: tuple, entry: _Entry, key: tuple) -> None:
         if entry.forks[key] == 0:

@@ -1,0 +1,129 @@
+"""One timeline of a distributed step: ``distgrad.trace``.
+
+``distgrad.trace`` is this module, and it can be called: ``distgrad.trace(path)``
+is a context manager that records, on every worker of the group, each RPC (sent,
+arrived, served, reply sent and received, with bytes), each distributed backward
+(the pass on each worker, its regions, the gradients sent and received),
+``DistributedOptimizer.step`` on each owner, RRef forks and deletes, and user
+spans (:func:`span`); on exit the recordings are gathered, put on the tracing
+worker's clock and written as one Chrome trace-event JSON file (open it at
+https://ui.perfetto.dev or chrome://tracing; draw it with ``distgrad trace-plot``).
+
+Example (on worker0, with RPC initialized on every worker)::
+
+    >>> import distgrad
+    >>> with distgrad.trace("step.json"):
+    ...     with distgrad.trace.span("forward"):
+    ...         y = rpc.rpc_sync("worker1", torch.matmul, args=(a, b))
+    >>> # or: distgrad.trace.start("step.json"); ...; distgrad.trace.stop()
+
+Nothing here costs anything while no trace is open: the recorder's wrappers sit
+on the agent only while one is (:mod:`.recorder`).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+from . import recorder
+from .clock import local_ns
+
+__all__ = ["start", "stop", "span", "is_tracing"]
+
+
+def start(path: str, profile_ops: bool = False, timeout: float = 30.0) -> None:
+    """Start recording a trace on every worker of the group, to be written to ``path``
+    by :func:`stop` on this worker.
+
+    ``profile_ops=True`` also runs ``torch.profiler.profile`` on each worker for the
+    window (every thread), its events merged on the same clock. ``timeout`` (s)
+    bounds each worker's answer to start and stop: one that does not answer is left
+    out and named in the file's metadata (``otherData.distgrad.missing``).
+
+    Example::
+
+        >>> distgrad.trace.start("trace.json")
+        >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> distgrad.trace.stop()
+        'trace.json'
+    """
+    from .session import open_trace
+    open_trace(path, profile_ops, timeout)
+
+
+def stop() -> str:
+    """Stop the trace this worker started: gather every worker's events (each within
+    the start's ``timeout``), align clocks, write the file; returns its path.
+
+    Example::
+
+        >>> distgrad.trace.stop()
+        'trace.json'
+    """
+    from .session import close_trace
+    return close_trace()
+
+
+@contextlib.contextmanager
+def _traced(path: str, profile_ops: bool = False, timeout: float = 30.0) -> Iterator[str]:
+    start(path, profile_ops, timeout)
+    try:
+        yield path
+    finally:
+        stop()
+
+
+class _NullSpan:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+_NULL = _NullSpan()
+
+
+class _Span:
+    __slots__ = ("rec", "name", "args", "t0")
+
+    def __init__(self, rec: Any, name: str, args: dict) -> None:
+        self.rec, self.name, self.args = rec, name, args
+
+    def __enter__(self) -> None:
+        self.t0 = local_ns()
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.rec.span(self.name, "user", self.t0, self.args)
+        return False
+
+
+def span(name: str, **args: Any) -> Any:
+    """A span of the calling thread in the open trace (nothing when none is open);
+    keyword arguments show in the span's details.
+
+    Example::
+
+        >>> with distgrad.trace.span("loss", batch=3):
+        ...     loss = criterion(out, target)
+    """
+    rec = recorder.ACTIVE
+    return _NULL if rec is None else _Span(rec, str(name), args)
+
+
+def is_tracing() -> bool:
+    """Whether this worker is recording a trace now (whoever opened it)."""
+    return recorder.ACTIVE is not None
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, path: str, profile_ops: bool = False, timeout: float = 30.0) -> Any:
+        """``with distgrad.trace(path, profile_ops=False):`` records one trace (see
+        :func:`start`); the file is written when the block ends."""
+        return _traced(path, profile_ops, timeout)
+
+
+sys.modules[__name__].__class__ = _CallableModule

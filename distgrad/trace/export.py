@@ -1,0 +1,136 @@
+"""The gathered recordings -> one Chrome trace-event JSON file (Perfetto, chrome://tracing).
+
+Layout of the file::
+
+    {"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {"distgrad": {...}}}
+
+* a process per worker (``pid`` its OS pid; ``process_name`` its worker name,
+  ``process_sort_index`` its rank), a thread track per thread (``thread_name``);
+* ``X`` spans (``ts``/``dur`` in microseconds from the trace's first event, on the
+  tracing worker's clock), ``i`` instants;
+* ``s``/``f`` flow pairs sharing an ``id`` (``f`` with ``"bp": "e"``: it binds to
+  the span that encloses it, the one that read the message): request -> arrival,
+  reply -> arrival; only pairs whose two ends were both recorded;
+* per worker, a "backward passes" track with one span per pass that reached it
+  (first to last run of its share there);
+* ``otherData.distgrad``: the tracing worker, the members, the ``missing`` ones and
+  why, each clock's offset and estimated error (:mod:`.clock`), torch's profiler's
+  clock error where ``profile_ops``.
+
+Example::
+
+    >>> write("trace.json", 0, payloads, offsets, session)
+    >>> json.load(open("trace.json"))["traceEvents"][0]["ph"]
+    'M'
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .clock import Offset, keep_causal
+
+# the synthetic track a worker's backward passes are drawn on (not an OS thread id)
+PASSES_TID = 10_000_000
+
+
+def write(path: str, tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset],
+          session: Any) -> None:
+    """Merge every worker's events onto ``tracer``'s clock and write them to ``path``."""
+    doc = build(tracer, payloads, offsets, session)
+    with open(path, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+
+
+def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], session: Any) -> dict:
+    ends = _flow_ends(payloads)
+    msgs = [(s[0], s[2], f[0], f[2]) for s, f in ends.values() if s is not None and f is not None]
+    estimated = {r: offsets[r].offset_ns for r in payloads}
+    causal = keep_causal(estimated, msgs, tracer)
+    for r, off in causal.items():
+        offsets[r].shift_ns = off - offsets[r].offset_ns
+    align = {r: causal[r] for r in payloads}   # worker clock - tracer clock
+    origin = min((_first(p) - align[r] for r, p in payloads.items() if _first(p) is not None),
+                 default=0)
+
+    def us(rank: int, ns: int) -> float:
+        return round((ns - align[rank] - origin) / 1e3, 3)
+
+    events: list[dict] = []
+    for rank, p in sorted(payloads.items()):
+        events.extend(_worker_events(rank, p, us))
+    unmatched = 0
+    for fid, (s, f) in ends.items():
+        if s is None or f is None:
+            unmatched += 1
+            continue
+        for (rank, tid, ns, name), ph in ((s, "s"), (f, "f")):
+            ev = {"ph": ph, "id": fid, "cat": "rpc.flow", "name": name,
+                  "pid": payloads[rank]["pid"], "tid": tid, "ts": us(rank, ns)}
+            if ph == "f":
+                ev["bp"] = "e"
+            events.append(ev)
+    meta = {
+        "tracer": payloads[tracer]["name"],
+        "workers": {p["name"]: {"rank": r, "pid": p["pid"]} for r, p in sorted(payloads.items())},
+        "missing": dict(session.missing),
+        "clock": {payloads[r]["name"]: offsets[r].as_meta() for r in sorted(payloads)},
+        "clock_method": "perf_counter_ns per worker; offsets to the tracer's clock by NTP-style pings "
+                        "over RPC (least round trip; error = half of it), then moved where a message "
+                        "would arrive before it was sent (causality_shift_us)",
+        "origin_ns": origin,
+        "profile_ops": session.profile_ops,
+        "ops": {p["name"]: p["ops"] for p in payloads.values() if "ops" in p},
+        "unmatched_flow_ends": unmatched,
+    }
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"distgrad": meta}}
+
+
+def _first(p: dict) -> int | None:
+    return min((e[3] if e[0] in ("s", "f") else e[4] for e in p["events"]), default=None)
+
+
+def _flow_ends(payloads: dict[int, dict]) -> dict[int, list]:
+    ends: dict[int, list] = {}
+    for rank, p in payloads.items():
+        for e in p["events"]:
+            if e[0] in ("s", "f"):
+                _, fid, tid, ns, name = e
+                slot = ends.setdefault(fid, [None, None])
+                slot[0 if e[0] == "s" else 1] = (rank, tid, ns, name)
+    return ends
+
+
+def _worker_events(rank: int, p: dict, us: Any) -> list[dict]:
+    pid, out = p["pid"], []
+    out.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": p["name"]}})
+    out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+                "args": {"sort_index": rank}})
+    out.append({"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
+                "args": {"labels": f"rank {rank}, pid {pid}"}})
+    threads = dict(p["threads"])
+    passes: dict[Any, list[int]] = {}
+    for e in p["events"]:
+        if e[0] == "X":
+            _, name, cat, tid, start, end, args = e
+            out.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
+                        "ts": us(rank, start), "dur": round(max(0, end - start) / 1e3, 3), "args": args})
+            if cat == "op" and tid not in threads:
+                threads[tid] = (f"torch ops (tid {tid})" if tid < 20_000_000
+                                else f"device stream {tid - 20_000_000}")
+            if cat == "backward" and "pass" in args:
+                span = passes.setdefault(args["pass"], [start, end])
+                span[0], span[1] = min(span[0], start), max(span[1], end)
+        elif e[0] == "i":
+            _, name, cat, tid, ns, args = e
+            out.append({"ph": "i", "s": "t", "name": name, "cat": cat, "pid": pid, "tid": tid,
+                        "ts": us(rank, ns), "args": args})
+    for key, (start, end) in sorted(passes.items(), key=lambda kv: kv[1][0]):
+        out.append({"ph": "X", "name": f"backward pass {key} on {p['name']}", "cat": "backward.pass",
+                    "pid": pid, "tid": PASSES_TID, "ts": us(rank, start),
+                    "dur": round((end - start) / 1e3, 3), "args": {"pass": key}})
+    if passes:
+        threads[PASSES_TID] = "backward passes"
+    for tid, name in threads.items():
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+    return out

@@ -1,0 +1,203 @@
+"""Opening and closing a trace across the group (the tracing worker's side).
+
+:func:`open_trace` asks every member (``rpc_async`` to each, with a timeout) to
+start recording (:func:`_begin`: a :class:`.recorder.Recorder`, and torch's
+profiler with ``profile_ops``), then starts here. :func:`close_trace` stops here,
+asks each member for its events (:func:`_end`, with the same timeout: a worker that
+died or hangs is named in the file's metadata as missing, never waited for
+longer), estimates each clock's offset (:mod:`.clock`, pings over RPC) and writes
+the file (:mod:`.export`).
+
+Example (on worker0; the other workers only run RPC as usual)::
+
+    >>> open_trace("trace.json")
+    >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+    >>> close_trace()
+    'trace.json'
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import clock, recorder
+from .recorder import Recorder
+
+log = logging.getLogger(__name__)
+_ids = itertools.count(1)
+_lock = threading.Lock()
+
+
+@dataclass
+class Session:
+    """A trace this worker opened."""
+
+    id: tuple
+    path: str
+    profile_ops: bool
+    timeout: float
+    members: dict[int, str]                        # rank -> name: recording
+    missing: dict[str, str] = field(default_factory=dict)  # name -> why not in the file
+
+
+_open: dict[str, Session] = {}   # "session" -> the trace this worker opened (one at a time)
+
+
+def _agent() -> Any:
+    from ..rpc.pending import agent_or_none
+    agent = agent_or_none()
+    if agent is None:
+        raise RuntimeError("distgrad.trace: RPC is not initialized on this process; call "
+                           "distgrad.rpc.init_rpc (or torch's) before opening a trace")
+    return agent
+
+
+def _begin(session: tuple, profile_ops: bool, by: str) -> int:
+    """On every member: start recording for ``session`` (opened by worker ``by``)."""
+    agent = _agent()
+    with _lock:
+        if recorder.ACTIVE is not None:
+            raise RuntimeError(f"distgrad.trace: worker {agent.name} is already recording a trace "
+                               f"(opened by {_by_name(agent, recorder.ACTIVE.session)}); close it first")
+        rec = Recorder(agent, session)
+        rec.ops = None
+        if profile_ops:
+            from .ops import OpsProfiler
+            rec.ops = OpsProfiler()
+            rec.ops.start()
+        rec.install()
+        recorder.ACTIVE = rec
+    return clock.local_ns()
+
+
+def _end(session: tuple) -> dict:
+    """On every member: stop recording ``session``; returns this worker's events."""
+    agent = _agent()
+    with _lock:
+        rec = recorder.ACTIVE
+        if rec is None or rec.session != session:
+            raise RuntimeError(f"distgrad.trace: worker {agent.name} is not recording this trace")
+        recorder.ACTIVE = None
+        rec.uninstall()
+    out = rec.payload()
+    if rec.ops is not None:
+        try:
+            ops, meta = rec.ops.stop()
+            out["events"] = out["events"] + ops
+            out["ops"] = meta
+        except Exception as e:  # noqa: BLE001 - the trace stays useful without torch's events
+            log.warning("worker %s: torch's profiler events left out of the trace: %s", agent.name, e)
+            out["ops"] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def _now() -> int:
+    """A ping: this worker's trace clock."""
+    return clock.local_ns()
+
+
+def _abort(session: tuple) -> None:
+    """On a member: drop ``session``'s recording (an open that failed elsewhere)."""
+    with _lock:
+        rec = recorder.ACTIVE
+        if rec is None or rec.session != session:
+            return
+        recorder.ACTIVE = None
+        rec.uninstall()
+    if rec.ops is not None:
+        try:
+            rec.ops.prof.stop()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _by_name(agent: Any, session: tuple) -> str:
+    w = agent.workers.get(session[0])
+    return w.name if w is not None else f"rank {session[0]}"
+
+
+def open_trace(path: str, profile_ops: bool = False, timeout: float = 30.0) -> Session:
+    """Start recording on every member of the group (see :func:`distgrad.trace.start`)."""
+    from ..rpc import api
+    agent = _agent()
+    if "session" in _open:
+        raise RuntimeError(f"distgrad.trace: worker {agent.name} already has a trace open "
+                           f"(to {_open['session'].path}); stop it first")
+    session = (agent.rank, next(_ids))
+    others = [w for w in agent.get_worker_infos() if w.id != agent.rank]
+    futs = [(w, api.rpc_async(w, _begin, args=(session, profile_ops, agent.name), timeout=timeout))
+            for w in others]
+    members, missing, refused = {agent.rank: agent.name}, {}, []
+    for w, fut in futs:
+        try:
+            fut.wait()
+            members[w.id] = w.name
+        except Exception as e:  # noqa: BLE001 - named below or in the file
+            if "already recording" in str(e):
+                refused.append(f"{w.name}: {_first_line(e)}")
+            else:
+                missing[w.name] = f"did not start: {type(e).__name__}: {_first_line(e)}"
+    if not refused:
+        try:
+            _begin(session, profile_ops, agent.name)
+        except RuntimeError as e:
+            refused.append(f"{agent.name}: {e}")
+    if refused:
+        for rank in members:
+            if rank != agent.rank:
+                _quiet(lambda r=rank: api.rpc_sync(r, _abort, args=(session,), timeout=timeout))
+        raise RuntimeError("distgrad.trace: cannot open a trace: " + "; ".join(refused))
+    for name, why in missing.items():
+        log.warning("distgrad.trace: worker %s is not traced (%s)", name, why)
+    s = Session(session, str(path), profile_ops, timeout, members, missing)
+    _open["session"] = s
+    return s
+
+
+def close_trace() -> str:
+    """Stop recording everywhere, gather, align clocks, write the file; returns its path."""
+    from ..rpc import api
+    from . import export
+    agent = _agent()
+    s = _open.pop("session", None)
+    if s is None:
+        raise RuntimeError(f"distgrad.trace: worker {agent.name} has no trace open")
+    payloads = {agent.rank: _end(s.id)}
+    futs = [(r, name, api.rpc_async(r, _end, args=(s.id,), timeout=s.timeout))
+            for r, name in s.members.items() if r != agent.rank]
+    for r, name, fut in futs:
+        try:
+            payloads[r] = fut.wait()
+        except Exception as e:  # noqa: BLE001 - a lost or hung worker: named in the file
+            s.missing[name] = f"no events gathered: {type(e).__name__}: {_first_line(e)}"
+    offsets = {agent.rank: clock.Offset(0, 0, 0, 0)}
+    for r in list(payloads):
+        if r == agent.rank:
+            continue
+        try:
+            offsets[r] = clock.estimate(lambda r=r: api.rpc_sync(r, _now, timeout=s.timeout))
+        except Exception as e:  # noqa: BLE001
+            s.missing[s.members[r]] = f"clock not aligned: {type(e).__name__}: {_first_line(e)}"
+            payloads.pop(r)
+    export.write(s.path, agent.rank, payloads, offsets, s)
+    return s.path
+
+
+def _quiet(fn: Any) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _first_line(e: BaseException) -> str:
+    """The line of an error (a remote one: the callee's message, not its traceback) worth showing."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    ours = [ln for ln in lines if "distgrad.trace:" in ln]
+    if ours:
+        return ours[0].split("distgrad.trace: ", 1)[1].rstrip("')\"")
+    lines = [ln for ln in lines if not ln.startswith("On WorkerInfo")]
+    return lines[0] if lines else type(e).__name__
