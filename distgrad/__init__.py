@@ -7,10 +7,15 @@ torch.distributed.optim.DistributedOptimizer runs after swapping the imports::
     import distgrad.autograd as dist_autograd
     from distgrad.optim import DistributedOptimizer
 """
-from . import (  # noqa: F401
+from . import _build
+
+_build.install()   # before any module of the message path is imported: compiled or not
+
+from . import (  # noqa: F401,E402
     autograd,  # noqa: F401,E402  (registers its agent extension)
     errors,
     rpc,
 )
+from ._build import info  # noqa: E402,F401  (distgrad.info())
 
 __version__ = "0.1.0"

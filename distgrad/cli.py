@@ -76,8 +76,9 @@ def _serve_store(host: str, port: int) -> int:
 
 
 def _version() -> str:
-    from . import __version__
-    return __version__
+    from . import info
+    i = info()
+    return f"{i['version']} ({i['message_path']} message path)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
