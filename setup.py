@@ -39,20 +39,36 @@ DIRECTIVES = {
 
 
 def _say(msg: str) -> None:
-    # pip shows a build backend's stderr only with -v; print it to both, and make it one line
+    # pip shows a build backend's output only with -v (or on failure): the line is also
+    # kept in the manifest, and ``python -m distgrad --version`` repeats it after any install
     print(msg, flush=True)
     print(msg, file=sys.stderr, flush=True)
 
 
+def _write_manifest(manifest: dict, *dirs: str) -> None:
+    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, _plan.MANIFEST), "w") as f:
+            f.write(text)
+
+
+def _fall_back(why: str, *dirs: str) -> None:
+    """Say why the interpreted path is installed, and record it (no module listed:
+    the chooser runs every source, even beside modules built earlier)."""
+    _say(FALLBACK.format(why))
+    _write_manifest({_plan.FALLBACK_KEY: why}, os.path.join(HERE, "distgrad"), *dirs)
+
+
 def _extensions():
     if os.environ.get("DISTGRAD_NO_COMPILE", "").strip() not in ("", "0"):
-        _say(FALLBACK.format("DISTGRAD_NO_COMPILE is set"))
+        _fall_back("DISTGRAD_NO_COMPILE is set")
         return []
     try:
         from Cython.Build import cythonize
         from setuptools import Extension
     except ImportError as exc:
-        _say(FALLBACK.format(f"Cython is not available ({exc})"))
+        _fall_back(f"Cython is not available ({exc})")
         return []
     exts = []
     for name in _plan.COMPILED:
@@ -62,7 +78,7 @@ def _extensions():
         return cythonize(exts, compiler_directives=DIRECTIVES, quiet=True,
                          nthreads=os.cpu_count() or 1)
     except Exception as exc:   # a Cython failure must not stop the install
-        _say(FALLBACK.format(f"Cython could not translate the message path ({exc})"))
+        _fall_back(f"Cython could not translate the message path ({_first_line(exc)})")
         return []
 
 
@@ -81,7 +97,8 @@ class OptionalBuildExt(build_ext):
             super().run()
         except Exception as exc:   # no compiler, or it failed: the .py files serve
             self._discard()
-            _say(FALLBACK.format(f"the C compiler failed ({_first_line(exc)})"))
+            _fall_back(f"the C compiler failed ({_first_line(exc)})",
+                       os.path.join(self.build_lib, "distgrad"))
             return
         self._publish()
 
@@ -93,11 +110,6 @@ class OptionalBuildExt(build_ext):
 
     def _publish(self):
         manifest = {name: _plan.source_digest(_plan.source_path(name)) for name in _plan.COMPILED}
-        text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-        built_pkg = os.path.join(self.build_lib, "distgrad")
-        os.makedirs(built_pkg, exist_ok=True)
-        with open(os.path.join(built_pkg, _plan.MANIFEST), "w") as f:
-            f.write(text)
         if self.inplace:
             targets = []
         else:   # and beside the sources of this checkout, for tests run from it
@@ -107,8 +119,7 @@ class OptionalBuildExt(build_ext):
             if os.path.abspath(built) != os.path.abspath(there):
                 shutil.copyfile(built, there + ".tmp")
                 os.replace(there + ".tmp", there)
-        with open(os.path.join(HERE, "distgrad", _plan.MANIFEST), "w") as f:
-            f.write(text)
+        _write_manifest(manifest, os.path.join(self.build_lib, "distgrad"), os.path.join(HERE, "distgrad"))
         _say(f"distgrad: compiled message path ({len(self.extensions)} modules)")
 
 

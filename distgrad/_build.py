@@ -44,6 +44,8 @@ COMPILED = (
 )
 
 MANIFEST = "_compiled.json"
+#: the manifest's entry, instead of the modules, when setup.py installed the interpreted path
+FALLBACK_KEY = "fallback"
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -89,6 +91,8 @@ class _Chooser:
 
     def must_interpret(self, name: str) -> str | None:
         """Why ``name`` runs from its source, or None where the compiled one may run."""
+        if FALLBACK_KEY in self.built:
+            return "the install fell back: " + str(self.built[FALLBACK_KEY])
         if _extension_path(name) is None:
             return "not built"
         if self.pure:
@@ -156,5 +160,9 @@ def info() -> dict:
         modules[name] = "compiled" if _running_compiled(name) else (why or "interpreted (not built)")
     kinds = {("compiled" if v == "compiled" else "interpreted") for v in modules.values()}
     path = kinds.pop() if len(kinds) == 1 else "mixed"
-    return {"version": __version__, "message_path": path, "modules": modules,
-            "pure_forced": _forced_pure()}
+    out = {"version": __version__, "message_path": path, "modules": modules,
+           "pure_forced": _forced_pure()}
+    fallback = _CHOOSER.built.get(FALLBACK_KEY) if _CHOOSER is not None else None
+    if fallback:
+        out["install_fell_back"] = str(fallback)
+    return out

@@ -62,7 +62,9 @@ def _fake_package(tmp_path: Path, built: bool, recorded: str | None) -> _build._
     if built:
         import importlib.machinery
         (pkg / "wire" / ("fast_header" + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b"")
-    if recorded is not None:
+    if recorded == "fallback":
+        (pkg / _build.MANIFEST).write_text(json.dumps({_build.FALLBACK_KEY: "no compiler"}))
+    elif recorded is not None:
         digest = _build.source_digest(str(src)) if recorded == "same" else recorded
         (pkg / _build.MANIFEST).write_text(json.dumps({"distgrad.wire.fast_header": digest}))
     return pkg
@@ -74,6 +76,7 @@ def _fake_package(tmp_path: Path, built: bool, recorded: str | None) -> _build._
     (True, "0" * 64, False, "source changed since it was built"),
     (True, "same", True, "DISTGRAD_PURE=1"),
     (True, "same", False, None),
+    (True, "fallback", False, "the install fell back: no compiler"),
 ])
 def test_the_chooser_runs_a_source_whenever_the_built_module_must_not(
         tmp_path, monkeypatch, built, recorded, pure, why):
@@ -92,7 +95,7 @@ def test_the_chooser_runs_a_source_whenever_the_built_module_must_not(
 
 def test_install_without_a_compiler_falls_back_in_one_line(tmp_path):
     """``CC=false``: the build of the extensions fails; setup.py says so in one line,
-    exits 0 and leaves no built module and no manifest (the ``.py`` files serve)."""
+    exits 0, leaves no built module, and records why (the ``.py`` files serve)."""
     tree = tmp_path / "src"
     shutil.copytree(ROOT / "distgrad", tree / "distgrad",
                     ignore=shutil.ignore_patterns("*.so", "*.pyd", "*.c", "_compiled.json",
@@ -108,4 +111,10 @@ def test_install_without_a_compiler_falls_back_in_one_line(tmp_path):
     assert len(lines) == 1, said
     built = [p for p in tree.rglob("*") if p.suffix in (".so", ".pyd")]
     assert not built, built
-    assert not (tree / "distgrad" / _build.MANIFEST).exists()
+    # the reason is kept (pip shows a build's output only with -v), and said again by
+    # python -m distgrad --version, wherever the package was installed from
+    manifest = json.loads((tree / "distgrad" / _build.MANIFEST).read_text())
+    assert list(manifest) == [_build.FALLBACK_KEY] and "C compiler failed" in manifest["fallback"]
+    version = subprocess.run([sys.executable, "-m", "distgrad", "--version"], cwd=tree,
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "(interpreted message path: the install fell back: the C compiler failed" in version
