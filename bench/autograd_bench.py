@@ -310,7 +310,8 @@ def metrics():
         Metric("local_plain_ms", "local 200x(Linear+tanh): loss.backward() median", "ms"),
         Metric("local_dist_ms", "local: dist_autograd.backward median", "ms"),
         Metric("local_overhead_ms", "local: dist - plain", "ms", fmt=".3f"),
-        Metric("local_ratio", "local: dist/plain (distgrad beside torch: the ms row, target distgrad <= torch)", "x", fmt=".3f"),
+        Metric("local_ratio", "local: dist/plain (distgrad beside torch: the ms row, "
+               "target distgrad <= torch)", "x", fmt=".3f"),
         Metric("local_pair_ratio_median", "local: median of per-pair dist/plain", "x", fmt=".3f"),
         Metric("pipe_fb_steps_per_s", "pipeline fwd+bwd", "steps/s", "higher"),
         Metric("pipe_fb_steps_per_s_best", "pipeline fwd+bwd, best block", "steps/s", "higher"),

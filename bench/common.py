@@ -96,6 +96,19 @@ def proc_cpu_seconds(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process, all its threads (an RPC target)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def cluster_cpu_seconds(rpc, names) -> float:
+    """This process's CPU seconds plus those of the workers ``names`` (asked over RPC):
+    read before and after a measured window, the difference is what the whole cluster
+    spent in it, busy polling included."""
+    return cpu_seconds() + sum(rpc.rpc_sync(n, cpu_seconds) for n in names)
+
+
 def pids_with_env(entry: str) -> list:
     """Pids of this user's processes whose environment holds ``entry``
     ("NAME=value"); Linux /proc only, else []."""

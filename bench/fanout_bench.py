@@ -39,10 +39,13 @@ def fanout_workload(rpc, quick=False, calls=CALLS, nbytes=NBYTES, peers=PEERS):
     for _ in range(warm):
         one_round()
     times, start = [], time.perf_counter()
+    cpu0 = common.cluster_cpu_seconds(rpc, dsts)
     while len(times) < rounds and (len(times) < 3 or time.perf_counter() - start < cap_s):
         times.append(one_round())
+    cpu = common.cluster_cpu_seconds(rpc, dsts) - cpu0
     med = statistics.median(times)
     return {
+        "fanout_cpu_us_per_call": cpu / (calls * len(times)) * 1e6,
         "fanout_calls_per_s": calls / med,
         "fanout_round_ms": med * 1e3,
         "fanout_MBps": 2 * calls * nbytes / med / 1e6,

@@ -12,8 +12,8 @@ is the timing both this and ``transformer_bench`` use.
 
     python bench/run_all.py --only graph_size --quick
 
-Rows (``bench/workloads.py``): per depth the ratio (each implementation its own; the target is on the ms rows: distgrad <= torch)
-and the distributed backward's median ms.
+Rows (``bench/workloads.py``): per depth the ratio (each implementation its own; the
+target is on the ms rows: distgrad <= torch) and the distributed backward's median ms.
 """
 from __future__ import annotations
 

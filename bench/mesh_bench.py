@@ -36,7 +36,7 @@ def a2a_member(rpc_name, world_size):
     return len(futs)
 
 
-def mesh_workload(rpc, world_size=32, quick=False):
+def mesh_workload(rpc, world_size=32, quick=False, prefix="mesh"):
     """Runs on worker0 with the implementation's rpc module; returns a dict."""
     import mesh_bench  # importable name for the RPC target
     others = [common.worker_name(r) for r in range(1, world_size)]
@@ -51,15 +51,19 @@ def mesh_workload(rpc, world_size=32, quick=False):
         return time.perf_counter() - t0
 
     first = one_round()
+    cpu0 = common.cluster_cpu_seconds(rpc, others)
     rounds = [one_round() for _ in range(2 if quick else 5)]
+    cpu = common.cluster_cpu_seconds(rpc, others) - cpu0
     # init times last: fetching them first would warm rank 0's connections
     times = [common.init_times()] + [rpc.rpc_sync(w, common.init_times) for w in others]
     starts, ends = [t[0] for t in times], [t[1] for t in times]
+    p = prefix
     return {
-        "mesh_world_size": world_size,
-        "mesh_init_s": max(ends) - max(starts),
-        "mesh_init_spread_s": max(starts) - min(starts),
-        "mesh_a2a_first_s": first,
-        "mesh_a2a_round_s": statistics.median(rounds),
-        "mesh_a2a_rounds": len(rounds),
+        f"{p}_world_size": world_size,
+        f"{p}_init_s": max(ends) - max(starts),
+        f"{p}_init_spread_s": max(starts) - min(starts),
+        f"{p}_a2a_first_s": first,
+        f"{p}_a2a_round_s": statistics.median(rounds),
+        f"{p}_a2a_rounds": len(rounds),
+        f"{p}_cpu_us_per_call": cpu / (len(rounds) * world_size * (world_size - 1)) * 1e6,
     }

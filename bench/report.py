@@ -101,7 +101,8 @@ def markdown(rows, impls, meta, errors):
     out = [f"# distgrad vs torch.distributed.rpc ({meta['mode']}, "
            f"median of {meta['repeats']} repeat(s))", "",
            f"{meta['date']}; {meta['cpus']} CPUs; torch {meta['torch']}; "
-           f"distgrad {meta['commit']}; loadavg before {meta['loadavg_before']}, "
+           f"distgrad {meta['commit']} ({meta.get('message_path', '?')} message path); "
+           f"loadavg before {meta['loadavg_before']}, "
            f"after {meta.get('loadavg_after')}; {meta.get('wall_s', 0):.0f} s"
            + (f"; INTERRUPTED ({meta['interrupted']})" if meta.get("interrupted") else "")
            + (f"; leaked workers killed: {meta['leaked_workers']}"

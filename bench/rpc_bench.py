@@ -92,12 +92,15 @@ def measure_latency(rpc, quick=False):
     assert torch.equal(out, t + 1), out
     samples = []
     pc = time.perf_counter_ns
+    cpu0 = common.cluster_cpu_seconds(rpc, [dst])
     for _ in range(n):
         s = pc()
         rpc.rpc_sync(dst, torch.add, args=(t, 1))
         samples.append(pc() - s)
+    cpu = common.cluster_cpu_seconds(rpc, [dst]) - cpu0
     samples.sort()
     return {"lat_n": n,
+            "lat_cpu_us_per_call": cpu / n * 1e6,
             "lat_median_us": statistics.median(samples) / 1e3,
             "lat_p99_us": _percentile(samples, 0.99) / 1e3,
             "lat_min_us": samples[0] / 1e3}

@@ -49,7 +49,14 @@ def _meta(args, impls, names):
                                 timeout=10).stdout.strip() or "?"
     except Exception:
         commit = "?"
+    try:   # compiled or interpreted (DISTGRAD_PURE=1): the workers inherit this environment
+        path = subprocess.run([sys.executable, "-c", "import distgrad; print(distgrad.info()"
+                               "['message_path'])"], cwd=common.REPO_ROOT, capture_output=True,
+                              text=True, timeout=120).stdout.strip() or "?"
+    except Exception:
+        path = "?"
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "message_path": path,
             "mode": "quick" if args.quick else "full", "repeats": args.repeats,
             "impls": impls, "workloads": names, "cpus": os.cpu_count(),
             "torch": torch.__version__, "commit": commit, "argv": sys.argv[1:],

@@ -9,17 +9,11 @@ and 3 peers beside torch.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 
+import common
 import torch
-
-
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process, all its threads."""
-    t = os.times()
-    return t.user + t.system
 
 
 def small_calls_workload(rpc, peers: int = 1, calls: int = 3000, inflight: int = 32,
@@ -58,7 +52,7 @@ def small_calls_workload(rpc, peers: int = 1, calls: int = 3000, inflight: int =
         else:
             issue(name)
 
-    before = [cpu_seconds()] + [rpc.rpc_sync(n, cpu_seconds) for n in names]
+    before = common.cluster_cpu_seconds(rpc, names)
     t0 = time.perf_counter()
     for name in names:
         for _ in range(inflight):
@@ -66,9 +60,9 @@ def small_calls_workload(rpc, peers: int = 1, calls: int = 3000, inflight: int =
     if not done.wait(300):
         raise TimeoutError(f"small calls: {state['back']} of {calls} returned in 300 s")
     wall = time.perf_counter() - t0
-    after = [cpu_seconds()] + [rpc.rpc_sync(n, cpu_seconds) for n in names]
+    after = common.cluster_cpu_seconds(rpc, names)
     if state["bad"]:
         raise RuntimeError(f"small calls: {state['bad']} wrong replies")
-    cpu = sum(a - b for a, b in zip(after, before))
+    cpu = after - before
     return {f"small_{peers}_calls_per_s": calls / wall,
             f"small_{peers}_cpu_us_per_call": cpu / calls * 1e6}

@@ -56,11 +56,29 @@ def _bw_rows(suffix="", target="ratio>=2"):
                 target, ".0f") for s in BIG]
 
 
+def _mesh(n: int) -> Workload:
+    """All-to-all among ``n`` workers (``mesh<n>``; mesh32's rows keep their names)."""
+    p = "mesh" if n == 32 else f"mesh{n}"
+    return Workload(f"mesh{n}", n, lambda q: functools.partial(
+        mesh_bench.mesh_workload, world_size=n, quick=q, prefix=p), [
+        Row(f"{p}_init_s", f"{n} workers: init_rpc", "s", "lower", "ratio<=0.5", ".2f"),
+        Row(f"{p}_a2a_first_s", f"{n} workers: first all-to-all round", "s", "lower",
+            "ratio<=0.5", ".3f"),
+        Row(f"{p}_a2a_round_s", f"{n} workers: all-to-all round (warm)", "s", "lower",
+            "ratio<=0.8", ".3f"),
+        Row(f"{p}_cpu_us_per_call", f"{n} workers: CPU (all processes) per call", "us", "lower",
+            None, ".0f"),
+    ], 600, 420, cluster={"num_worker_threads": 8, "rpc_timeout": 300,
+                          "shutdown_grace": 60}, about="mesh_bench.mesh_workload")
+
+
 WORKLOADS = [
     Workload("latency", 2, lambda q: _rpc(q, parts=("latency",)), [
         Row("lat_median_us", "rpc_sync small-tensor round trip, median", "us", "lower",
             "ratio<=0.5"),
         Row("lat_p99_us", "rpc_sync small-tensor round trip, p99", "us", "lower", "ratio<=0.5"),
+        Row("lat_cpu_us_per_call", "rpc_sync round trip: CPU (both processes) per call", "us",
+            "lower", None, ".0f"),
     ], 300, 120, about="rpc_bench.measure_latency"),
     Workload("pipeline", 3, lambda q: functools.partial(
         autograd_bench.pipeline_workload, quick=q), [
@@ -76,6 +94,8 @@ WORKLOADS = [
     Workload("fanout", 4, lambda q: functools.partial(fanout_bench.fanout_workload, quick=q), [
         Row("fanout_calls_per_s", "fan-out 64 x rpc_async(256 KB) over 3 peers", "calls/s",
             "higher", "ratio>=1.2", ".0f"),
+        Row("fanout_cpu_us_per_call", "fan-out: CPU (all processes) per call", "us", "lower",
+            "ratio<=0.5", ".0f"),
     ], 300, 120, about="fanout_bench.fanout_workload"),
     Workload("bandwidth", 2, lambda q: _rpc(q, parts=("bandwidth",), sizes=BIG),
              _bw_rows(), 300, 150, about="rpc_bench.measure_bandwidth"),
@@ -109,15 +129,7 @@ WORKLOADS = [
         Row("tf_split_bwd_ms", "12 transformer layers split: dist_autograd.backward median", "ms",
             "lower", None, ".2f"),
     ], 300, 150, about="transformer_bench.tf_split_workload"),
-    Workload("mesh32", 32, lambda q: functools.partial(
-        mesh_bench.mesh_workload, world_size=32, quick=q), [
-        Row("mesh_init_s", "32 workers: init_rpc", "s", "lower", "ratio<=0.5", ".2f"),
-        Row("mesh_a2a_first_s", "32 workers: first all-to-all round", "s", "lower",
-            "ratio<=0.5", ".3f"),
-        Row("mesh_a2a_round_s", "32 workers: all-to-all round (warm)", "s", "lower",
-            "ratio<=0.5", ".3f"),
-    ], 600, 420, cluster={"num_worker_threads": 8, "rpc_timeout": 300,
-                          "shutdown_grace": 60}, about="mesh_bench.mesh_workload"),
+    *[_mesh(n) for n in (8, 16, 32)],
     Workload("small_calls_1", 2, lambda q: functools.partial(
         small_calls_bench.small_calls_workload, peers=1, calls=3000, quick=q), [
         Row("small_1_calls_per_s", "small calls, 32 in flight, 1 peer", "calls/s", "higher",

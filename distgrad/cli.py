@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distgrad",
         description="distgrad: distributed autograd for PyTorch and the RPC framework under it.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="show the version and which message path runs (compiled or not)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     from .demo import add_arguments
@@ -85,9 +86,20 @@ def _serve_store(host: str, port: int) -> int:
         del store
 
 
+class _Version(argparse.Action):
+    """``--version``: printed as it is (argparse's own action would wrap the line), and
+    only when asked (it imports distgrad to say which message path runs)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {_version()}")
+        parser.exit()
+
+
 def _version() -> str:
-    from . import __version__
-    return __version__
+    from . import info
+    i = info()
+    why = f": the install fell back: {i['install_fell_back']}" if "install_fell_back" in i else ""
+    return f"{i['version']} ({i['message_path']} message path{why})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

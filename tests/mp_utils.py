@@ -11,9 +11,12 @@ every process is killed before this returns.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -31,8 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bootstrap(rank, world_size, fn, args, init, port, options, results, shutdown_graceful, env):
+_STACKS: list = []   # the file faulthandler writes a worker's stacks to (kept open)
+
+
+def _bootstrap(rank, world_size, fn, args, init, port, options, results, shutdown_graceful, env,
+               stacks=None):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if stacks and hasattr(signal, "SIGUSR1"):   # every thread's stack on SIGUSR1 (a hang)
+        _STACKS.append(open(stacks, "w"))
+        faulthandler.register(signal.SIGUSR1, file=_STACKS[0], all_threads=True)
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
@@ -69,10 +79,12 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    stack_dir = tempfile.mkdtemp(prefix="distgrad-stacks-")
     procs = [ctx.Process(target=_bootstrap, daemon=True,
                          args=(r, world_size, fn, args, init, port, options, results, graceful,
                                {"DISTGRAD_SECRET": "distgrad-tests",
-                                **(env_per_rank or {}).get(r, {})}))
+                                **(env_per_rank or {}).get(r, {})},
+                               os.path.join(stack_dir, f"worker{r}.txt")))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -87,7 +99,8 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
             if left <= 0:
                 missing = [r for r in range(world_size) if r not in out]
                 raise TimeoutError(f"workers {missing} did not finish within {timeout} s; "
-                                   f"errors so far: {errors}")
+                                   f"errors so far: {errors}"
+                                   + _stacks_of(procs, missing, stack_dir))
             try:
                 rank, status, value = results.get(timeout=min(left, 0.2))
             except queue.Empty:
@@ -123,6 +136,26 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        shutil.rmtree(stack_dir, ignore_errors=True)
+
+
+def _stacks_of(procs, ranks, stack_dir: str) -> str:
+    """Every thread's stack of the workers ``ranks`` that are still alive (a hang)."""
+    alive = [r for r in ranks if procs[r].is_alive() and procs[r].pid]
+    for r in alive:
+        with contextlib.suppress(OSError):
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    if not alive:
+        return ""
+    time.sleep(1.0)
+    parts = []
+    for r in alive:
+        try:
+            with open(os.path.join(stack_dir, f"worker{r}.txt")) as f:
+                parts.append(f"\n--- worker{r}'s threads ---\n{f.read()[-12000:]}")
+        except OSError:
+            pass
+    return "".join(parts)
 
 
 @contextlib.contextmanager

@@ -502,3 +502,46 @@ def test_distgrad_store_listens_on_this_host_only_by_default():
     from distgrad import cli
     parser = cli.build_parser()
     assert parser.parse_args(["store", "--port", "1"]).host == "127.0.0.1"
+
+
+def test_a_segment_name_that_is_a_link_or_not_a_regular_file_is_never_opened(tmp_path):
+    """A member names a shared-memory segment that is a symlink to a file of this
+    user (or a FIFO): the receiver refuses it, and neither reads from nor writes
+    to what it points at (the in-use byte it clears is never touched)."""
+    from distgrad.transport import shm
+    target = tmp_path / "victim"
+    target.write_bytes(b"\x01" + b"secret data" * 10)
+    before = target.read_bytes()
+    link = f"distgrad-linktest-{os.getpid()}-l"
+    fifo = f"distgrad-linktest-{os.getpid()}-f"
+    os.symlink(target, os.path.join(shm.SHM_DIR, link))
+    os.mkfifo(os.path.join(shm.SHM_DIR, fifo))
+    reader = shm.ShmReader()
+    try:
+        with pytest.raises(OSError):
+            reader._map(link, 16)               # O_NOFOLLOW: ELOOP
+        with pytest.raises((ValueError, OSError), match="not a regular file|No such device"):
+            reader._map(fifo, 16)
+    finally:
+        os.unlink(os.path.join(shm.SHM_DIR, link))
+        os.unlink(os.path.join(shm.SHM_DIR, fifo))
+    assert target.read_bytes() == before
+    assert reader.mapped() == 0
+
+
+def test_refused_connections_are_logged_at_a_bounded_rate(caplog):
+    """A flood of refusals: a burst, then one warning per interval that counts what
+    it held back, never one line per connection."""
+    import logging
+
+    from distgrad.transport.gate import RateLog
+    log = logging.getLogger("distgrad.test.ratelog")
+    rate = RateLog(log, burst=5, interval=0.2)
+    with caplog.at_level(logging.WARNING, logger="distgrad.test.ratelog"):
+        for i in range(1000):
+            rate.warning("refused connection %d", i)
+        time.sleep(0.25)
+        rate.warning("refused connection %d", 1000)
+    lines = [r.getMessage() for r in caplog.records if r.name == "distgrad.test.ratelog"]
+    assert len(lines) == 6, lines
+    assert lines[-1] == "refused connection 1000 (and 995 more held back since the last such warning)"

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import select
 import threading
 import time
@@ -37,6 +38,25 @@ _EPOLL = hasattr(select, "epoll")
 _IN = select.EPOLLIN if _EPOLL else 1
 _OUT = select.EPOLLOUT if _EPOLL else 4
 _ONESHOT = select.EPOLLONESHOT if _EPOLL else 0
+
+
+def _spin_seconds(raw: str | None) -> float:
+    """``DISTGRAD_SPIN_US``: how long a thread that found nothing to read polls again
+    before it sleeps (opt-in busy polling for machines with cores to spare; 0, the
+    default, sleeps at once and keeps an idle worker at no CPU)."""
+    if raw is None or not raw.strip():
+        return 0.0
+    try:
+        us = float(raw)
+    except ValueError:
+        us = -1.0
+    if not 0 <= us <= 1e6:
+        raise ValueError(f"DISTGRAD_SPIN_US must be a number of microseconds between 0 and "
+                         f"1000000, not {raw!r}")
+    return us / 1e6
+
+
+SPIN_S = _spin_seconds(os.environ.get("DISTGRAD_SPIN_US"))
 
 
 class Reading:
@@ -94,6 +114,12 @@ class Reading:
     def _poll(self, wait: float) -> list:
         if _EPOLL:
             try:  # one ready socket per waiting thread: the others stay for the next
+                if SPIN_S and wait:
+                    stop = time.perf_counter() + min(SPIN_S, wait)
+                    while time.perf_counter() < stop:
+                        events = self._poller.poll(0, 1)
+                        if events or not self._running:
+                            return events
                 return self._poller.poll(wait, 1)
             except (OSError, ValueError):
                 if not self._running:
@@ -265,8 +291,13 @@ class Reading:
                 if end is not None and time.monotonic() > end:
                     break
                 # the reply is often there already (the peer ran while this thread
-                # was sending): look before sleeping
-                if poll(0) or poll(100):
+                # was sending): look before sleeping (and keep looking for SPIN_S)
+                ready = poll(0)
+                if not ready and SPIN_S:
+                    stop = time.perf_counter() + SPIN_S
+                    while not ready and time.perf_counter() < stop:
+                        ready = poll(0)
+                if ready or poll(100):
                     work: list = []
                     self._read(conn, work)
                     if work:
