@@ -45,11 +45,18 @@ def test_demo_end_to_end(tmp_path):
     # the summary names every file it wrote and what it shows, one line each
     listed = p.stdout.split("files written:", 1)[1].splitlines()[1:]
     for name in ("training_curves.png", "autograd_graph.png", "autograd_graph.svg", "autograd_graph.dot",
-                 "autograd_graph.json", "summary.json"):
+                 "autograd_graph.json", "summary.json", "trace.png", "trace.json"):
         line = next((ln for ln in listed if f"{out}{os.sep}{name} " in ln), None)
         assert line is not None and (out / name).exists(), (name, story)
         assert len(line.split(name, 1)[1].strip()) > 20, line      # says what the file shows
     assert "drawn by matplotlib" in p.stdout, story
+    # one traced step: the JSON (and how to open it), its picture
+    assert "open it at https://ui.perfetto.dev (or chrome://tracing)" in p.stdout, story
+    assert (out / "trace.png").read_bytes()[:8] == PNG_MAGIC
+    trace = json.loads((out / "trace.json").read_text())
+    workers = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert len(workers) >= 3 and trace["otherData"]["distgrad"]["missing"] == {}, workers
+    assert any(e["ph"] == "X" and "backward" in e["name"] for e in trace["traceEvents"])
 
     curves = out / "training_curves.png"
     assert curves.read_bytes()[:8] == PNG_MAGIC

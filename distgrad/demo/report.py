@@ -87,6 +87,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"serialization, waiting (for peers and the CPU), engine bookkeeping")
     add(f"  optimizer      {ms(opt)} ({pct(opt)}) - DistributedOptimizer.step: Adam on each owner, "
         f"incl. its RPCs")
+    if s.get("trace"):
+        add(f"one step traced  {s['trace']['path']}: open it at https://ui.perfetto.dev (or "
+            f"chrome://tracing); drawn in {os.path.basename(s['trace']['picture'])}")
     add("files written:")
     files = files_written(s)
     width = max(len(p) for p, _ in files)
@@ -108,6 +111,11 @@ def files_written(s: dict[str, Any]) -> list[tuple[str, str]]:
     out = [(s["curves_path"], "loss and accuracy over the training steps (train batches, held-out test)")]
     for path in g.get("files", [g["path"]]):
         out.append((path, what.get(os.path.splitext(path)[1], "the autograd graph")))
+    if s.get("trace"):
+        out.append((s["trace"]["picture"], "one traced step: workers as rows (computing / serving / "
+                                           "network / idle), messages as arrows, the critical path"))
+        out.append((s["trace"]["path"], "that step's trace (Chrome trace-event JSON): open it at "
+                                        "https://ui.perfetto.dev or chrome://tracing"))
     if s.get("summary_path"):
         out.append((s["summary_path"], "these numbers and the per-step history (JSON)"))
     return out

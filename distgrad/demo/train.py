@@ -250,6 +250,31 @@ class Driver:
         return (f"gradient check: OK - distributed gradients match single-process gradients on all "
                 f"{len(ref_grads)} parameters (torch.allclose; max abs diff {worst:.1e})")
 
+    def traced_step(self, opt: Any, gen: Any) -> dict:
+        """One more training step, recorded by distgrad.trace on every worker: trace.json
+        (Perfetto / chrome://tracing) and trace.png (distgrad trace-plot's picture)."""
+        import torch.nn.functional as F
+
+        import distgrad
+        import distgrad.autograd as dist_autograd
+        from distgrad.trace.plot import plot
+
+        torch, out = self.torch, self.cfg["out"]
+        idx = torch.randint(0, len(self.xtr), (self.cfg["batch_size"],), generator=gen)
+        x, y = self.xtr[idx], self.ytr[idx]
+        path = os.path.join(out, TRACE_FILE)
+        with distgrad.trace(path):
+            with distgrad.trace.span("training step"), dist_autograd.context() as cid:
+                with distgrad.trace.span("forward"):
+                    logits = self.forward(x)
+                with distgrad.trace.span("loss"):
+                    loss = F.cross_entropy(logits, y)
+                dist_autograd.backward(cid, [loss])
+                opt.step(cid)
+        picture = os.path.join(out, TRACE_PICTURE)
+        text = plot(path, picture, title="distgrad demo: one training step, traced")
+        return {"path": path, "picture": picture, "summary": text}
+
     # -- training --------------------------------------------------------------
     def main(self) -> None:
         torch = self.torch
@@ -352,10 +377,14 @@ class Driver:
                       "nodes": sum(len(w["nodes"]) for w in self.graph_desc["workers"].values()),
                       "cross_worker_edges": len(self.graph_desc["cross_edges"])},
         }
+        summary["trace"] = self.traced_step(opt, gen)
         summary["curves_path"] = report.plot_curves(hist, os.path.join(cfg["out"], CURVES_FILE))
         summary["summary_path"] = os.path.join(cfg["out"], "summary.json")
         report.write_summary(summary, summary["summary_path"])
         print(report.format_summary(summary), flush=True)
+
+
+TRACE_FILE, TRACE_PICTURE = "trace.json", "trace.png"
 
 
 def write_graph(desc: dict, base: str) -> tuple[list[str], str]:
