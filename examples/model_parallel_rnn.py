@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Model parallelism: an RNN language model split over workers, held by RRefs.
 
-    python examples/model_parallel_rnn.py [--steps 60] [--lr 0.01]
+    python examples/model_parallel_rnn.py [--steps 60] [--lr 0.01] [--trace rnn.json]
+
+``--trace rnn.json`` records the last step with ``distgrad.trace`` on all three
+workers: open it at https://ui.perfetto.dev, or draw it with
+``distgrad trace-plot rnn.json -o rnn.png``.
 
 Like PyTorch's distributed RNN example (examples/distributed/rpc/rnn), on
 distgrad. Three local processes (torch.multiprocessing spawn, 127.0.0.1):
@@ -20,6 +24,7 @@ the vocabulary size from a random start, so the printed loss (mean of the last
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -33,6 +38,7 @@ try:
 except ImportError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import distgrad
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 from distgrad.optim import DistributedOptimizer
@@ -105,7 +111,7 @@ def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1], seq[:, 1:]
 
 
-def train(steps: int, lr: float) -> None:
+def train(steps: int, lr: float, trace: str | None = None) -> None:
     model = RNNModel("emb_worker", "lstm_worker")
     params = model.parameter_rrefs()
     opt = DistributedOptimizer(torch.optim.Adam, params, lr=lr)
@@ -116,11 +122,14 @@ def train(steps: int, lr: float) -> None:
     window: list[float] = []
     for step in range(1, steps + 1):
         tokens, target = batch(gen)
-        with dist_autograd.context() as context_id:
-            logits = model(tokens)
-            loss = loss_fn(logits.reshape(-1, NTOKEN), target.reshape(-1))
-            dist_autograd.backward(context_id, [loss])
-            opt.step(context_id)
+        with distgrad.trace(trace) if trace and step == steps else contextlib.nullcontext():
+            with dist_autograd.context() as context_id:
+                with distgrad.trace.span("forward"):
+                    logits = model(tokens)
+                with distgrad.trace.span("loss"):
+                    loss = loss_fn(logits.reshape(-1, NTOKEN), target.reshape(-1))
+                dist_autograd.backward(context_id, [loss])
+                opt.step(context_id)
         window.append(loss.item())
         if step % 10 == 0:
             print(f"trainer step {step:4d} loss {sum(window) / len(window):.5f}", flush=True)
@@ -133,12 +142,12 @@ def train(steps: int, lr: float) -> None:
 NAMES = ["trainer", "emb_worker", "lstm_worker"]
 
 
-def run_worker(rank: int, port: int, steps: int, lr: float) -> None:
+def run_worker(rank: int, port: int, steps: int, lr: float, trace: str | None = None) -> None:
     torch.set_num_threads(1)
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
     rpc.init_rpc(NAMES[rank], rank=rank, world_size=len(NAMES), rpc_backend_options=opts)
     if rank == 0:
-        train(steps, lr)
+        train(steps, lr, trace)
     rpc.shutdown()
 
 
@@ -152,8 +161,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--trace", default=None, help="record the last step to this trace file")
     a = ap.parse_args()
-    mp.spawn(run_worker, args=(free_port(), a.steps, a.lr), nprocs=len(NAMES), join=True)
+    trace = os.path.abspath(a.trace) if a.trace else None
+    mp.spawn(run_worker, args=(free_port(), a.steps, a.lr, trace), nprocs=len(NAMES), join=True)
+    if trace:
+        print(f"trace written to {trace}: open it at https://ui.perfetto.dev", flush=True)
     print("done", flush=True)
 
 

@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Parameter server: one server holds the model, two trainers train it together.
 
-    python examples/parameter_server.py [--steps 60] [--lr 0.05]
+    python examples/parameter_server.py [--steps 60] [--lr 0.05] [--trace ps.json]
+
+``--trace ps.json`` records trainer1's last step with ``distgrad.trace`` (every
+worker, trainer2's step in flight included): open it at https://ui.perfetto.dev,
+or draw it with ``distgrad trace-plot ps.json -o ps.png``.
 
 Three local processes (torch.multiprocessing spawn, 127.0.0.1):
 
@@ -20,6 +24,7 @@ loss printed by each trainer (mean of the last 10 steps) falls.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -34,6 +39,7 @@ try:
 except ImportError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import distgrad
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 from distgrad.optim import DistributedOptimizer
@@ -92,7 +98,7 @@ def forward(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(x @ w1.t() + b1) @ w2.t() + b2
 
 
-def run_trainer(name: str, steps: int, lr: float, seed: int) -> None:
+def run_trainer(name: str, steps: int, lr: float, seed: int, trace: str | None = None) -> None:
     teacher = make_mlp(seed=1234)      # the same on both trainers: one problem to solve
     gen = torch.Generator().manual_seed(seed)
     opt = DistributedOptimizer(torch.optim.SGD, rpc.rpc_sync("ps", param_rrefs), lr=lr)
@@ -101,11 +107,14 @@ def run_trainer(name: str, steps: int, lr: float, seed: int) -> None:
         x = torch.randn(BATCH, IN, generator=gen)
         with torch.no_grad():
             y = teacher(x)
-        with dist_autograd.context() as context_id:
-            params = rpc.rpc_sync("ps", pull_parameters)
-            loss = nn.functional.mse_loss(forward(params, x), y)
-            dist_autograd.backward(context_id, [loss])
-            opt.step(context_id)
+        traced = trace if step == steps and name == "trainer1" else None
+        with distgrad.trace(traced) if traced else contextlib.nullcontext():
+            with dist_autograd.context() as context_id:
+                params = rpc.rpc_sync("ps", pull_parameters)
+                with distgrad.trace.span("forward + loss"):
+                    loss = nn.functional.mse_loss(forward(params, x), y)
+                dist_autograd.backward(context_id, [loss])
+                opt.step(context_id)
         window.append(loss.item())
         if step % 10 == 0:
             print(f"{name} step {step:4d} loss {sum(window) / len(window):.5f}", flush=True)
@@ -115,13 +124,14 @@ def run_trainer(name: str, steps: int, lr: float, seed: int) -> None:
 # --------------------------------------------------------------------------
 # processes
 # --------------------------------------------------------------------------
-def run_worker(rank: int, world_size: int, port: int, steps: int, lr: float) -> None:
+def run_worker(rank: int, world_size: int, port: int, steps: int, lr: float,
+               trace: str | None = None) -> None:
     torch.set_num_threads(1)
     name = "ps" if rank == 0 else f"trainer{rank}"
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=opts)
     if rank != 0:
-        run_trainer(name, steps, lr, seed=rank)
+        run_trainer(name, steps, lr, seed=rank, trace=trace)
     rpc.shutdown()   # waits for every worker, so ps serves until both trainers are done
 
 
@@ -135,10 +145,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60, help="steps per trainer")
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--trace", default=None, help="record trainer1's last step to this trace file")
     a = ap.parse_args()
     world_size = 3
-    mp.spawn(run_worker, args=(world_size, free_port(), a.steps, a.lr), nprocs=world_size,
+    trace = os.path.abspath(a.trace) if a.trace else None
+    mp.spawn(run_worker, args=(world_size, free_port(), a.steps, a.lr, trace), nprocs=world_size,
              join=True)
+    if trace:
+        print(f"trace written to {trace}: open it at https://ui.perfetto.dev", flush=True)
     print("done", flush=True)
 
 

@@ -166,7 +166,22 @@ def critical_path(by_worker: dict[str, list[dict]], messages: list, tracer: str 
         path.append((w, start, end, block[2]))
         t = start
     path.reverse()
-    return [p for p in path if p[2] > p[1] or p[3].startswith("message")]
+    return [(w, a, b, label if label.startswith("message") else _label(by_worker[w], a, b, label))
+            for w, a, b, label in path if b > a or label.startswith("message")]
+
+
+def _label(evs: list[dict], a: float, b: float, default: str) -> str:
+    """The name of the busy span that covers most of [a, b] (the more specific on a tie)."""
+    best, key = default, None
+    for e in evs:
+        if e["cat"] not in _BUSY:
+            continue
+        overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
+        if overlap > 0:
+            k = (round(overlap, 3), -_PRIORITY[e["cat"]], -e["dur"])
+            if key is None or k > key:
+                best, key = e["name"], k
+    return best
 
 
 def report(s: Summary) -> str:
