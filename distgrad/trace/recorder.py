@@ -86,6 +86,8 @@ class Recorder:
         self._calls: dict[int, tuple[str, str]] = {}      # rid -> (function, peer) awaiting a reply
         self._served: dict[tuple[int, int], str] = {}     # (peer, rid) -> function, until replied
         self._saved: dict[str, Any] = {}
+        self._serving = 0  # requests being served now (their span still to come)
+        self._count = threading.Lock()
         self._handlers: dict[str, tuple[Callable, Callable]] = {}
 
     # -- recording ------------------------------------------------------------
@@ -271,12 +273,16 @@ class Recorder:
             self.events.append(("f", flow_id(peer, msg.rid, 0), tid, ta, "request"))
         if msg.kind != Kind.NOTIFY:
             self._served[(peer, msg.rid)] = what
+        with self._count:
+            self._serving += 1
         t0 = local_ns()
         try:
             return orig(peer, msg)
         finally:
             self.span(f"serve {short(what)} ← {frm}", "rpc.serve", t0,
                       {"from": frm, "function": what, "rid": msg.rid})
+            with self._count:
+                self._serving -= 1
 
     def _wait(self, p: Any) -> Any:
         t0 = local_ns()
@@ -302,6 +308,15 @@ class Recorder:
         return w.name if w is not None else f"rank {peer}"
 
     # -- the result ------------------------------------------------------------
+    def settle(self, timeout: float = 2.0) -> None:
+        """Wait (at most ``timeout`` s) for the requests being served to end: a reply
+        leaves before its serve span is recorded, so the caller may close the trace
+        in between."""
+        import time
+        deadline = time.monotonic() + timeout
+        while self._serving > 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+
     def payload(self) -> dict:
         """What this worker sends the tracing worker when the trace closes."""
         import os

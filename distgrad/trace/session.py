@@ -82,6 +82,7 @@ def _end(session: tuple) -> dict:
             raise RuntimeError(f"distgrad.trace: worker {agent.name} is not recording this trace")
         recorder.ACTIVE = None
         rec.uninstall()
+    rec.settle()
     out = rec.payload()
     if rec.ops is not None:
         try:
