@@ -183,12 +183,25 @@ def _check_train(results) -> None:
     for code, o, e in results:
         assert code == 0, f"exit code {code}\nstdout:\n{o}\nstderr:\n{e}"
     _check_train_output(out)
+    _check_trace_clocks(out)
 
 
 def _check_train_output(out: str) -> None:
     assert out.count("GRADS OK") == 1, out
     for rank in range(4):
         assert f"LINKS OK rank={rank}" in out, out
+
+
+def _check_trace_clocks(out: str) -> None:
+    # distgrad.trace's clock estimate across the namespaces (issue 28): one kernel clock,
+    # so every offset is zero within the error the trace states for it
+    line = next((ln for ln in out.splitlines() if ln.startswith("TRACE CLOCKS ")), None)
+    assert line is not None, out
+    clock = json.loads(line[len("TRACE CLOCKS "):])
+    assert sorted(clock) == [f"worker{r}" for r in range(4)], clock
+    for name, c in clock.items():
+        assert abs(c["offset_us"]) <= c["error_us"] or name == "worker0", (name, c)
+        assert name != "worker0" or c["offset_us"] == 0, c
 
 
 @pytest.mark.timeout(150)

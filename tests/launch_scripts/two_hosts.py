@@ -1,7 +1,9 @@
 """Worker of tests/test_two_hosts.py: 4 workers, 2 per network namespace ("host").
 
     two_hosts.py train ADDR_A ADDR_B     distributed backward and optimizer step
-                                         across the hosts, then checks the links
+                                         across the hosts, then checks the links,
+                                         then rank 0 traces a call to every worker
+                                         and prints the clocks' estimated offsets
     two_hosts.py train+lose ADDR_A ADDR_B DIR  the same, then node 1's workers
                                          wait to be killed (DIR/ready<rank> says
                                          when) and node 0's call them and report
@@ -123,6 +125,24 @@ def check_links() -> None:
     print(f"LINKS OK rank={RANK}", flush=True)
 
 
+def traced_clocks() -> None:
+    """Rank 0 traces one call to every worker (distgrad.trace) and prints the clocks'
+    offsets the trace estimated: the namespaces share one kernel clock, so each must
+    come out near zero, within its stated error."""
+    if RANK != 0:
+        return
+    import tempfile
+
+    import distgrad
+    path = os.path.join(tempfile.mkdtemp(prefix="two-hosts-trace-"), "trace.json")
+    with distgrad.trace(path):
+        for peer in range(1, WORLD):
+            rpc.rpc_sync(f"worker{peer}", torch.add, args=(torch.ones(2), 1))
+    with open(path) as f:
+        clock = json.load(f)["otherData"]["distgrad"]["clock"]
+    print("TRACE CLOCKS " + json.dumps(clock), flush=True)
+
+
 def lose(out_dir: str) -> None:
     with open(os.path.join(out_dir, f"ready{RANK}"), "w") as f:
         f.write(str(os.getpid()))
@@ -144,6 +164,8 @@ print("ENV " + json.dumps({k: os.environ.get(k) for k in RANK_VARS}), flush=True
 rpc.init_rpc(f"worker{RANK}", rank=RANK, world_size=WORLD)  # default heartbeats (4 s)
 train()
 check_links()
+if MODE == "train":
+    traced_clocks()
 if MODE == "train+lose":
     lose(sys.argv[4])
 rpc.shutdown()
