@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distgrad",
         description="distgrad: distributed autograd for PyTorch and the RPC framework under it.")
-    parser.add_argument("--version", action=_Version, nargs=0,
+    parser.add_argument("--version", action=_Version, nargs=0, default=argparse.SUPPRESS,
                         help="show the version and which message path runs (compiled or not)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
