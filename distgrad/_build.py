@@ -49,9 +49,14 @@ FALLBACK_KEY = "fallback"
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def _base(module: str) -> str:
+    """A module of the package's path without its suffix, in this checkout or install."""
+    return os.path.join(_PACKAGE_DIR, *module.split(".")[1:])
+
+
 def source_path(module: str) -> str:
     """The ``.py`` file of a module of the package, in this checkout or install."""
-    return os.path.join(_PACKAGE_DIR, *module.split(".")[1:]) + ".py"
+    return _base(module) + ".py"
 
 
 def source_digest(path: str) -> str:
@@ -73,7 +78,7 @@ def _manifest() -> dict:
 
 
 def _extension_path(module: str) -> str | None:
-    base = os.path.join(_PACKAGE_DIR, *module.split(".")[1:])
+    base = _base(module)
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         if os.path.exists(base + suffix):
             return base + suffix
@@ -140,14 +145,16 @@ def _running_compiled(name: str) -> bool:
 def info() -> dict:
     """What runs in this process: the message path compiled or interpreted, per module.
 
-    ``message_path`` is ``"compiled"`` when every listed module imported so far runs
-    compiled, ``"interpreted"`` when none does, ``"mixed"`` otherwise.
+    ``message_path`` is ``"compiled"`` when every listed module runs compiled,
+    ``"interpreted"`` when none does, ``"mixed"`` otherwise (it imports them all).
+    ``install_fell_back`` is there too, with its reason, when setup.py could not
+    compile them.
 
     Example::
 
         >>> import distgrad
-        >>> sorted(distgrad.info())
-        ['message_path', 'modules', 'pure_forced', 'version']
+        >>> {'message_path', 'modules', 'pure_forced', 'version'} <= set(distgrad.info())
+        True
     """
     import importlib
 
