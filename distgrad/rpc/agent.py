@@ -36,7 +36,7 @@ from ..wire.messages import peek_header, request_id
 from .extensions import EXTENSION_TYPES, AgentExtension
 from .fast_path import FastPath
 from .members import Members
-from .pending import RpcFuture, _holder, _Pending, agent_or_none, current_agent
+from .pending import _SEAL, RpcFuture, _holder, _Pending, _settle, agent_or_none, current_agent
 from .pool import WorkerPool
 from .serving import AsyncResult, AsyncReturnTypeError, Serving, UnknownFunctionError, _load_call
 from .worker_info import WorkerInfo
@@ -220,7 +220,7 @@ class RpcAgent(FastPath, Serving, Members):
             p.reader = None
         result, p.result = p.result, None
         if result is not None:
-            self._finish_async(p, result)
+            self._finish_own(p, result)
 
     def abandon(self, future: torch.futures.Future, why: str) -> None:
         """Stop waiting for the reply of the rpc_async call whose future is
@@ -279,6 +279,8 @@ class RpcAgent(FastPath, Serving, Members):
             if p.reader == threading.get_ident():  # read by its waiter, who completes it
                 p.result = (kind, frames)
                 return None
+            if p.future.__dict__.get("_dg_user"):  # callbacks to run: a thread of its own
+                return (self._finish_own, (p, (kind, frames)))
             return (self._finish_async, (p, (kind, frames)))
         if kind != Kind.CONTROL and self._repeated(peer, rid):
             log.debug("worker %s: dropped a repeated request %d from worker %d", self.name, rid, peer)
@@ -416,26 +418,48 @@ class RpcAgent(FastPath, Serving, Members):
             p.result = result
             p.lock.release()
         else:
-            self.callbacks.submit(self._finish_async, p, result)
+            self.callbacks.submit(self._finish_own, p, result)
 
     def _fail(self, p: _Pending, exc: BaseException) -> None:
         self._complete(p, (None, exc))
 
-    def _finish_async(self, p: _Pending, result: tuple) -> None:
+    def _outcome(self, p: _Pending, result: tuple) -> tuple:
+        """(value, exception) of a reply for ``p``'s future."""
         p.future.__dict__.pop("_dg_pending", None)
         kind, value = result
         if kind is None:
-            p.future.set_exception(value)
-            return
+            return None, value
         try:
-            out = self._decode_reply(p, kind, value)
+            return self._decode_reply(p, kind, value), None
         except BaseException as e:  # noqa: BLE001 - the future carries it
-            p.future.set_exception(e)
-            return
-        p.future.set_result(out)
+            return None, e
 
-    # completing a reply runs no user function (only the future's callbacks): a
-    # reading thread runs several of one read in turn, waking nobody (leader.py)
+    def _finish_own(self, p: _Pending, result: tuple) -> None:
+        """Complete ``p``'s future on this thread, running its callbacks here: a
+        thread nothing else waits behind (a task of its own, the caller that
+        waits for it)."""
+        _settle(p.future, *self._outcome(p, result))
+
+    def _finish_async(self, p: _Pending, result: tuple) -> None:
+        """Complete ``p``'s future where several reply completions may run in turn
+        on one thread: only while it has no callback (checked and sealed against
+        a concurrent ``then``, see RpcFuture); one that has callbacks is completed
+        on a thread of its own, as torch completes every reply (a callback may
+        wait for a reply behind it on this thread)."""
+        value, exc = self._outcome(p, result)
+        fut = p.future
+        d = fut.__dict__
+        with _SEAL:
+            user = d.get("_dg_user", False)
+            if not user:
+                d["_dg_sealed"] = True
+        if user:
+            self.callbacks.submit(_settle, fut, value, exc)
+        else:
+            _settle(fut, value, exc)
+
+    # completing a reply with no callback runs no user function: a reading thread
+    # runs several of one read in turn, waking nobody (leader.py)
     _finish_async.batchable = True
 
     # -- introspection --------------------------------------------------------

@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,9 +34,40 @@ def agent_or_none() -> RpcAgent | None:
     return _holder.get("agent")
 
 
+# Guards the choice between a callback registered on an RpcFuture and the reading
+# thread that completes it (see RpcFuture.then and RpcAgent._finish_async).
+_SEAL = threading.Lock()
+
+
 class RpcFuture(torch.futures.Future):
     """The future of an ``rpc_async``: ``wait()`` reads the reply on the waiting
-    thread when nobody else is reading that connection (no thread hand-off)."""
+    thread when nobody else is reading that connection (no thread hand-off).
+
+    A future with callbacks (``then``, ``add_done_callback``) is completed on a
+    thread of its own, as torch completes every reply: a callback is user code and
+    may wait, for instance for another reply read in the same read, which a
+    thread completing replies in turn would never reach (issue 34)."""
+
+    def then(self, callback):  # noqa: D102 - torch.futures.Future.then
+        self._dg_mark_user()
+        return super().then(callback)
+
+    def add_done_callback(self, callback):  # noqa: D102 - torch.futures.Future.add_done_callback
+        self._dg_mark_user()
+        super().add_done_callback(callback)
+
+    def _dg_mark_user(self) -> None:
+        d = self.__dict__
+        with _SEAL:
+            sealed = d.get("_dg_sealed", False)
+            if not sealed:
+                d["_dg_user"] = True
+        if sealed:
+            # a thread that runs several completions in turn has chosen to complete
+            # this one (it had no callback then): let it, so that this callback runs
+            # here, on a completed future, as torch runs it, never on that thread
+            while not self.done():
+                time.sleep(0)
 
     def wait(self):  # noqa: D102 - torch.futures.Future.wait
         p = self.__dict__.get("_dg_pending")
@@ -44,6 +76,14 @@ class RpcFuture(torch.futures.Future):
             if agent is not None:
                 agent.read_reply(p)
         return super().wait()
+
+
+def _settle(fut: torch.futures.Future, value: Any, exc: BaseException | None) -> None:
+    """Complete ``fut`` with ``value`` or ``exc`` (running its callbacks here)."""
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)
 
 
 class _Pending:

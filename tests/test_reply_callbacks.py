@@ -1,0 +1,140 @@
+"""A reply's callback may wait for another reply read in the same read (issue 34, item 1).
+
+worker0 chains ``f1.then(lambda f: f.value() + f2.wait())`` on two rpc_async calls to
+worker1 whose replies leave worker1 back to back (a barrier), and makes one thread
+read both in one read (its read is held back until both are there):
+
+  A. a pool thread, with a request from worker1 in the same read;
+  B. the main thread, waiting in rpc_sync for a reply of its own.
+
+torch completes every reply as a task of its own, so f2 completes while f1's
+callback waits: the chain gives 3. When the completions of one read ran in turn
+on one thread, f1's callback waited forever for f2, queued behind it.
+
+Also: ``add_done_callback`` registered while the replies are being completed (the
+race between a callback's registration and a thread completing replies in turn).
+"""
+import threading
+import time
+
+import pytest
+from mp_utils import run_workers
+
+pytestmark = pytest.mark.timeout(150)
+
+_BARRIER: list = [None]
+_HOLD = [0.0]      # worker0: seconds its next read waits before reading (once)
+_READ_SIZES: list = []  # worker0: messages each held-back read brought
+
+
+def _noop():
+    return None
+
+
+def _reset(parties):
+    _BARRIER[0] = threading.Barrier(parties)
+
+
+def _pair(i, ping):
+    _BARRIER[0].wait(20)
+    if ping:  # a request to worker0 that leaves with the replies
+        import distgrad.rpc as rpc
+        rpc.rpc_async("worker0", _noop)
+    return i
+
+
+def _slow():
+    _BARRIER[0].wait(20)
+    time.sleep(0.3)
+    return 0
+
+
+def _hold_reads(t):
+    """worker0: the next read (by whichever thread) waits _HOLD[0] s first, so that
+    everything worker1 sends meanwhile comes in that one read; count what it brings."""
+    read = t._read
+
+    def held(conn, work):
+        hold, _HOLD[0] = _HOLD[0], 0.0
+        if hold:
+            time.sleep(hold)
+            before = len(work)
+            read(conn, work)
+            _READ_SIZES.append(len(work) - before + (1 if conn.owned else 0))
+            return
+        read(conn, work)
+    t._read = held
+
+
+def _chain(rank, world_size, how):
+    import distgrad.rpc as rpc
+    from distgrad.rpc.api import current_agent
+    if rank != 0:
+        return None
+    _hold_reads(current_agent().transport)
+    out = []
+    for _ in range(4):
+        rpc.rpc_sync("worker1", _reset, args=(2 if how == "A" else 3,))
+        f1 = rpc.rpc_async("worker1", _pair, args=(1, False))
+        f2 = rpc.rpc_async("worker1", _pair, args=(2, how == "A"))
+        chained = f1.then(lambda f, f2=f2: f.value() + f2.wait())
+        done = threading.Event()
+        chained.add_done_callback(lambda _: done.set())
+        _HOLD[0] = 0.5
+        if how == "B":
+            assert rpc.rpc_sync("worker1", _slow, timeout=30) == 0
+        if not done.wait(15):
+            out.append(("hung", f2.done()))
+            break  # a thread of this worker is stuck for good: stop here
+        out.append(chained.value())
+    return out, list(_READ_SIZES)
+
+
+@pytest.mark.parametrize("how", ["A", "B"])
+def test_reply_callback_waits_for_a_reply_read_with_it(how):
+    res = run_workers(_chain, world_size=2, timeout=120, args=(how,),
+                      expect_exit=set())[0]
+    values, sizes = res
+    assert values == [3] * 4, values
+    # the shape happened: some held-back read brought both replies at once
+    assert sizes and max(sizes) >= 2, sizes
+
+
+def _race(rank, world_size):
+    """Callbacks registered from another thread while replies of one read are being
+    completed in turn: each callback waits for the next future, and every chain
+    completes (a callback never runs on the thread that completes the others)."""
+    import distgrad.rpc as rpc
+    from distgrad.rpc.api import current_agent
+    if rank != 0:
+        return None
+    _hold_reads(current_agent().transport)
+    wrong = []
+    for rnd in range(20):
+        rpc.rpc_sync("worker1", _reset, args=(4,))
+        futs = [rpc.rpc_async("worker1", _pair, args=(i, False)) for i in range(4)]
+        _HOLD[0] = 0.2
+        got = []
+        done = threading.Event()
+
+        def register(futs=futs, got=got, done=done):
+            time.sleep(0.19 + 0.0005 * (rnd % 20))  # around the moment the read completes
+            for i in range(3):
+                futs[i].add_done_callback(
+                    lambda f, nxt=futs[i + 1]: got.append(f.value() + nxt.wait()))
+            futs[3].add_done_callback(lambda f: done.set())
+        t = threading.Thread(target=register)
+        t.start()
+        t.join(20)
+        ok = done.wait(15)
+        deadline = time.monotonic() + 15
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not ok or sorted(got) != [1, 3, 5]:
+            wrong.append((rnd, sorted(got)))
+            break
+    return wrong
+
+
+def test_callbacks_registered_while_a_read_completes():
+    assert run_workers(_race, world_size=2, timeout=120)[0] == []
