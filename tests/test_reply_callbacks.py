@@ -79,7 +79,7 @@ def _chain(rank, world_size, how):
         f2 = rpc.rpc_async("worker1", _pair, args=(2, how == "A"))
         chained = f1.then(lambda f, f2=f2: f.value() + f2.wait())
         done = threading.Event()
-        chained.add_done_callback(lambda _: done.set())
+        chained.add_done_callback(lambda _, done=done: done.set())
         _HOLD[0] = 0.5
         if how == "B":
             assert rpc.rpc_sync("worker1", _slow, timeout=30) == 0
@@ -117,7 +117,7 @@ def _race(rank, world_size):
         got = []
         done = threading.Event()
 
-        def register(futs=futs, got=got, done=done):
+        def register(futs=futs, got=got, done=done, rnd=rnd):
             time.sleep(0.19 + 0.0005 * (rnd % 20))  # around the moment the read completes
             for i in range(3):
                 futs[i].add_done_callback(
