@@ -9,12 +9,14 @@ their gradients arrive), and captures leaf gradients without running
 AccumulateGrad. So the engine (:mod:`.share`) *holds* the gradients of DDP's
 parameters until the pass is quiet everywhere (no gradient in flight, no run
 active), then :mod:`.engine` asks each worker that holds some to *flush*: all
-of them go through their AccumulateGrad nodes in one engine call (:func:`synced`:
-the hooks fire, buckets fill, the all-reduce runs, the reducer writes the
-average into ``.grad``); the average is then taken out of ``.grad`` for the
-context and ``.grad`` restored. The context thus holds what torch's context
-holds with DDP: the group's average, whether DDP's layers lie before, after or
-on both sides of an RPC.
+of them go to their AccumulateGrad nodes in one run of torch's own distributed
+engine, in a torch distributed autograd context of its own (:func:`synced`): the
+hooks fire, buckets fill, the all-reduce runs, and the reducer, finding that
+context on its thread, reads and writes the gradients there
+(``Reducer::runGradCallbackForVariable``), exactly as under torch's distributed
+autograd; ``.grad`` is never touched. The context thus holds what torch's
+context holds with DDP: the group's average, whether DDP's layers lie before,
+after or on both sides of an RPC.
 
 ``find_unused_parameters=True``: DDP's forward looks for its unused parameters
 by walking the local graph from the outputs, and stops at a recv function, so a
@@ -56,7 +58,7 @@ _params: dict[int, weakref.ref] = {}            # id -> parameter some DDP insta
 _owner: dict[int, weakref.ref] = {}             # id of a parameter -> its DDP instance
 _pending: weakref.WeakSet = weakref.WeakSet()   # DDP instances seen, constructor not done
 _deferred: dict[int, Any] = {}                  # id(reducer) -> reducer whose unused-search waits
-_lock = threading.Lock()                        # one .grad round trip at a time
+_lock = threading.Lock()                        # one flush at a time (DDP's reducer is not thread-safe)
 _state_lock = threading.Lock()                  # the books above and the wrapper's place
 active = [False]                                # some DDP was seen
 _rpc_up = [False]
@@ -170,38 +172,141 @@ def _search_unused(variables: list) -> None:
         _original_prepare(reducer, reached)
 
 
+class _Feed(torch.autograd.Function):
+    """A root whose backward hands each of its inputs (DDP's parameters) the gradient
+    the pass holds for it, as it is: no arithmetic, dense or sparse."""
+
+    @staticmethod
+    def forward(ctx, grads, *variables):  # noqa: D102
+        ctx.grads = grads
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):  # noqa: D102
+        grads, ctx.grads = ctx.grads, None
+        return (None, *grads)
+
+
+_torch_dist: list = []  # torch.distributed.autograd once its container is ready, or False
+
+
+def _torch_dist_autograd() -> Any:
+    """torch's distributed autograd, its container initialized (None where this
+    torch has none, as on Windows: there DDP's reducer only ever writes ``.grad``)."""
+    if not _torch_dist:
+        try:
+            import torch.distributed.autograd as tda
+            if not tda.is_available():
+                raise ImportError("no distributed autograd in this torch")
+            try:
+                tda._init(max(CONTAINER.worker_id, 0))
+            except RuntimeError:
+                pass  # initialized already (any worker id serves a local context)
+            _torch_dist.append(tda)
+        except ImportError:
+            _torch_dist.append(None)
+    return _torch_dist[0]
+
+
+def _reach_all(variables: list) -> list:
+    """DDP instances with ``find_unused_parameters`` (dynamic graph) whose parameters
+    are among ``variables`` (this pass's gradients): their reducers prepared again
+    with every parameter reached, and the parameters that got no gradient returned,
+    to be given zeros. Under a distributed autograd context the reducer reads each
+    gradient from the context and asserts it is there, so an unused parameter needs
+    one; zeros are what DDP's average counts an unused parameter as, and they are
+    not put in distgrad's context (the caller keeps only ``variables``)."""
+    have = {id(v) for v in variables}
+    unused: list = []
+    seen: set = set()
+    for v in variables:
+        ref = _owner.get(id(v))
+        module = ref() if ref is not None else None
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        if not (module.find_unused_parameters and not getattr(module, "static_graph", False)
+                and module.require_backward_grad_sync):
+            continue
+        _deferred.pop(id(module.reducer), None)
+        params = [p for p in module.module.parameters() if p.requires_grad]
+        with torch.enable_grad():
+            reached = [p.view_as(p) for p in params]
+        _original_prepare(module.reducer, reached)
+        unused.extend(p for p in params if id(p) not in have)
+    return unused
+
+
 def synced(leaves: Sequence[Any], grads: Sequence) -> Sequence:
     """``grads`` (one per AccumulateGrad node in ``leaves``) with those of DDP's
-    parameters replaced by what DDP makes of them (the average over its group),
-    in one engine call through their AccumulateGrad nodes: the node's hooks and
-    post-accumulate-grad hooks run there. The leaves' own tensor hooks do not run
-    again (the engine applied them when it captured the gradients)."""
+    parameters replaced by what DDP makes of them (the average over its group).
+
+    As torch runs DDP under distributed autograd: one run of torch's distributed
+    engine, in a context of its own, from a root that hands each parameter its
+    held gradient, through their AccumulateGrad nodes. torch's engine captures
+    them there (the node's pre-hooks and post-hooks run, DDP's among them, as
+    ``DistAccumulateGradCaptureHook`` runs them); DDP's reducer, finding a
+    distributed autograd context on the thread, reads and writes the gradients
+    in that context (``Reducer::runGradCallbackForVariable``), never ``.grad``,
+    and post-accumulate-grad hooks do not run (torch's do not). The leaves' own
+    tensor hooks do not run again (the pass applied them when it captured the
+    gradients). Where torch has no distributed autograd (Windows), the reducer
+    writes ``.grad`` whatever it is given: there ``.grad`` is lent to it for the
+    call (:func:`_synced_through_grad`)."""
     idx = held(leaves, grads)
     if not idx:
         return grads
+    tda = _torch_dist_autograd()
     out = list(grads)
     variables = [leaves[i].variable for i in idx]
     with _lock:
+        unused = _reach_all(variables) if tda is not None else []
         if _deferred:
             _search_unused(variables)
-        saved = [v.grad for v in variables]
-        hooked = [(v, v._backward_hooks) for v in variables if v._backward_hooks]
-        for v in variables:
-            v.grad = None
+        if tda is None:
+            for i, g in zip(idx, _synced_through_grad(leaves, idx, grads, variables)):
+                out[i] = g
+            return out
+        fed = variables + unused
+        hooked = [(v, v._backward_hooks) for v in fed if v._backward_hooks]
         for v, _ in hooked:
             v._backward_hooks = None
         try:
-            edges = tuple(GradientEdge(leaves[i], 0) for i in idx)
-            gs = tuple(grads[i].detach() for i in idx)
-            if _engine_run_backward is not None:
-                _engine_run_backward(edges, gs, False, False, (), True, accumulate_grad=True)
-            else:  # older torch: the public call accumulates the same way
-                torch.autograd.backward(edges, gs)
-            for i, v in zip(idx, variables):
-                out[i] = v.grad
+            with tda.context() as tcid:
+                gs = tuple(grads[i].detach() for i in idx) + tuple(torch.zeros_like(v) for v in unused)
+                with torch.enable_grad():
+                    root = _Feed.apply(gs, *fed)
+                tda.backward(tcid, [root])
+                got = tda.get_gradients(tcid)
+                for i, v in zip(idx, variables):
+                    out[i] = got.get(v)
         finally:
-            for v, s in zip(variables, saved):
-                v.grad = s
             for v, hooks in hooked:
                 v._backward_hooks = hooks
     return out
+
+
+def _synced_through_grad(leaves: Sequence[Any], idx: list, grads: Sequence,
+                         variables: list) -> list:
+    """DDP's average where torch has no distributed autograd: the held gradients
+    through the AccumulateGrad nodes, ``.grad`` lent to DDP for the call and put
+    back after (the caller holds ``_lock``)."""
+    saved = [v.grad for v in variables]
+    hooked = [(v, v._backward_hooks) for v in variables if v._backward_hooks]
+    for v in variables:
+        v.grad = None
+    for v, _ in hooked:
+        v._backward_hooks = None
+    try:
+        edges = tuple(GradientEdge(leaves[i], 0) for i in idx)
+        gs = tuple(grads[i].detach() for i in idx)
+        if _engine_run_backward is not None:
+            _engine_run_backward(edges, gs, False, False, (), True, accumulate_grad=True)
+        else:  # older torch: the public call accumulates the same way
+            torch.autograd.backward(edges, gs)
+        return [v.grad for v in variables]
+    finally:
+        for v, s in zip(variables, saved):
+            v.grad = s
+        for v, hooks in hooked:
+            v._backward_hooks = hooks
