@@ -214,7 +214,9 @@ def _post_acc_case(dist, shared):
         z = rpc.rpc_sync("worker1", torch.mul, args=(y, 3.0))
         dist_autograd.backward(cid, [z.sum() + (y.sum() if shared else 0)])
         grad = dist_autograd.get_gradients(cid)[x]
-        assert x.grad is None  # restored after the hook
+        assert x.grad is None
+    # torch's distributed engine never runs AccumulateGrad, so never a tensor's
+    # post-accumulate-grad hook (issue 34): the log stays empty
     return log + [grad]
 
 
@@ -229,13 +231,15 @@ def _post_acc(rank, world, want):
     res = {}
     for shared in (False, True):
         got = _post_acc_case(True, shared)
-        res[shared] = _close(want[shared], got) and len(got) == 2
+        # local autograd ran the hook once (want[0]); the gradient is the same
+        res[shared] = len(got) == 1 and len(want[shared]) == 2 and _close(want[shared][1:], got)
     return res
 
 
 def test_post_accumulate_grad_hooks_and_unseen_node_hooks():
-    """register_post_accumulate_grad_hook runs once the context holds the gradient (and
-    reads it as ``p.grad``), in native and shared regions; node hooks on the leaf's
-    AccumulateGrad node and on an intermediate run too, in both."""
+    """register_post_accumulate_grad_hook does not run in a distributed backward, as in
+    torch's (which never runs AccumulateGrad), in native and shared regions, and
+    the gradient is local autograd's; node hooks on the leaf's AccumulateGrad node
+    and on an intermediate run, in both."""
     want = clean_ref.pack(clean_ref.reference(_post_acc_local))
     assert run_workers(_post_acc, world_size=2, timeout=120, args=(want,))[0] == {False: True, True: True}

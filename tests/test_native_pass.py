@@ -80,7 +80,8 @@ def _scenarios(rank, world):
     out["exact"] = all(torch.allclose(got[p], 2 * w, rtol=1e-6, atol=1e-7)
                        for p, w in zip(params, want))
 
-    # an AccumulateGrad hook runs once; a post-accumulate-grad hook sees the context's sum
+    # an AccumulateGrad hook runs once a pass; a post-accumulate-grad hook never runs
+    # (torch's distributed engine does not run AccumulateGrad)
     calls = []
     w = torch.ones(3, requires_grad=True)
     y = w * 2
@@ -92,7 +93,7 @@ def _scenarios(rank, world):
         dist_autograd.backward(cid, [y.sum()])
         gw = dist_autograd.get_gradients(cid)[w]
     out["hooks"] = (calls == [1, 1] and torch.equal(gw, torch.full((3,), 12.0))
-                    and [s.tolist() for s in seen] == [[6.0] * 3, [12.0] * 3] and w.grad is None)
+                    and seen == [] and w.grad is None)
 
     # two threads, one model, concurrent passes: exact in both
     errs, res = [], {}

@@ -37,16 +37,18 @@ def test_leaf_hooks_see_a_registration_on_a_new_node():
     (its next node is new, so hookless); a registration since is seen."""
     p = torch.rand(2, requires_grad=True)
     node = (p * 1).grad_fn.next_functions[0][0]
-    assert node_hooks.leaf_hooks(node, p) == ([], [], False)
+    assert node_hooks.leaf_hooks(node, p) == ([], [])
     del node
     node = (p * 1).grad_fn.next_functions[0][0]  # a new node
-    assert node_hooks.leaf_hooks(node, p) == ([], [], False)
+    assert node_hooks.leaf_hooks(node, p) == ([], [])
     assert node_hooks._KEY not in node.metadata  # no look was needed
     hook = lambda gos: None  # noqa: E731
     node.register_prehook(hook)
-    assert node_hooks.leaf_hooks(node, p) == ([hook], [], False)
+    assert node_hooks.leaf_hooks(node, p) == ([hook], [])
+    # a post-accumulate-grad hook is not one of them: torch's distributed engine
+    # never runs AccumulateGrad, which is what calls it
     p.register_post_accumulate_grad_hook(lambda t: None)
-    assert node_hooks.leaf_hooks(node, p) == ([hook], [], True)
+    assert node_hooks.leaf_hooks(node, p) == ([hook], [])
 
 
 def test_tensor_hooks_run_by_the_engine_without_the_node():

@@ -182,7 +182,8 @@ class Executor:
 
     def _accumulate_leaf(self, node: Any, g: Any) -> None:
         """What AccumulateGrad does, into the context: the leaf's tensor hooks, the
-        node's pre-hooks, accumulation, post-accumulate-grad hooks, post-hooks."""
+        node's pre-hooks, accumulation, post-hooks (no post-accumulate-grad hooks, as
+        torch's distributed engine)."""
         if g is None:
             return
         variable = node.variable
@@ -192,13 +193,11 @@ class Executor:
                 g = out
         if ddp.active[0] and self._hold_ddp([node], [g])[0] is None:
             return  # its node's hooks run at the flush, natively
-        pre, post, post_acc = node_hooks.leaf_hooks(node)
+        pre, post = node_hooks.leaf_hooks(node)
         if pre:
             g = node_hooks.run_pre(pre, g)
         if self.create_graph:
             self.ctx.accumulate_graph([node], [g])
         else:
             self.ctx.accumulate(node, g)
-        if post_acc:
-            node_hooks.run_post_accumulate(variable, self.ctx.gradient_of(node))
         node_hooks.run_post(post, g)

@@ -1,6 +1,6 @@
 """Hooks that torch's engine runs and a distributed backward must run itself:
 those on a leaf's ``AccumulateGrad`` node (``node.register_hook``,
-``node.register_prehook``, the tensor's post-accumulate-grad hooks), and, where
+``node.register_prehook``), and, where
 the node-by-node executor runs a C++ node by hand, that node's hooks and those
 of the tensors it produced. Nothing of torch is replaced for this: only torch's
 public hook registration is used.
@@ -99,30 +99,30 @@ def hooks_of(node: Any) -> tuple[list, list]:
     return (list(pre.values()) if pre else [], list(post.values()) if post else [])
 
 
-def leaf_hooks(node: Any, variable: Any = None) -> tuple[list, list, bool]:
-    """(pre-hooks, post-hooks, has post-accumulate-grad hooks) of a leaf's
-    AccumulateGrad ``node`` (``variable``: its tensor, where the caller has it);
-    without a look at the node while nobody registered a hook since it was last
-    found without any (see the module's docstring)."""
+def leaf_hooks(node: Any, variable: Any = None) -> tuple[list, list]:
+    """(pre-hooks, post-hooks) of a leaf's AccumulateGrad ``node`` (``variable``: its
+    tensor, where the caller has it); without a look at the node while nobody
+    registered a hook since it was last found without any (see the module's
+    docstring). A tensor's post-accumulate-grad hooks are not among them: torch's
+    distributed engine captures a leaf's gradient without running AccumulateGrad,
+    which is what calls them, so they never run in a distributed backward."""
     if variable is None:
         variable = node.variable
-    post_acc = bool(variable._post_accumulate_grad_hooks)
     count = _registrations()
     seen = _clean.get(id(variable))
     if seen is not None and seen[1] == count >= 0 and seen[0]() is variable:
-        return _POST_ACC if post_acc else _NONE
+        return _NONE
     pre, post = hook_dicts(node)
     if not (pre or post):
         if count >= 0:  # read before the look: a registration since shows
             key = id(variable)
             _clean[key] = (weakref.ref(variable, lambda _r: _clean.pop(key, None)), count)
-        return _POST_ACC if post_acc else _NONE
+        return _NONE
     _clean.pop(id(variable), None)
-    return (list(pre.values()) if pre else [], list(post.values()) if post else [], post_acc)
+    return (list(pre.values()) if pre else [], list(post.values()) if post else [])
 
 
-_NONE: tuple = ([], [], False)
-_POST_ACC: tuple = ([], [], True)
+_NONE: tuple = ([], [])
 
 # A root that torch's engine never runs (nothing captured lies behind it). With it a
 # call has two roots, so torch puts its own GraphRoot first: a call's single root
@@ -172,23 +172,6 @@ def run_node_post(post: list, outs: list, grads: list) -> list:
         if res is not None:
             res_outs = tuple(res)
     return list(res_outs)
-
-
-def run_post_accumulate(variable: Any, grad: Any) -> None:
-    """``register_post_accumulate_grad_hook`` hooks of ``variable``, called as torch's
-    AccumulateGrad calls them after accumulating; ``variable.grad`` is, while they
-    run, the gradient the context now holds for it (restored after)."""
-    hooks = getattr(variable, "_post_accumulate_grad_hooks", None)
-    if not hooks:
-        return
-    saved = variable.grad
-    try:
-        with torch.no_grad():
-            variable.grad = grad
-        for hook in list(hooks.values()):
-            hook(variable)
-    finally:
-        variable.grad = saved
 
 
 def run_pre(pre: list, grad: Any) -> Any:

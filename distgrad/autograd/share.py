@@ -53,7 +53,7 @@ RETAIN, CREATE_GRAPH, ANOMALY = 1, 2, 4
 
 
 def _leaf_hooks(leaves: list, grads: Sequence, variables: Sequence | None = None) -> list:
-    """(index, pre-hooks, post-hooks, post-accumulate-grad?) of each leaf with a
+    """(index, pre-hooks, post-hooks) of each leaf with a
     gradient whose AccumulateGrad node has hooks (:func:`.node_hooks.leaf_hooks`: a
     dictionary look-up a leaf, once its node was probed); usually empty."""
     if variables is None:
@@ -61,9 +61,9 @@ def _leaf_hooks(leaves: list, grads: Sequence, variables: Sequence | None = None
     out = []
     for i, node in enumerate(leaves):
         if grads[i] is not None:
-            pre, post, post_acc = node_hooks.leaf_hooks(node, variables[i])
-            if pre or post or post_acc:
-                out.append((i, pre, post, post_acc))
+            pre, post = node_hooks.leaf_hooks(node, variables[i])
+            if pre or post:
+                out.append((i, pre, post))
     return out
 
 
@@ -235,7 +235,8 @@ class PassState(Executor):
                     given_refs: list | None = None) -> None:
         """An engine call's gradients ``res`` for ``leaves`` (AccumulateGrad nodes) into the
         context, doing what their AccumulateGrad nodes would: DDP's held for the flush,
-        the nodes' pre-hooks, accumulation, post-accumulate-grad hooks, post-hooks.
+        the nodes' pre-hooks, accumulation, post-hooks (post-accumulate-grad hooks
+        do not run: torch's distributed engine never runs AccumulateGrad).
         ``given``: the gradients the call started from (:meth:`.DistAutogradContext.accumulate_fresh`);
         ``variables``: the leaves' tensors, where the caller has them; ``lazy``: the results
         and ``given`` are the pass's alone once the call returned (so the context may take
@@ -246,7 +247,7 @@ class PassState(Executor):
         hooked = _leaf_hooks(leaves, res, variables)
         if hooked:
             res = list(res)
-            for i, pre, _, _ in hooked:
+            for i, pre, _ in hooked:
                 if pre:
                     res[i] = node_hooks.run_pre(pre, res[i])
         if self.create_graph:
@@ -256,9 +257,7 @@ class PassState(Executor):
             self.ctx.accumulate_fresh(leaves, res, given, owned=owned,
                                       lazy=lazy and (owned or not self.user_grads),
                                       given_refs=given_refs if not hooked else None)
-        for i, _, post, post_acc in hooked:
-            if post_acc:
-                node_hooks.run_post_accumulate(leaves[i].variable, self.ctx.gradient_of(leaves[i]))
+        for i, _, post in hooked:
             node_hooks.run_post(post, res[i])
 
     # -- DDP: gradients held until the pass is quiet, then flushed together -----------
