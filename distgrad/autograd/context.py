@@ -44,9 +44,9 @@ class DistAutogradContext:
         # keyed by the leaf's AccumulateGrad node (held here, so it stays the
         # leaf's one node); get_gradients() maps them to the leaf tensors
         self.gradients: dict[Any, torch.Tensor] = {}
-        # leaves whose stored gradient was allocated here (a copy, a sum, a result nobody
-        # else holds): later gradients are added into it in place, as torch does; the
-        # others (a received buffer kept as is) are never written to
+        # leaves whose stored gradient later gradients are added into in place, as
+        # torch's accumulateGrad does (``variable_grad += new_grad``): every first-order
+        # gradient, kept or copied; not a create_graph pass's (summed out of place)
         self.grads_mine: set = set()
         # engine results not yet taken into ``gradients`` (see accumulate_fresh): taken in
         # order, before anything reads or adds to ``gradients``
@@ -109,8 +109,8 @@ class DistAutogradContext:
             if old is not None:
                 self.gradients[leaf] = _combine(self.grads_mine, leaf, old, grad)
             elif owned and _keepable(grad, leaf):
-                self.gradients[leaf] = grad.detach()
-                self.grads_mine.discard(leaf)
+                self.gradients[leaf] = _kept(grad)
+                self.grads_mine.add(leaf)
             else:
                 self.gradients[leaf] = _copy(grad, leaf)
                 self.grads_mine.add(leaf)
@@ -185,15 +185,14 @@ class DistAutogradContext:
                 # copy, as torch's use count rule), or a layout torch would not keep
                 grads_of[leaf] = _copy(g, leaf)
                 mine.add(leaf)
-            elif key in given_keys:
-                if owned:  # a received buffer, kept without a copy; never written to
-                    grads_of[leaf] = g
-                    mine.discard(leaf)
-                else:  # a caller's tensor (grad_tensors) must not become ours
-                    grads_of[leaf] = _copy(g, leaf)
-                    mine.add(leaf)
+            elif key in given_keys and not owned:
+                # a caller's tensor (grad_tensors) must not become ours
+                grads_of[leaf] = _copy(g, leaf)
+                mine.add(leaf)
             else:
-                grads_of[leaf] = g.detach() if g.requires_grad else g
+                # a result nobody else holds, or a received buffer (this pass's own):
+                # kept without a copy, and added into by later gradients, as torch does
+                grads_of[leaf] = _kept(g)
                 mine.add(leaf)
             seen.add(key)
 
@@ -285,17 +284,32 @@ def _copy(g: torch.Tensor, leaf: Any, keep_graph: bool = False) -> torch.Tensor:
     return g.clone(memory_format=torch.contiguous_format)
 
 
+def _kept(g: torch.Tensor) -> torch.Tensor:
+    """``g`` kept as a first gradient without a copy, as torch keeps it: dense
+    detached; sparse as a new tensor over the same indices and values (a detached
+    sparse tensor refuses the in-place sum a later gradient makes)."""
+    if g.layout == torch.sparse_coo:
+        return torch.sparse_coo_tensor(g._indices(), g._values(), g.shape,
+                                       is_coalesced=g.is_coalesced())
+    return g.detach() if g.requires_grad else g
+
+
 def _combine(mine: set, leaf: Any, old: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``old + g`` for ``leaf``, as torch's context does (grad mode off): into ``old``
-    in place when it is dense and was allocated here (dense + sparse included);
-    otherwise a new tensor (sparse + sparse stays sparse, sparse + dense is dense)."""
-    if leaf in mine and old.layout == torch.strided:
-        return old.add_(g.detach())
+    """``old + g`` for ``leaf``, as torch's context does (grad mode off,
+    ``AccumulateGrad::accumulateGrad``): into ``old`` in place (dense + dense,
+    dense + sparse, sparse + sparse), so a tensor taken from ``get_gradients``
+    shows the new sum; sparse + dense is a new dense tensor (its layout changes).
+    A create_graph pass's gradient (not in ``mine``) is summed out of place, its
+    graph left alone."""
+    g = g.detach()
+    if leaf in mine and (old.layout == torch.strided or g.layout != torch.strided):
+        return old.add_(g)
     mine.add(leaf)
-    old = old.detach()  # a create_graph pass's gradient: a new tensor, its graph left alone
+    old = old.detach()
     if old.layout != torch.strided and g.layout == torch.strided:
-        return g.detach() + old  # sparse + dense is not defined, dense + sparse is
-    return old + g.detach()
+        return g + old  # sparse + dense is not defined, dense + sparse is
+    return old + g
+
 
 
 class Container:
