@@ -116,6 +116,14 @@ def _uncount(store: Any, slot: int, seal: Any) -> None:
         pass
 
 
+def _leave_ledger(agent: RpcAgent) -> None:
+    """Mark this static member's ledger entry out (:mod:`.mixing`), once."""
+    static_store = getattr(agent, "static_store", None)
+    if static_store is not None:
+        agent.static_store = None
+        _uncount(static_store, agent.static_slot, agent.static_seal)
+
+
 def join(agent: RpcAgent, deadline: float, check_leak: bool = False) -> None:
     """Wait for outstanding work, then for every worker not lost (the barrier).
 
@@ -136,6 +144,10 @@ def join(agent: RpcAgent, deadline: float, check_leak: bool = False) -> None:
         if peer != agent.rank:
             agent.send_control(peer, "shutdown_arrived")
     leak = rref_leak(agent, deadline) if check_leak else None
+    # Out of the static ledger before the barrier: after it, rank 0 (the store's
+    # host) may exit at once, and a store call then fails loudly (TCPStore prints a
+    # C++ stack trace, issue 34). Nobody needs the entry once this worker leaves.
+    _leave_ledger(agent)
     store_timeout = agent.store.timeout
     try:
         # Bound every store operation too: the store's host (rank 0) may be gone or
@@ -181,10 +193,7 @@ def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
         agent.pool.shutdown(wait=graceful, cancel_futures=not graceful)
         agent.callbacks.shutdown(wait=graceful)
     finally:
-        static_store = getattr(agent, "static_store", None)
-        if static_store is not None:
-            agent.static_store = None
-            _uncount(static_store, agent.static_slot, agent.static_seal)
+        _leave_ledger(agent)  # a shutdown without the barrier (graceful=False)
         # Let go of the store: on rank 0 its server closes once nothing else in this
         # process (a process group on the same port) holds it.
         agent.store = None
