@@ -78,6 +78,7 @@ import traceback
 import warnings
 import zlib
 
+import random_round2 as rt_round2
 import random_threads as rt_threads
 import torch
 
@@ -209,6 +210,8 @@ def _apply_op(name: str, xs: list, a: dict, counter) -> torch.Tensor:
         return (x * _named_randn(a["w"], tuple(x.shape))).sum()
     if name == "clone":
         return x.clone()
+    if name == "embed":           # sparse gradients (issue 34)
+        return torch.nn.functional.embedding(torch.tensor(a["idx"]), x, sparse=True)
     if name == "compiled":        # torch.compile(backend="aot_eager"), once per process
         return (_compiled(a["fn"]) if torch.is_grad_enabled() else COMPILE_FNS[a["fn"]])(*xs)
     if name in ("ac_matmul", "ac_linear"):   # bfloat16 compute (autocast leaves float64 alone)
@@ -358,6 +361,10 @@ class WorkerState:
         self.events: dict = {}        # rendezvous key -> threading.Event
         self.plain = None             # the running random_threads.PlainThread
         self.accumulators: list = []  # every leaf's AccumulateGrad node (see _hold_accumulator)
+        self.post_acc: dict = {}      # leaf name -> its ("post_acc", ...) hook's calls
+        self.kept_between: dict = {}  # context id -> {leaf name: tensor get_gradients gave}
+        self.round2: list = []        # what random_round2's checks found here
+        self.watcher = None           # the running random_round2.Watcher
 
     def event(self, key: str) -> threading.Event:
         """The rendezvous event ``key`` of this worker (get-or-create)."""
@@ -466,6 +473,17 @@ def run_block(block: dict, values, rt) -> tuple:
             rt.signal(block["worker"], worker, key)
         elif op == "wait_for":
             rt_threads.wait_for(state.event(ins[1]), ins[1])
+        elif op == "chain":
+            _, outs, fa, fb, kind = ins
+            fa, fb = env.pop(fa), env.pop(fb)
+            env.update(zip(outs, rt_round2.chain_dist(fa, fb, kind) if isinstance(rt, DistRuntime)
+                           else rt_round2.chain_local(rt, fa, fb)))
+        elif op == "post_acc":      # (local autograd: no hook; it changes nothing)
+            t = env[ins[1]]
+            if isinstance(rt, DistRuntime) and t.requires_grad and t.grad_fn is None:
+                name = next((n for n, v in state.leaves.items() if v is t), None)
+                if name is not None:
+                    rt_round2.register_post_acc(state, name, t)
         else:
             raise ValueError(f"unknown instruction {ins!r}")
         if isinstance(rt, LocalRuntime):
@@ -682,12 +700,20 @@ FEATURE_WEIGHTS.update({          # issue 26: threads (tests/random_threads.py)
     "keep_grad": 0.25,      # ("keep", reg, {"op"}): a hook keeps a gradient, changed after the passes
     "rendezvous": 0.2,      # two rpc_asyncs whose bodies wait on each other (signal / wait_for)
 })
+FEATURE_WEIGHTS.update({          # issue 34 (tests/random_round2.py)
+    "chain": 0.2,           # ("chain", outs, fa, fb, kind): a reply's callback waits for another reply
+    "post_acc": 0.2,        # ("post_acc", leaf): a counting post-accumulate-grad hook
+    "watch": 0.3,           # prog["watch"]: every leaf's .grad watched during the passes
+    "keep_between": 0.4,    # prog["keep_between"]: get_gradients' tensors kept between two passes
+    "sparse": 0.2,          # ("op", out, "embed", [leaf], {"idx"}): sparse gradients
+})
 FEATURE_GROUPS = {"hooks": ("hook", "nodehook", "module"), "checkpoint": ("ckpt", "ckpt_reentrant"),
-                  "threads": rt_threads.THREAD_FEATURES, "all": tuple(FEATURE_WEIGHTS), "none": ()}
-NOT_TWICE_DIFFERENTIABLE = ("compile", "ckpt_reentrant")
+                  "threads": rt_threads.THREAD_FEATURES, "round2": rt_round2.ROUND2_FEATURES + ("sparse",),
+                  "all": tuple(FEATURE_WEIGHTS), "none": ()}
+NOT_TWICE_DIFFERENTIABLE = ("compile", "ckpt_reentrant", "sparse")
 STEP_WEIGHTS = {"hook": 0.7, "nodehook": 0.5, "module": 0.5, "ckpt": 0.4, "ckpt_reentrant": 0.3,
                 "compile": 0.5, "autocast": 0.5, "inplace": 0.5, "keep_grad": 0.5, "rendezvous": 0.5,
-                "plain_thread": 0.6}
+                "plain_thread": 0.6, "chain": 0.5, "post_acc": 0.4, "sparse": 0.5}
 # ops whose backward does not save their output: a fresh result may be modified in place
 INPLACE_SAFE = {"scale", "add", "sub", "mul", "div", "square", "sin", "sum", "mean", "index",
                 "index_select", "cat", "stack", "matmul", "first_only", "count", "dot", "clone"}
@@ -721,7 +747,7 @@ def weights_for(cfg: dict) -> dict:
     if cfg.get("order", 1) == 2:
         w.update(dict.fromkeys(NOT_TWICE_DIFFERENTIABLE, 0.0))
     if cfg.get("order", 1) == 2 or cfg.get("anomaly"):
-        w.update(dict.fromkeys(rt_threads.THREAD_FEATURES, 0.0))
+        w.update(dict.fromkeys(rt_threads.THREAD_FEATURES + rt_round2.ROUND2_FEATURES, 0.0))
     return w
 
 
@@ -1156,7 +1182,9 @@ class Generator:
               "ckpt_reentrant": any(self.rg(t) for t in self.tensors(b)),
               "compile": b.depth >= 1, "autocast": b.depth >= 1 and bool(self.tensors(b, len)),
               "inplace": True, "keep_grad": bool(self.own_rg(b) or b.leaves), "rendezvous": b.depth < 2,
-              "plain_thread": bool(b.leaves), "two_passes": False}
+              "plain_thread": bool(b.leaves), "two_passes": False,
+              "chain": b.depth < 2, "post_acc": bool(b.leaves), "watch": False, "keep_between": False,
+              "sparse": True}
         return [f for f in FEATURE_WEIGHTS if f in self.on and ok[f]]
 
     def g_hook(self, b):
@@ -1233,6 +1261,15 @@ class Generator:
 
     def g_plain_thread(self, b):
         rt_threads.g_plain_hook(self, b)
+
+    def g_chain(self, b):
+        rt_round2.g_chain(self, b)
+
+    def g_post_acc(self, b):
+        rt_round2.g_post_acc(self, b)
+
+    def g_sparse(self, b):
+        rt_round2.g_sparse(self, b)
 
     def g_compile(self, b):
         """A small function under torch.compile(backend="aot_eager")."""
@@ -1311,7 +1348,7 @@ class Generator:
         retain = r.random() < 0.3 and not self.compiled
         return {"seed": self.seed, "world": self.world, "retain": retain, "roots": roots,
                 "main": {"worker": 0, "params": [], "body": main.body, "returns": roots},
-                **rt_threads.program_extras(self)}
+                **rt_threads.program_extras(self), **rt_round2.program_extras(self)}
 
     def gen_roots(self, b: _BlockGen) -> list:
         """1-3 scalar roots, each a weighted sum over results (call results preferred);
@@ -1374,7 +1411,9 @@ def dump(prog: dict) -> str:
     """A readable listing of the program."""
     lines = [f"program seed={prog['seed']} world={prog['world']} roots=[{_r(prog['roots'])}]"
              f"{' backward twice (retain_graph=True)' if prog['retain'] else ''}"
-             f"{'; forward twice, both backward passes at once' if prog.get('twice') else ''}"]
+             f"{'; forward twice, both backward passes at once' if prog.get('twice') else ''}"
+             f"{'; every .grad watched' if prog.get('watch') else ''}"
+             f"{'; get_gradients kept between the passes' if prog.get('keep_between') else ''}"]
     for spec in prog.get("plain", []):
         lines.append(f"  during the passes, on worker{spec['worker']}: loop plain backward() of "
                      f"sum(tanh(leaf) . {spec['w']}) over {spec['leaves']}")
@@ -1451,6 +1490,8 @@ def _feature_line(ins) -> str:
         return f"r{x}.{kind}({_r(zs) if zs else a['c']})"
     if op in ("keep", "signal", "wait_for", "plain_hook"):
         return rt_threads.dump_line(ins)
+    if op in ("chain", "post_acc"):
+        return rt_round2.dump_line(ins)
     raise ValueError(f"unknown instruction {ins!r}")
 
 
@@ -1472,7 +1513,7 @@ FEATURES = [
     "module full backward pre-hook", "module reused", "checkpoint (use_reentrant=False)",
     "checkpoint (use_reentrant=True)", "torch.compile (aot_eager)", "autocast bf16 matmul/linear",
     "in-place on a fresh result", "in-place on a clone",
-] + rt_threads.FEATURES
+] + rt_threads.FEATURES + rt_round2.FEATURES
 
 
 def _company_features(block: dict, ins, depth: int, module_uses: collections.Counter) -> set:
@@ -1617,7 +1658,9 @@ def features(prog: dict) -> set:
         f.add("param reused across calls")
     if any(n > 1 for n in module_uses.values()):
         f.add("module reused")
-    f |= rt_threads.static_features(prog, [(b["worker"], ins) for b, ins, _, _ in walk(prog["main"])])
+    instructions = [(b["worker"], ins) for b, ins, _, _ in walk(prog["main"])]
+    f |= rt_threads.static_features(prog, instructions)
+    f |= rt_round2.static_features(prog, instructions)
     if len(prog["roots"]) > 1:
         f.add("several roots")
     if prog["retain"]:
@@ -1811,7 +1854,14 @@ def _backward_all(cid: int, roots: list, prog: dict, backward_timeout: float) ->
     else:
         _backward(cid, roots, prog["retain"], backward_timeout)
         if prog["retain"]:
+            keep = prog.get("keep_between")
+            if keep:    # the tensors get_gradients gives now, on every worker
+                for w in range(world):
+                    rpc.rpc_sync(f"worker{w}", rt_round2.keep_now, args=(cid,))
             _backward(cid, roots, False, backward_timeout)
+            if keep:    # ... are the context's, added into in place (torch's rule)
+                for w in range(world):
+                    rpc.rpc_sync(f"worker{w}", rt_round2.kept_check, args=(cid,))
     return roots
 
 
@@ -1857,6 +1907,7 @@ def compare(want: dict, got: dict) -> list:
             f"{t}: {a} vs {b}" for t, (a, b) in sorted(diff.items()))))
     if "dotgrad" in got:
         issues += rt_threads.compare_dotgrad(want, got)
+    issues += [("torch's rule", u) for u in got.get("round2", [])]
     return issues
 
 
@@ -1873,6 +1924,9 @@ def _compare_pass(want: dict, got: dict, where: str) -> list:
         w, name = key
         label = f"{where}leaf {name.split('.', 1)[1]} on worker{w}"
         d = got["grads"].get(key)
+        # a sparse gradient (embedding) is compared by value: local autograd sums every
+        # use in one engine call, the context sums what each engine call gives
+        g, d = (t.to_dense() if t is not None and t.is_sparse else t for t in (g, d))
         if g is None:
             if d is not None:
                 issues.append(("unexpected grad", f"{label}: got {d.tolist()}, local autograd has none"))
@@ -1963,7 +2017,7 @@ def _defs(ins) -> list:
     op = ins[0]
     if op in ("leaf", "op", "async", "remote", "unstash", "module"):
         return [ins[1]]
-    if op in ("multi", "call", "wait", "to_here", "ckpt"):
+    if op in ("multi", "call", "wait", "to_here", "ckpt", "chain"):
         return list(ins[1])
     if op == "stash":
         return ["stash:" + ins[1]]
@@ -1979,8 +2033,10 @@ def _uses(ins) -> list:
         return [ins[3]]
     if op in ("call", "async", "remote", "ckpt"):
         return list(_sub_block(ins)["params"])
-    if op in ("hook", "nodehook", "keep", "plain_hook"):
+    if op in ("hook", "nodehook", "keep", "plain_hook", "post_acc"):
         return [ins[1]]
+    if op == "chain":
+        return [ins[2], ins[3]]
     if op == "inplace":
         return [ins[1], *ins[3]]
     if op in ("wait", "to_here", "stash"):

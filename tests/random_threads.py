@@ -416,6 +416,7 @@ def run_passes(prog: dict, backward_timeout: float) -> dict:
     backward() calls; then the kept gradients change; then every context's gradients,
     the counting nodes' runs and every leaf's ``.grad`` are read."""
     import random_programs as rp
+    import random_round2 as rt_round2
 
     import distgrad.autograd as dist_autograd
     import distgrad.rpc as rpc
@@ -453,9 +454,14 @@ def run_passes(prog: dict, backward_timeout: float) -> dict:
     for t in threads:
         t.start()
     started: list = []
+    watched: list = []
     counts: dict = {}
     try:
         phases[0].wait(PHASE_TIMEOUT)
+        if prog.get("watch"):   # every .grad watched while the passes and plain threads run
+            for to in workers:
+                rpc.rpc_sync(to, rt_round2.watch_start)
+                watched.append(to)
         for spec in prog.get("plain", []):
             rpc.rpc_sync(f"worker{spec['worker']}", plain_start, args=(spec,))
             started.append(spec["worker"])
@@ -464,6 +470,8 @@ def run_passes(prog: dict, backward_timeout: float) -> dict:
         while started:
             w = started.pop()
             counts[w] = rpc.rpc_sync(f"worker{w}", plain_stop)
+        while watched:
+            rpc.rpc_sync(watched.pop(), rt_round2.watch_stop)
         for to in workers:
             rpc.rpc_sync(to, mutate_kept_here)
         phases[3].wait(PHASE_TIMEOUT)
@@ -477,6 +485,11 @@ def run_passes(prog: dict, backward_timeout: float) -> dict:
         for w in started:
             try:
                 rpc.rpc_sync(f"worker{w}", plain_stop)
+            except Exception:  # noqa: BLE001 - the first error is the one reported
+                pass
+        for to in watched:
+            try:
+                rpc.rpc_sync(to, rt_round2.watch_stop)
             except Exception:  # noqa: BLE001 - the first error is the one reported
                 pass
         for t in threads:
@@ -496,4 +509,14 @@ def run_passes(prog: dict, backward_timeout: float) -> dict:
     res["dotgrad"] = {(w, name): g for w, to in enumerate(workers)
                       for name, g in rpc.rpc_sync(to, dot_grads).items()}
     res["plain_counts"] = counts
+    round2: list = []
+    for w, to in enumerate(workers):
+        found, post_acc = rpc.rpc_sync(to, rt_round2.issues_here)
+        round2 += [f"worker{w}: {u}" for u in found]
+        for name, calls in sorted(post_acc.items()):
+            want = rt_round2.expected_post_acc(prog, w, name, counts)
+            if calls != want:
+                round2.append(f"worker{w}: the post-accumulate-grad hook of {name} ran {calls} times, "
+                              f"torch {want} (only plain backward() runs it, {counts.get(w, 0)} calls)")
+    res["round2"] = round2
     return res
