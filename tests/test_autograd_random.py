@@ -59,13 +59,24 @@ THREAD_SEEDS = {2: [357, 338], 3: [355, 451, 342]}
 # backward()'s accumulation landed in the context and was lost from .grad)
 
 
+# world size -> seeds, run with ROUND2: a reply's callback waiting for another reply,
+# post-accumulate-grad hooks, every .grad watched, get_gradients' tensors kept between
+# two passes, sparse gradients, with plain backward() on another thread
+# (tests/random_round2.py; issue 34)
+ROUND2 = "round2,plain_thread=0.5"
+ROUND2_SEEDS = {2: [7351, 7302, 7305], 3: [7449, 7416]}
+# (chosen in a greedy cover; on 726a179 programs like these broke torch's rules: a
+# post-accumulate-grad hook run by the pass, a kept gradient not added into in place)
+
+
 def _programs():
     """(program, its feature weights) for every fixed seed."""
-    threads = rp.parse_features(THREADS)
+    threads, round2 = rp.parse_features(THREADS), rp.parse_features(ROUND2)
     return ([(rp.generate(s, w, CLASSIC), CLASSIC) for w, seeds in SEEDS.items() for s in seeds]
             + [(rp.generate(s, w, rp.COMPANY), rp.COMPANY) for w, seeds in FEATURE_SEEDS.items()
                for s in seeds]
-            + [(rp.generate(s, w, threads), threads) for w, seeds in THREAD_SEEDS.items() for s in seeds])
+            + [(rp.generate(s, w, threads), threads) for w, seeds in THREAD_SEEDS.items() for s in seeds]
+            + [(rp.generate(s, w, round2), round2) for w, seeds in ROUND2_SEEDS.items() for s in seeds])
 
 
 def test_seeds_cover_every_feature():
@@ -213,6 +224,17 @@ def test_random_programs_with_threads(world):
     thread accumulate in local autograd (None where none touched it)."""
     _run_checked(world, THREAD_SEEDS[world], {"features": rp.parse_features(THREADS)},
                  "programs with threads differ from local autograd", f" --features {THREADS}")
+
+
+@pytest.mark.parametrize("world", sorted(ROUND2_SEEDS))
+def test_random_programs_round2(world):
+    """Issue 34's patterns, each by torch's distributed autograd's rule: a reply's
+    callback that waits for another reply completes; post-accumulate-grad hooks run
+    only for plain backward(); no thread sees a .grad torch would not show; the
+    tensors get_gradients gave are added into in place by a second pass; sparse
+    gradients equal local autograd's."""
+    _run_checked(world, ROUND2_SEEDS[world], {"features": rp.parse_features(ROUND2)},
+                 "programs with issue 34's patterns differ", f" --features {ROUND2}")
 
 
 # chosen so that the second pass changes the gradients (12 per world size), plus one
