@@ -340,17 +340,33 @@ def local_references(progs: list) -> dict:
     return {p["seed"]: local_reference(p) for p in progs}
 
 
+class _Watched:
+    """A model's parameters as random_round2.Watcher looks at a worker's leaves."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.lock = threading.Lock()
+        self.leaves = dict(model.named_parameters())
+
+
 def run_program(prog: dict, rank: int, ref: dict) -> list:
     """On trainer ``rank``: every step of ``prog`` against the clean reference ``ref``
     (:func:`local_reference`); returns the differences found."""
+    import random_round2
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import distgrad.autograd as dist_autograd
     import distgrad.rpc as rpc
+
     seed, trainers = prog["seed"], prog["trainers"]
     torch.manual_seed(seed * 7 + rank)  # DDP broadcasts the first trainer's parameters
     model = Hybrid(prog, True)
     ddp = DDP(model, find_unused_parameters=prog["find_unused"])
+    # torch's distributed autograd never gives DDP's parameters a .grad, nor runs their
+    # post-accumulate-grad hooks (issue 34): a thread watches .grad during the steps
+    post_acc = [0]
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _t: post_acc.__setitem__(0, post_acc[0] + 1))
+    watcher = random_round2.Watcher(_Watched(model), none_only=True)
     diffs = []
     init = model.state_dict()
     if init.keys() != ref[rank]["init"].keys() or not all(
@@ -386,6 +402,9 @@ def run_program(prog: dict, rank: int, ref: dict) -> list:
                                  f"{None if v is None else v.flatten()[:4].tolist()}, want "
                                  f"{None if w is None else w.flatten()[:4].tolist()}")
             rows.append((step, got))
+    diffs += [f"watching .grad: {w}" for w in watcher.stop()]
+    if post_acc[0]:
+        diffs.append(f"post-accumulate-grad hooks ran {post_acc[0]} times (torch: never)")
     # DDP's average: every trainer's local gradients, per step (None past its last step)
     compared = 0
     for step, got in rows:

@@ -98,10 +98,11 @@ def register_post_acc(state, name: str, t: torch.Tensor) -> None:
 
 class Watcher:
     """A thread that looks at every leaf's ``.grad`` of this worker until stopped and
-    notes what torch would never show (see the module's docstring)."""
+    notes what torch would never show (see the module's docstring). ``none_only``:
+    nothing may ever give a ``.grad`` (no plain backward() runs)."""
 
-    def __init__(self, state) -> None:
-        self.state = state
+    def __init__(self, state, none_only: bool = False) -> None:
+        self.state, self.none_only = state, none_only
         self.first: dict = {}
         self.problems: list = []
         self.looks = 0
@@ -120,6 +121,8 @@ class Watcher:
                 if seen is None:
                     if g is not None:
                         first[name] = g
+                        if self.none_only:
+                            problems.append(f".grad of {name} was set during a distributed backward")
                 elif g is not seen and len(problems) < 20:
                     problems.append(f".grad of {name} was " + ("None" if g is None else "another tensor")
                                     + " after a plain backward() gave it one")
