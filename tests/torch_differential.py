@@ -1,0 +1,175 @@
+"""One program, run on torch's RPC and distributed autograd and on distgrad's, each in
+processes of its own (the torch run never imports distgrad): what a user, a hook or
+another thread can observe must be the same (issue 34).
+
+    python tests/torch_differential.py --impl torch      # prints one JSON line
+    python tests/torch_differential.py --impl distgrad
+
+What worker0 records, on two workers:
+  - gradients kept from ``get_gradients`` across two passes in one context: a leaf
+    sent to worker1 (a received gradient), a leaf used locally, a sparse embedding
+    used locally and one whose lookup runs on worker1;
+  - calls of a post-accumulate-grad hook over three distributed passes;
+  - ``.grad`` of a leaf seen by a watching thread during those passes;
+  - a reply's callback that waits for another reply to the same worker.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import threading
+
+import torch
+
+SECRET = "e6322fbce9c88c169fbd6b1aba3050223d9e940b978cef4791345bab9c71edef"
+_MEET: list = [None]
+
+
+def _modules(impl: str):
+    if impl == "torch":
+        import torch.distributed.autograd as dist_autograd
+        import torch.distributed.rpc as rpc
+    else:
+        import distgrad.autograd as dist_autograd
+        import distgrad.rpc as rpc
+    return rpc, dist_autograd
+
+
+def _arm(parties: int) -> None:
+    _MEET[0] = threading.Barrier(parties)
+
+
+def _meet(i: int) -> torch.Tensor:
+    _MEET[0].wait(20)
+    return torch.full((2,), float(i))
+
+
+def _vals(t: torch.Tensor) -> list:
+    t = t.to_dense() if t.is_sparse else t
+    return [round(v, 9) for v in t.flatten().tolist()]
+
+
+def _kept(rpc, dist_autograd) -> dict:
+    out = {}
+    cases = {
+        "received": lambda x: rpc.rpc_sync("worker1", torch.mul, args=(x, 2)).sum(),
+        "local": lambda x: (x * 2).sum() + rpc.rpc_sync("worker1", torch.mul, args=(torch.ones(3), 0)).sum(),
+    }
+    for name, loss in cases.items():
+        x = torch.ones(3, requires_grad=True)
+        with dist_autograd.context() as cid:
+            y = loss(x)
+            dist_autograd.backward(cid, [y], retain_graph=True)
+            g1 = dist_autograd.get_gradients(cid)[x]
+            first = _vals(g1)
+            dist_autograd.backward(cid, [y])
+            g2 = dist_autograd.get_gradients(cid)[x]
+            out[name] = [first, _vals(g1), _vals(g2), g2 is g1]
+    # (a sparse gradient that comes back over RPC is not compared: torch 2.13's context
+    # ends up with no gradient at all for the weight, which distgrad does not copy)
+    out["sparse_local"] = _sparse_case(rpc, dist_autograd)
+    return out
+
+
+def _sparse_case(rpc, dist_autograd) -> list:
+    """A sparse gradient (nn.Embedding(sparse=True)) kept across two passes."""
+    torch.manual_seed(3)
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    idx = torch.tensor([1, 3, 1])
+    with dist_autograd.context() as cid:
+        y = (emb(idx) * 2).sum() + rpc.rpc_sync("worker1", torch.mul, args=(torch.ones(1), 0)).sum()
+        dist_autograd.backward(cid, [y], retain_graph=True)
+        g1 = dist_autograd.get_gradients(cid)[emb.weight]
+        first = _vals(g1)
+        dist_autograd.backward(cid, [y])
+        g2 = dist_autograd.get_gradients(cid)[emb.weight]
+        return [first, _vals(g1), _vals(g2), g2 is g1, g1.is_sparse]
+
+
+def _hooks_and_watch(rpc, dist_autograd) -> dict:
+    torch.manual_seed(1)
+    p = torch.randn(4, requires_grad=True)
+    calls = [0]
+    p.register_post_accumulate_grad_hook(lambda t: calls.__setitem__(0, calls[0] + 1))
+    user = torch.full((4,), 7.0)
+    p.grad = user
+    stop, odd = threading.Event(), [0]
+
+    def watch():
+        while not stop.is_set():
+            if p.grad is not user:
+                odd[0] += 1
+    t = threading.Thread(target=watch)
+    t.start()
+    grads = []
+    try:
+        for _ in range(3):
+            with dist_autograd.context() as cid:
+                y = rpc.rpc_sync("worker1", torch.sin, args=(p,))
+                dist_autograd.backward(cid, [(y * p).sum()])
+                grads.append(_vals(dist_autograd.get_gradients(cid)[p]))
+    finally:
+        stop.set()
+        t.join()
+    return {"post_acc_calls": calls[0], "grad_changed_seen": odd[0], "user_grad": _vals(p.grad),
+            "grads": grads}
+
+
+def _chain(rpc) -> list:
+    got = []
+    for _ in range(3):
+        rpc.rpc_sync("worker1", _arm, args=(2,))
+        f1 = rpc.rpc_async("worker1", _meet, args=(1,))
+        f2 = rpc.rpc_async("worker1", _meet, args=(2,))
+        chained = f1.then(lambda f, f2=f2: f.value() + f2.wait())
+        box, done = {}, threading.Event()
+        chained.add_done_callback(lambda f, box=box, done=done: (box.update(v=f.value()), done.set()))
+        got.append(_vals(box["v"]) if done.wait(20) else "hung")
+    return got
+
+
+def _worker(rank: int, port: int, impl: str, out) -> None:
+    os.environ["DISTGRAD_SECRET"] = SECRET
+    torch.set_num_threads(1)
+    rpc, dist_autograd = _modules(impl)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=8)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    try:
+        if rank == 0:
+            res = {"kept": _kept(rpc, dist_autograd), "hooks": _hooks_and_watch(rpc, dist_autograd),
+                   "chain": _chain(rpc)}
+            out.put(json.dumps(res, sort_keys=True))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        out.put(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+    rpc.shutdown()
+
+
+def run(impl: str, timeout: float = 240.0) -> dict:
+    """The program on two spawned workers of ``impl``; worker0's record."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    ps = [ctx.Process(target=_worker, args=(r, port, impl, out)) for r in range(2)]
+    for p in ps:
+        p.start()
+    try:
+        return json.loads(out.get(timeout=timeout))
+    except queue.Empty:
+        return {"error": f"no result within {timeout:g} s"}
+    finally:
+        for p in ps:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", choices=("torch", "distgrad"), required=True)
+    print(json.dumps(run(ap.parse_args().impl), sort_keys=True))
