@@ -130,8 +130,9 @@ def _kept_in_place(rank, world_size):
             g1 = dist_autograd.get_gradients(cid)[x]
             first = g1.tolist()
             dist_autograd.backward(cid, [y.sum()])
+            after = g1.tolist()  # as soon as backward returned, before any other read
             g2 = dist_autograd.get_gradients(cid)[x]
-            out[name] = (first, g1.tolist(), g2 is g1)
+            out[name] = (first, after, g2 is g1)
     emb = torch.nn.Embedding(5, 3, sparse=True)
     torch.nn.init.ones_(emb.weight)
     idx = torch.tensor([1, 3])
@@ -140,8 +141,9 @@ def _kept_in_place(rank, world_size):
         dist_autograd.backward(cid, [y.sum()], retain_graph=True)
         g1 = dist_autograd.get_gradients(cid)[emb.weight]
         dist_autograd.backward(cid, [y.sum()])
+        after = g1.to_dense()[[1, 3]].tolist()
         g2 = dist_autograd.get_gradients(cid)[emb.weight]
-        out["sparse"] = (g1.is_sparse, g1.to_dense()[[1, 3]].tolist(), g2 is g1)
+        out["sparse"] = (g1.is_sparse, after, g2 is g1)
     return out
 
 

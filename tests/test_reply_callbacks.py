@@ -138,3 +138,38 @@ def _race(rank, world_size):
 
 def test_callbacks_registered_while_a_read_completes():
     assert run_workers(_race, world_size=2, timeout=120)[0] == []
+
+
+def _slow_plus(x):
+    time.sleep(0.3)
+    return x + 1
+
+
+def _callback_thread(rank, world_size):
+    """A done-callback runs on a pool thread once the waiter woke, never inside wait()
+    on the waiting thread: a callback may need a lock the waiter holds (torch's
+    markCompleted wakes the waiters, then runs the callbacks on its pool thread)."""
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    out = []
+    for i in range(3):
+        lock, seen, done = threading.Lock(), {}, threading.Event()
+        f = rpc.rpc_async("worker1", _slow_plus, args=(i,))
+
+        def cb(fut, seen=seen, lock=lock, done=done):
+            seen["thread"] = threading.get_ident()
+            seen["locked"] = lock.acquire(timeout=10)
+            if seen["locked"]:
+                lock.release()
+            done.set()
+        f.add_done_callback(cb)
+        with lock:
+            value = f.wait()
+        out.append((value, done.wait(20) and seen["locked"], seen.get("thread") != threading.get_ident()))
+    return out
+
+
+def test_done_callback_never_runs_inside_wait():
+    assert run_workers(_callback_thread, world_size=2, timeout=120)[0] == [
+        (1, True, True), (2, True, True), (3, True, True)]

@@ -51,6 +51,10 @@ class DistAutogradContext:
         # engine results not yet taken into ``gradients`` (see accumulate_fresh): taken in
         # order, before anything reads or adds to ``gradients``
         self._pending: list = []
+        # get_gradients gave the user the stored tensors: later results are taken in at
+        # once (added into those tensors as the engine returns them, as torch does),
+        # never left pending until the next read
+        self.exposed = False
         self.passes: dict[tuple, Any] = {}         # backward passes' state on this worker
         self.released = False
         # workers this context's RPCs reached that were lost since (rank -> the error): a
@@ -80,6 +84,7 @@ class DistAutogradContext:
         """Leaf tensor -> its accumulated gradient."""
         with self.lock:
             self._settle()
+            self.exposed = True
             return {node.variable: g for node, g in self.gradients.items()}
 
     def gradient_of(self, leaf: Any) -> torch.Tensor | None:
@@ -161,7 +166,7 @@ class DistAutogradContext:
             lazy = max(counts, default=0) <= _BASE_REFS
         given_keys = {_memory_key(g) for g in given}
         with self.lock:
-            if lazy:
+            if lazy and not self.exposed:
                 self._pending.append((leaves, grads, refs, given_keys, owned))
             else:
                 self._settle()

@@ -220,7 +220,9 @@ class RpcAgent(FastPath, Serving, Members):
             p.reader = None
         result, p.result = p.result, None
         if result is not None:
-            self._finish_own(p, result)
+            # callbacks run on a pool thread after the waiter wakes, as torch runs them
+            # (never inside this wait(): the waiter may hold what a callback needs)
+            self._finish_async(p, result)
 
     def abandon(self, future: torch.futures.Future, why: str) -> None:
         """Stop waiting for the reply of the rpc_async call whose future is
