@@ -113,6 +113,44 @@ def test_ddp_flush_shows_no_other_grad():
         assert out == {"odd": 0, "user_kept": True, "average": True, "not_own": True}, outs
 
 
+def _ddp_accumulating(rank, world_size, pg_port):
+    """Two passes in one context through DDP, the first under no_sync() (gradient
+    accumulation): as under torch, the second pass's gradient is added into what the
+    context holds before DDP's hook reads it, so the context ends with the group's
+    average of both passes; the tensor get_gradients gave after the first pass is
+    the one that holds it."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import distgrad.autograd as dist_autograd
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank,
+                            world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(4, 3).double())
+        p = model.module.weight
+        torch.manual_seed(rank + 5)
+        x1, x2 = torch.randn(2, 4, dtype=torch.double), torch.randn(2, 4, dtype=torch.double)
+        with dist_autograd.context() as cid:
+            with model.no_sync():
+                dist_autograd.backward(cid, [model(x1).sum()])
+            kept = dist_autograd.get_gradients(cid)[p]
+            dist_autograd.backward(cid, [model(x2).pow(2).sum()])
+            got = dist_autograd.get_gradients(cid)[p]
+        want = (torch.autograd.grad(model.module(x1).sum(), [p])[0]
+                + torch.autograd.grad(model.module(x2).pow(2).sum(), [p])[0])
+        dist.all_reduce(want)
+        want /= world_size
+        return {"average": torch.allclose(got, want), "kept": got is kept, "grad": p.grad is None}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_gradient_accumulation_in_one_context():
+    outs = run_workers(_ddp_accumulating, world_size=2, timeout=200, args=(free_port(),))
+    assert outs == [{"average": True, "kept": True, "grad": True}] * 2, outs
+
+
 def _kept_in_place(rank, world_size):
     import distgrad.autograd as dist_autograd
     import distgrad.rpc as rpc

@@ -120,6 +120,22 @@ class DistAutogradContext:
                 self.gradients[leaf] = _copy(grad, leaf)
                 self.grads_mine.add(leaf)
 
+    def replace(self, leaf: Any, grad: torch.Tensor) -> None:
+        """Make ``grad`` the gradient of ``leaf`` (DDP's result for what the context
+        held plus this pass's): written into the tensor the context holds, as DDP's
+        reducer copies into the context's gradient, so a tensor taken from
+        ``get_gradients`` shows it; a copy where that cannot be done."""
+        g = grad.detach()
+        with self.lock:
+            self._settle()
+            old = self.gradients.get(leaf)
+            if (old is not None and leaf in self.grads_mine and old.layout == torch.strided
+                    and g.layout == torch.strided and old.shape == g.shape):
+                old.copy_(g)
+            else:
+                self.gradients[leaf] = _copy(g, leaf)
+                self.grads_mine.add(leaf)
+
     def accumulate_fresh(self, leaves: list, grads: Sequence, given: Sequence,
                          owned: bool = False, lazy: bool = False,
                          given_refs: Sequence[int] | None = None) -> None:

@@ -190,6 +190,11 @@ class _Feed(torch.autograd.Function):
 _torch_dist: list = []  # torch.distributed.autograd once its container is ready, or False
 
 
+def in_torch_context() -> bool:
+    """Whether the flush runs in a torch distributed autograd context (see :func:`synced`)."""
+    return _torch_dist_autograd() is not None
+
+
 def _torch_dist_autograd() -> Any:
     """torch's distributed autograd, its container initialized (None where this
     torch has none, as on Windows: there DDP's reducer only ever writes ``.grad``)."""

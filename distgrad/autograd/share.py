@@ -285,6 +285,16 @@ class PassState(Executor):
         if not held or self.aborted:
             return
         leaves = list(held)
+        if not self.create_graph and ddp.in_torch_context():
+            # as torch's engine: the pass's gradient is added into what the context holds
+            # before DDP's hook reads it, and DDP's result is what the context then holds
+            # (gradient accumulation over passes; a pass under no_sync() then a synced one)
+            before = [self.ctx.gradient_of(n) for n in leaves]
+            feed = [held[n] if b is None else b + held[n] for n, b in zip(leaves, before)]
+            for node, g in zip(leaves, ddp.synced(leaves, feed)):
+                if g is not None:
+                    self.ctx.replace(node, g)
+            return
         res = ddp.synced(leaves, [held[n] for n in leaves])
         if self.create_graph:
             self.ctx.accumulate_graph(leaves, res)
