@@ -228,16 +228,17 @@ opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
 rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
 assert torch.equal(rpc.rpc_sync(f"worker{1 - rank}", torch.add, args=(torch.ones(2), 1)),
                    torch.full((2,), 2.0))
-rpc.shutdown()
+rpc.shutdown(graceful=sys.argv[3] == "1")
 os._exit(0)  # as a script that ends: rank 0's store goes with it at once
 '''
 
 
-def test_clean_shutdown_prints_no_stack_trace(tmp_path):
+@pytest.mark.parametrize("graceful", ["1", "0"])
+def test_clean_shutdown_prints_no_stack_trace(graceful):
     env = dict(os.environ, DISTGRAD_SECRET="e6322fbce9c88c169fbd6b1aba3050223d9e940b978cef4791345bab9c71ed")
     for _ in range(3):
         port = str(free_port())
-        procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(r), port], env=env,
+        procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(r), port, graceful], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in (0, 1)]
         outs = []
@@ -249,3 +250,29 @@ def test_clean_shutdown_prints_no_stack_trace(tmp_path):
         assert [p.returncode for p in procs] == [0, 0], outs
         for _, err in outs:
             assert "frame #" not in err and "recvVector" not in err, err
+
+
+def _static_graph(rank, world_size, pg_port):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import distgrad.autograd as dist_autograd
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank,
+                            world_size=world_size)
+    try:
+        model = DDP(torch.nn.Linear(3, 3), static_graph=True)
+        with dist_autograd.context() as cid:
+            try:
+                dist_autograd.backward(cid, [model(torch.ones(2, 3)).sum()])
+            except RuntimeError as e:
+                return str(e)
+        return "no error"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_static_graph_is_refused_not_wrong():
+    """DDP(static_graph=True) would average nothing in a distributed backward (its
+    delayed all-reduce runs before the gradients reach DDP): a clear error instead."""
+    out = run_workers(_static_graph, world_size=1, timeout=120, args=(free_port(),))[0]
+    assert "static_graph=True) is not supported" in out, out

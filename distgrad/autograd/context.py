@@ -320,6 +320,8 @@ def _combine(mine: set, leaf: Any, old: torch.Tensor, g: torch.Tensor) -> torch.
     ``AccumulateGrad::accumulateGrad``): into ``old`` in place (dense + dense,
     dense + sparse, sparse + sparse), so a tensor taken from ``get_gradients``
     shows the new sum; sparse + dense is a new dense tensor (its layout changes).
+    There torch 2.13's context keeps the sparse one and drops the sum
+    (``c10::Dict::insert`` does not replace a key): distgrad keeps the sum.
     A create_graph pass's gradient (not in ``mine``) is summed out of place, its
     graph left alone."""
     g = g.detach()

@@ -213,6 +213,20 @@ def _torch_dist_autograd() -> Any:
     return _torch_dist[0]
 
 
+def _refuse_static_graph(variables: list) -> None:
+    """DDP(static_graph=True) delays its first all-reduce to a callback queued on the
+    engine call that runs DDP's output node, which in a distributed backward ends
+    before the gradients reach DDP: it would average nothing. Refused, not wrong."""
+    for v in variables:
+        ref = _owner.get(id(v))
+        module = ref() if ref is not None else None
+        if module is not None and getattr(module, "static_graph", False):
+            raise RuntimeError(
+                "DistributedDataParallel(static_graph=True) is not supported inside a "
+                "distgrad distributed backward (its delayed all-reduce would average "
+                "nothing); construct the DDP without static_graph")
+
+
 def _reach_all(variables: list) -> list:
     """DDP instances with ``find_unused_parameters`` (dynamic graph) whose parameters
     are among ``variables`` (this pass's gradients): their reducers prepared again
@@ -264,6 +278,7 @@ def synced(leaves: Sequence[Any], grads: Sequence) -> Sequence:
     tda = _torch_dist_autograd()
     out = list(grads)
     variables = [leaves[i].variable for i in idx]
+    _refuse_static_graph(variables)
     with _lock:
         unused = _reach_all(variables) if tda is not None else []
         if _deferred:

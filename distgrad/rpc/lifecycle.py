@@ -193,7 +193,10 @@ def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
         agent.pool.shutdown(wait=graceful, cancel_futures=not graceful)
         agent.callbacks.shutdown(wait=graceful)
     finally:
-        _leave_ledger(agent)  # a shutdown without the barrier (graceful=False)
+        # (graceful=False leaves the ledger entry as a crash does: rank 0, the store's
+        # host, may be gone already, and a store call would fail loudly; a dynamic
+        # joiner finds nobody listening at the entry's address and marks it out)
+        agent.static_store = None
         # Let go of the store: on rank 0 its server closes once nothing else in this
         # process (a process group on the same port) holds it.
         agent.store = None

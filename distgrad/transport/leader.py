@@ -6,11 +6,13 @@ read includes work (a request to serve, a reply to complete), it passes the
 leader role to an idle thread (a *follower*), or starts one, and runs the
 work itself: no hand-off between the thread that read a request and the one
 that runs it, and the reply goes out from that same thread. When one read
-brings several pieces, every request still gets a thread of its own, as torch
-serves each request (one may wait for something the next one does): the
-reading thread runs the reply completions (marked ``batchable``) and then the
-first request; each further request is queued and wakes a thread. Reply
-completions alone are run by the reading thread in turn, with no wake-up.
+brings several pieces, every request and every reply completion (marked
+``batchable``) still gets a thread of its own, as torch serves each request and
+completes each reply (one may wait for something the next one does): the
+reading thread runs the first completion and the first request; the rest is
+queued and wakes a thread. Reply completions alone are queued for the reading
+thread to take in turn, with no wake-up; if one is held up (a callback that
+waits), any thread that next looks for work takes the rest.
 
 There is always a leader while the pool runs, so the sockets are always read:
 when every thread is busy, the leader keeps the role and queues the work
@@ -93,6 +95,19 @@ class LeaderFollowers:
                 return
             self.wakes += 1
         self._shared_wake()
+
+    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` for the thread that queues it to take next, waking nobody
+        (shared mode): if that thread is held up meanwhile, any thread that next looks
+        for work takes it (at the latest when the heartbeat wakes one). Elsewhere (no
+        shared poller) it is :meth:`submit`."""
+        if self._shared_wake is None:
+            self.submit(fn, *args)
+            return
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("cannot schedule new work after shutdown")
+            self._tasks.append((fn, args))
 
     def _wake(self, n: int) -> None:  # under the lock
         # ``_idle`` counts waiting threads nobody has woken yet: the waker takes them off
@@ -186,11 +201,13 @@ class LeaderFollowers:
                     if len(work) > 1:
                         # several messages from one read (see _split): this thread
                         # runs its share, the rest is queued; a queued request wakes
-                        # a thread (it may block), reply completions do not
+                        # a thread (it may block), and so do reply completions queued
+                        # behind a request this thread runs
                         work, queued = self._split(work)
                         if queued:
                             self._tasks.extend(queued)
-                            extra = self._wake_for(queued) and not self._spare()
+                            extra = (self._wake_for(queued) or self._wake_for(work)) \
+                                and not self._spare()
                 if extra:
                     self.wakes += 1
                     self._shared_wake()
@@ -212,12 +229,15 @@ class LeaderFollowers:
         """Several pieces of work from one read: (what the thread that read them runs,
         in turn; what it queues). Every request (work not marked ``batchable``) must
         run on a thread of its own, as torch serves each request: one may wait for
-        something the next one does (a flag, a reply). Reply completions
-        (``batchable``) run on the reading thread before its request, if any: queued
-        behind a request that waits for one of them, they would wait with it. Only
-        reply completions: the first runs here, the rest are queued for this thread
-        to take next (an idle thread that wakes anyway may take one), with no
-        wake-up. DISTGRAD_BATCH_WAKES=1: one piece here, a wake-up for the rest."""
+        something the next one does (a flag, a reply). So must every reply
+        completion, as torch completes each: completing one runs its future's
+        callbacks, and one registered where distgrad cannot see it (torch's
+        ``collect_all`` registers in C++) may wait for the next reply. Only reply
+        completions: the first runs here, the rest are queued for this thread to
+        take next, with no wake-up (if the first is held up, any thread that next
+        looks for work takes them, at the latest at the heartbeat). With requests:
+        the first completion, then the first request, run here; the rest is queued
+        with a wake-up. DISTGRAD_BATCH_WAKES=1: one piece here, a wake-up for the rest."""
         batch = [w for w in work if getattr(w[0], "batchable", False)]
         if len(batch) == len(work):
             return work[:1], work[1:]
@@ -225,7 +245,7 @@ class LeaderFollowers:
         if self._batch_wakes:
             ordered = batch + requests
             return ordered[:1], ordered[1:]
-        return batch + requests[:1], requests[1:]
+        return batch[:1] + requests[:1], batch[1:] + requests[1:]
 
     def _wake_for(self, queued) -> bool:
         """Whether queued work needs a thread woken for it: a piece that may block

@@ -321,19 +321,24 @@ class Reading:
         if len(batch) == 1:
             submit(batch[0][0], *batch[0][1])
         elif batch:
-            submit(_run_batch, batch)
+            submit(_run_batch, batch, self.pool)
         for fn, args in work:
             if not getattr(fn, "batchable", False):
                 submit(fn, *args)
 
 
-def _run_batch(work: list) -> None:
-    """Run reply completions read together, in turn (one pool task)."""
-    for fn, args in work:
-        try:
-            fn(*args)
-        except Exception:
-            log.exception("error completing a reply read by a waiting caller")
+def _run_batch(work: list, pool) -> None:
+    """Run reply completions read together (one pool task, one wake-up): the first
+    here, the rest deferred to this thread (:meth:`.leader.LeaderFollowers.defer`)
+    before it runs: completing a reply runs its future's callbacks, which may wait
+    for the next reply (then another thread takes the rest)."""
+    fn, args = work[0]
+    if len(work) > 1:
+        pool.defer(_run_batch, work[1:], pool)
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("error completing a reply read by a waiting caller")
 
 
 _run_batch.batchable = True  # reply completions only (see Reading._hand_off)
