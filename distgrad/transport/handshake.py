@@ -35,14 +35,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import math
 import os
 import socket
-import string
 import struct
 import threading
 import time
 from collections.abc import Callable, Collection
+
+from .strength import secret_bits
 
 MAGIC = b"DGT2"
 _HELLO = struct.Struct("!4sIIB16s")
@@ -70,31 +70,22 @@ _stretched: dict[bytes, bytes] = {}
 _stretch_lock = threading.Lock()
 
 
-def secret_bits(secret: bytes) -> float:
-    """A rough upper bound on the entropy of ``secret``: its length times log2 of
-    the size of the character classes it uses."""
-    try:
-        text = secret.decode()
-    except UnicodeDecodeError:
-        return 8.0 * len(secret)
-    size = sum(n for chars, n in ((string.ascii_lowercase, 26), (string.ascii_uppercase, 26),
-                                  (string.digits, 10)) if any(c in chars for c in text))
-    size += 33 if any(not c.isalnum() or not c.isascii() for c in text) else 0
-    return len(text) * math.log2(max(size, 2))
-
-
 def stretch(secret: bytes) -> bytes:
-    """The key every other key of the transport derives from: scrypt over the
-    secret (n=2**14, r=8: some 16 MiB and tens of ms), computed once per process
-    and secret. Warns, once, when the secret looks shorter than 128 bits."""
+    """The key every other key derives from (the transport's, the store's seals):
+    scrypt over the secret (n=2**14, r=8: some 16 MiB and tens of ms), computed
+    once per process and secret. Warns, once, when the secret looks weaker than
+    128 bits (:func:`~distgrad.transport.strength.secret_bits`: dictionary words
+    count as words)."""
     with _stretch_lock:
         key = _stretched.get(secret)
         if key is None:
             from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
             if secret_bits(secret) < 128:
                 log.warning("the cluster secret (DISTGRAD_SECRET) looks weaker than 128 bits "
-                            "(%d characters): anyone who reaches a worker can try guesses at it. "
-                            "Make a good one with: %s", len(secret), GOOD_SECRET_HINT)
+                            "(%d characters, some %d bits counting words as words): anyone who "
+                            "reaches a worker or reads the store can try guesses at it. "
+                            "Make a good one with: %s", len(secret), secret_bits(secret),
+                            GOOD_SECRET_HINT)
             key = Scrypt(salt=b"distgrad-secret-v2", length=32, n=2 ** 14, r=8, p=1).derive(secret)
             _stretched[secret] = key
         return key
