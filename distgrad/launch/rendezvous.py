@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..errors import DistgradError
 from ..transport.auth import secret_from_env
+from .listen import host_store
 from .sealed import StoreSeal, expect
 
 _PREFIX = "distgrad/"
@@ -119,8 +120,10 @@ def make_store(init_method: str, rank: int | None, world_size: int | None, timeo
             raise ValueError(f"init_method {init_method!r} must name host and port")
     host_it = hosts_store(init_method, rank, world_size)
     try:
-        return dist.TCPStore(host, int(port), world_size, is_master=host_it, timeout=td,
-                             wait_for_workers=False, multi_tenant=host_it)
+        if host_it:   # on the address named, not torch's wildcard (see .listen)
+            return host_store(host, int(port), world_size, td, multi_tenant=True)
+        return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=td,
+                             wait_for_workers=False)
     except dist.DistError as e:
         raise _store_error(name, rank, host, int(port), host_it, e) from e
 
