@@ -37,7 +37,7 @@ def plot_curves(hist: dict[str, list], path: str) -> str:
     fig.suptitle("distgrad demo: model-parallel digits classifier")
     fig.tight_layout()
     with new_file(path) as f:   # never through a link (see distgrad.safe_files)
-        fig.savefig(f, dpi=110, format="png")
+        fig.savefig(f, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower() or "png")
     plt.close(fig)
     return path
 

@@ -497,5 +497,5 @@ def draw(desc: dict, path: str, fmt: str | None = None) -> str:
               frameon=False, bbox_to_anchor=(0.5, 0.0), handlelength=1.2, columnspacing=1.0)
     with matplotlib.rc_context({"svg.fonttype": "none"}):   # SVG text stays text (searchable)
         with new_file(path) as f:   # never through a link (see distgrad.safe_files)
-            fig.savefig(f, format=fmt)
+            fig.savefig(f, format=fmt or path.rsplit(".", 1)[-1].lower())
     return path
