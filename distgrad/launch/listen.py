@@ -19,6 +19,8 @@ Example::
 from __future__ import annotations
 
 import errno
+import ipaddress
+import logging
 import socket
 from datetime import timedelta
 
@@ -26,20 +28,44 @@ import torch.distributed as dist
 
 from ..errors import DistgradError
 
+log = logging.getLogger(__name__)
+
 
 def bound_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket bound to ``host`` (an address or a name, resolved as
-    the clients will: its first address) and ``port``. Raises OSError."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
+    """A listening TCP socket bound to ``host`` (an address, or a name: the first
+    of its addresses that can be bound) and ``port``. Raises OSError (the first
+    address's error when none can be bound)."""
+    first: OSError | None = None
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(1024)
+        except OSError as e:
+            sock.close()
+            if e.errno == errno.EADDRINUSE:
+                raise
+            first = first or e
+            continue
+        _warn_if_loopback_name(host, addr[0])
+        return sock
+    raise first or OSError(f"{host} has no address")
+
+
+def _warn_if_loopback_name(host: str, bound: str) -> None:
+    """A name (not ``localhost``) that resolves to a loopback address here, as a
+    host's own name does with Debian's ``127.0.1.1`` line in /etc/hosts: the store
+    listens there, where no other host can reach it. Say so."""
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(1024)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+        ipaddress.ip_address(host)
+        return   # an address: what the user named
+    except ValueError:
+        pass
+    if host != "localhost" and ipaddress.ip_address(bound.split("%")[0]).is_loopback:
+        log.warning("the store's host name %r resolves to %s (loopback) on this machine: it "
+                    "listens there, and other hosts cannot reach it. Name this host's network "
+                    "address instead (MASTER_ADDR, the tcp:// host, --host)", host, bound)
 
 
 def host_store(host: str, port: int, world_size: int | None, timeout: timedelta,
