@@ -17,7 +17,7 @@ import time
 
 from distgrad.launch import sealed
 from distgrad.transport import framing
-from distgrad.transport.handshake import _HELLO, _WELCOME, F_ENCRYPT, F_SECRET, MAGIC  # noqa: F401
+from distgrad.transport.handshake import _HELLO, _WELCOME, F_ENCRYPT, F_MAC_ALL, F_SECRET, MAGIC  # noqa: F401
 
 
 def worker_address(agent, rank: int) -> tuple[tuple[str, int], str | None, dict]:
@@ -45,6 +45,11 @@ def connect(target, timeout: float = 5.0) -> socket.socket:
         s.connect("\0" + target[1:] if target.startswith("@") else target)
         return s
     return socket.create_connection(target, timeout=timeout)
+
+
+def secret_flags(kind: str) -> int:
+    """A worker's flags with a secret, encryption off: on TCP it MACs every byte."""
+    return F_SECRET | (F_MAC_ALL if kind == "tcp" else 0)
 
 
 def hello(rank: int, server_rank: int, flags: int, challenge: bytes | None = None) -> bytes:

@@ -271,18 +271,18 @@ def _attack(rank, world_size, marker):
         s.close()
         # a hello with a made-up proof, then messages anyway
         s = rp.connect(target)
-        s.sendall(rp.hello(0, 1, rp.F_SECRET))
+        s.sendall(rp.hello(0, 1, rp.secret_flags(kind)))
         welcome = rp.read_welcome(s)
         rp.send_quietly(s, os.urandom(32) + frames)
         seen[kind, "forged proof"] = (welcome is not None and welcome[1] == 1 and
-                                      welcome[2] == rp.F_SECRET and rp.closed_by_peer(s))
+                                      welcome[2] == rp.secret_flags(kind) and rp.closed_by_peer(s))
         s.close()
         # a well-formed hello from a client without the secret: no proof for it
         s = rp.connect(target)
         s.sendall(rp.hello(0, 1, 0))
         welcome = rp.read_welcome(s)
         rp.send_quietly(s, bytes(32) + frames)
-        seen[kind, "no secret"] = (welcome is not None and welcome[2] == rp.F_SECRET
+        seen[kind, "no secret"] = (welcome is not None and welcome[2] == rp.secret_flags(kind)
                                    and len(welcome) == 4 and rp.closed_by_peer(s))
         s.close()
         # the secret, claiming rank 0 (already connected): the client's proof passes,
@@ -290,14 +290,14 @@ def _attack(rank, world_size, marker):
         # sent after it are never read
         s = rp.connect(target)
         with pytest.raises(Refused, match="does not expect"):
-            client_handshake(s, 0, 1, secret, False)
+            client_handshake(s, 0, 1, secret, False, mac_all=kind == "tcp")
         rp.send_quietly(s, frames)
         seen[kind, "rank already connected"] = rp.closed_by_peer(s)
         s.close()
         # the handshake, then nothing
         s = rp.connect(target)
         with pytest.raises(Refused, match="does not expect"):
-            client_handshake(s, 0, 1, secret, False)
+            client_handshake(s, 0, 1, secret, False, mac_all=kind == "tcp")
         seen[kind, "silent"] = rp.closed_by_peer(s)
         s.close()
         # nothing at all (the worker gives up on it after a few seconds)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -62,13 +64,14 @@ def listening_endpoints(pid: int, exclude_ports=()) -> list:
     return found
 
 
-def _connect(target, timeout=2.0):
+def _connect(target, timeout=2.0, source=None):
     if isinstance(target, str):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(timeout)
         s.connect("\0" + target[1:])
         return s
-    return socket.create_connection(target, timeout=timeout)
+    return socket.create_connection(target, timeout=timeout,
+                                    source_address=(source, 0) if source else None)
 
 
 class _Held:
@@ -93,11 +96,15 @@ class Strangers:
     connections that send one byte every 2 s, ``idle`` that send nothing, and a
     flood of new connections (each held a moment, the newest ``flood`` kept): 100
     strangers at each socket by default, all from 127.0.0.1 (one source, past the
-    gate's 64 per source)."""
+    gate's 64 per source). With ``sources`` > 1 TCP strangers come from that many
+    loopback addresses (127.0.0.2, ...: past the gate's 128 in all, not only its
+    64 per source)."""
 
     def __init__(self, pid_dir: str, drip: int = 35, idle: int = 35, flood: int = 30,
-                 exclude_ports=()) -> None:
+                 exclude_ports=(), sources: int = 1) -> None:
         self.pid_dir, self.drip, self.idle, self.flood = pid_dir, drip, idle, flood
+        self.sources = [f"127.0.0.{2 + i}" for i in range(sources)] if sources > 1 else [None]
+        self.from_sources: set = set()
         self.exclude = set(exclude_ports)
         self.stop = threading.Event()
         self.targets: set = set()
@@ -137,11 +144,14 @@ class Strangers:
             self.stop.wait(0.05)
 
     def _open(self, ep):
+        source = self.sources[self.connects % len(self.sources)]
         try:
-            s = _connect(ep)
+            s = _connect(ep, source=source)
         except OSError:
             return None
         with self._count:
+            if not isinstance(ep, str):
+                self.from_sources.add(s.getsockname()[0])
             self.connects += 1
             self.live[ep] += 1
             self.peak = max(self.peak, self.live[ep])
@@ -245,6 +255,25 @@ def test_a_group_starts_while_strangers_drip_idle_and_flood(tmp_path):
         assert took < 45, f"init_rpc took {took:.1f} s under attack"
 
 
+def test_a_group_starts_while_strangers_from_many_sources_fill_the_gate(tmp_path):
+    """Strangers from 16 loopback addresses, 150 at each socket at once: more than
+    the gate's 128 places in all, few enough per source that none is over its 64.
+    What they cost the members: nothing but retries (a member's handshake dropped
+    as the oldest is tried again, and gets in), so the group still starts."""
+    pid_dir = str(tmp_path / "pids")
+    os.mkdir(pid_dir)
+    with Strangers(pid_dir, drip=55, idle=55, flood=40, sources=16) as attack:
+        res = run_workers(_static_start, world_size=2, init=False, timeout=120,
+                          args=(str(tmp_path / "store"), pid_dir))
+        hit, peak, sources = len(attack.targets), attack.peak, set(attack.from_sources)
+    assert hit >= 4, f"the attacker found only {attack.targets}"
+    assert len(sources) == 16, sources
+    assert peak > 128, f"at most {peak} strangers at once at one socket"
+    assert [r[1] for r in res] == [[1.0, 1.0], [2.0, 2.0]]
+    for took, _ in res:
+        assert took < 60, f"init_rpc took {took:.1f} s under attack"
+
+
 def _coord(port):
     return dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=60),
                          wait_for_workers=False)
@@ -339,11 +368,11 @@ def _guess(rank, world_size):
         kind = "unix" if isinstance(target, str) else "tcp"
         cc = os.urandom(16)
         s = rp.connect(target)
-        s.sendall(rp.hello(0, 1, rp.F_SECRET, cc))       # a hello, then nothing
+        s.sendall(rp.hello(0, 1, rp.secret_flags(kind), cc))       # a hello, then nothing
         out[kind, "silent"] = _read_all(s)
         s.close()
         s = rp.connect(target)
-        s.sendall(rp.hello(0, 1, rp.F_SECRET, cc))       # a hello, then a guessed proof
+        s.sendall(rp.hello(0, 1, rp.secret_flags(kind), cc))       # a hello, then a guessed proof
         welcome = rp.recv_exact(s, rp._WELCOME.size)
         sc = welcome[-16:]
         key = hashlib.sha256(b"distgrad-handshake|hunter2").digest()
@@ -363,7 +392,8 @@ def test_a_stranger_gets_nothing_that_depends_on_the_secret():
     for (kind, what), data in seen.items():
         welcome = data[:hs._WELCOME.size]
         magic, rank, flags, _sc = hs._WELCOME.unpack(welcome)
-        assert (magic, rank, flags) == (hs.MAGIC, 1, hs.F_SECRET), (kind, what, data)
+        want = hs.F_SECRET | (hs.F_MAC_ALL if kind == "tcp" else 0)   # TCP: every byte MAC'd
+        assert (magic, rank, flags) == (hs.MAGIC, 1, want), (kind, what, data)
         rest = data[hs._WELCOME.size:]
         if what == "silent":  # cut off at the handshake's deadline, with nothing more
             assert rest == b"", (kind, rest)
@@ -460,6 +490,19 @@ def _child_env(rank, world_size):
 def test_a_worker_and_its_children_do_not_keep_the_secret_in_their_environment():
     for mine, childs in run_workers(_child_env, world_size=2, timeout=90):
         assert mine is None and childs == "None", (mine, childs)
+
+
+def test_the_secret_stays_readable_in_proc_environ_as_the_threat_model_says():
+    """docs/threat-model.md: the secret leaves os.environ (children do not inherit
+    it) but stays in /proc/<pid>/environ, readable by the same user and root, for
+    the process's life: the kernel keeps the environment it started with."""
+    code = ("import os; from distgrad.transport.auth import secret_from_env; s = secret_from_env(); "
+            "print(s == b'proc-environ-probe', 'DISTGRAD_SECRET' in os.environ, "
+            "b'proc-environ-probe' in open('/proc/self/environ', 'rb').read())")
+    env = {**os.environ, "DISTGRAD_SECRET": "proc-environ-probe"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["True", "False", "True"], (out.stdout, out.stderr)
 
 
 def test_a_planted_or_open_file_store_is_refused(tmp_path):

@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any
 
+from ..safe_files import new_file
+
 
 def plot_curves(hist: dict[str, list], path: str) -> str:
     """Loss and accuracy curves into ``path`` (PNG); returns the path."""
@@ -34,7 +36,8 @@ def plot_curves(hist: dict[str, list], path: str) -> str:
     ax2.legend(loc="lower right")
     fig.suptitle("distgrad demo: model-parallel digits classifier")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with new_file(path) as f:   # never through a link (see distgrad.safe_files)
+        fig.savefig(f, dpi=110, format=os.path.splitext(path)[1].lstrip(".").lower() or "png")
     plt.close(fig)
     return path
 
@@ -51,7 +54,7 @@ def _smooth(values: list[float], window: int = 10) -> list[float]:
 
 
 def write_summary(summary: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
+    with new_file(path, binary=False) as f:
         json.dump(summary, f, indent=1)
 
 

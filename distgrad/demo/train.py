@@ -88,8 +88,13 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))
     import torch.multiprocessing as mp
 
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
+    from ..errors import DistgradError
+    from ..safe_files import out_dir
+    try:   # files are written beside their names and renamed, never through a link
+        out = out_dir(os.path.abspath(args.out), "distgrad demo --out")
+    except (DistgradError, OSError) as e:
+        print(f"distgrad demo: {e}", file=sys.stderr)
+        return 2
     cfg = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "out": out,
            "seed": args.seed, "eval_every": args.eval_every,
            "init_method": f"tcp://127.0.0.1:{_free_port()}"}
@@ -394,10 +399,9 @@ def write_graph(desc: dict, base: str) -> tuple[list[str], str]:
     paths = [base + ".png", base + ".svg"]
     engine = render(desc, paths[0])
     render(desc, paths[1], engine=engine)
-    with open(base + ".dot", "w") as f:
-        f.write(to_dot(desc))
-    with open(base + ".json", "w") as f:
-        json.dump(desc, f, indent=1)
+    from distgrad.safe_files import write_file
+    write_file(base + ".dot", to_dot(desc))
+    write_file(base + ".json", json.dumps(desc, indent=1))
     return paths + [base + ".dot", base + ".json"], engine
 
 

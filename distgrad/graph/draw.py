@@ -30,6 +30,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..safe_files import new_file
 from .labels import COLORS, CROSS_COLOR, edge_label, node_label, title
 
 __all__ = ["draw", "layout"]
@@ -495,5 +496,6 @@ def draw(desc: dict, path: str, fmt: str | None = None) -> str:
     ax.legend(handles=legend, loc="lower center", ncol=5 if lay.width >= LEGEND_ONE_ROW else 3, fontsize=7,
               frameon=False, bbox_to_anchor=(0.5, 0.0), handlelength=1.2, columnspacing=1.0)
     with matplotlib.rc_context({"svg.fonttype": "none"}):   # SVG text stays text (searchable)
-        fig.savefig(path, format=fmt)
+        with new_file(path) as f:   # never through a link (see distgrad.safe_files)
+            fig.savefig(f, format=fmt or path.rsplit(".", 1)[-1].lower())
     return path

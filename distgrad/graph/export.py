@@ -41,6 +41,7 @@ from ..autograd.rpc_functions import _ANCHOR, _node_types
 from ..errors import DistgradError
 from ..rpc import api as rpc_api
 from ..rpc.agent import agent_or_none
+from ..safe_files import out_dir, write_file
 from ..transport.auth import clean_env
 from . import labels
 
@@ -274,17 +275,18 @@ def render(desc: dict, path: str, engine: str = "auto") -> str:
     if engine not in ("auto", "dot", "matplotlib"):
         raise ValueError(f"render: engine must be 'auto', 'dot' or 'matplotlib', not {engine!r}")
     dot = dot_program() if engine != "matplotlib" else None
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    out_dir(os.path.dirname(os.path.abspath(path)), f"render {path}")
     if dot is not None:
         src = to_dot(desc)
-        try:
-            done = subprocess.run([dot, f"-T{ext}", "-o", path], input=src.encode(), capture_output=True,
+        try:   # to stdout: distgrad writes the file, never through a link (see safe_files)
+            done = subprocess.run([dot, f"-T{ext}"], input=src.encode(), capture_output=True,
                                   timeout=120, check=False, env=clean_env())
         except (OSError, subprocess.TimeoutExpired) as e:
             raise DistgradError(f"render: Graphviz's dot failed on {path!r}: {e}") from e
         if done.returncode != 0:
             raise DistgradError(f"render: Graphviz's dot failed on {path!r} (exit {done.returncode}): "
                                 f"{done.stderr.decode(errors='replace').strip()[-500:]}")
+        write_file(path, done.stdout)
         return "dot"
     dot_path = os.path.splitext(path)[0] + ".dot"
     if engine == "dot":
@@ -305,8 +307,7 @@ def render(desc: dict, path: str, engine: str = "auto") -> str:
 
 
 def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+    write_file(path, text)
 
 
 def export_graph(context_id: int, path: str, roots: Sequence[torch.Tensor] = (),
@@ -330,10 +331,9 @@ def export_graph(context_id: int, path: str, roots: Sequence[torch.Tensor] = (),
         raise ValueError(f"export_graph: unknown format {ext!r} for {path!r} "
                          f"(use one of .svg .png .pdf .dot .gv .json)")
     desc = describe_graph(context_id, roots)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    out_dir(os.path.dirname(os.path.abspath(path)), f"export_graph {path}")
     if ext == "json":
-        with open(path, "w") as f:
-            json.dump(desc, f, indent=1)
+        write_file(path, json.dumps(desc, indent=1))
     elif ext in _DOT_FORMATS:
         _write(path, to_dot(desc))
     else:

@@ -26,7 +26,9 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from ..errors import DistgradError
+from ..safe_files import dir_problem
 from ..transport.auth import secret_from_env
+from .listen import host_store
 from .sealed import StoreSeal, expect
 
 _PREFIX = "distgrad/"
@@ -119,8 +121,10 @@ def make_store(init_method: str, rank: int | None, world_size: int | None, timeo
             raise ValueError(f"init_method {init_method!r} must name host and port")
     host_it = hosts_store(init_method, rank, world_size)
     try:
-        return dist.TCPStore(host, int(port), world_size, is_master=host_it, timeout=td,
-                             wait_for_workers=False, multi_tenant=host_it)
+        if host_it:   # on the address named, not torch's wildcard (see .listen)
+            return host_store(host, int(port), world_size, td, multi_tenant=True)
+        return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=td,
+                             wait_for_workers=False)
     except dist.DistError as e:
         raise _store_error(name, rank, host, int(port), host_it, e) from e
 
@@ -129,22 +133,16 @@ def own_store_file(path: str) -> str:
     """``path`` once it is safe to use as a ``file://`` store: a regular file of
     this user that no one else can write (created here 0600, never through a
     link; one of ours that others could only read is made 0600), in a directory
-    where others cannot swap it (not writable by others unless it has the sticky
-    bit). Raises DistgradError saying what is wrong."""
+    where others cannot swap it: it and every directory above it belong to this
+    user or root and no one else can write them, unless sticky (as OpenSSH checks
+    ``~/.ssh``: :func:`distgrad.safe_files.dir_problem`). Raises DistgradError
+    saying what is wrong."""
     path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    try:
-        d = os.stat(parent)
-    except OSError as e:
-        raise DistgradError(f"file:// store {path}: cannot use its directory: {e}") from None
-    if d.st_mode & stat.S_IWOTH and not d.st_mode & stat.S_ISVTX:
-        raise DistgradError(f"file:// store {path}: its directory {parent} is writable by anyone "
-                            "and has no sticky bit (another user could plant or swap the file); "
-                            "use a directory of your own")
-    if d.st_uid != os.geteuid() and d.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and \
-            not d.st_mode & stat.S_ISVTX:
-        raise DistgradError(f"file:// store {path}: its directory {parent} belongs to another user "
-                            "and others can write to it; use a directory of your own")
+    problem = dir_problem(os.path.dirname(path))
+    if problem is not None:   # torch reopens the path at every operation: no one may swap it
+        raise DistgradError(f"file:// store {path}: {problem} (another user could plant or swap "
+                            "the file); use a directory that only you (or root) can write, all "
+                            "the way up")
     nofollow = getattr(os, "O_NOFOLLOW", 0)
     while True:
         try:

@@ -9,7 +9,8 @@ writes is::
     b"DGS1" | tag (32 bytes) | JSON
 
 where the JSON can express nothing but data, and ``tag`` is an HMAC-SHA256
-under a key derived with HKDF from ``DISTGRAD_SECRET`` over the attempt id, the
+under a key derived with HKDF from ``DISTGRAD_SECRET`` stretched by scrypt
+(:func:`store_key`: a guess at the secret costs a scrypt) over the attempt id, the
 full key name and the JSON: a value moved to another key, or replayed in
 another attempt (a torchrun restart; for a static group's exchange, another
 rendezvous at all: see :func:`distgrad.launch.rendezvous.exchange`), fails the
@@ -52,6 +53,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..errors import ProtocolError, StoreTamperedError
+from ..transport.handshake import stretch
 
 log = logging.getLogger(__name__)
 MAGIC = b"DGS1"
@@ -66,10 +68,13 @@ def attempt_id() -> str:
 
 
 def store_key(secret: bytes) -> bytes:
-    """The key that seals store entries: HKDF (SHA-256) over the cluster secret,
-    apart from every transport key (its own ``info``)."""
+    """The key that seals store entries: HKDF (SHA-256) over the cluster secret
+    stretched by scrypt (:func:`~distgrad.transport.handshake.stretch`, once per
+    process, shared with the transport), apart from every transport key (its own
+    ``info``). Whoever reads a sealed entry and tests guesses at the secret
+    against its tag pays a scrypt per guess, as against the handshake."""
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
-                info=b"distgrad-store-v1").derive(secret)
+                info=b"distgrad-store-v2").derive(stretch(secret))
 
 
 def _framed(*parts: bytes) -> bytes:

@@ -402,11 +402,12 @@ def hosted_elsewhere() -> bool:
 
 
 def serve_store(host: str, port: int) -> dist.TCPStore:
-    """Host a TCPStore that outlives every member (``distgrad store``).
+    """Host a TCPStore that outlives every member (``distgrad store``), listening on
+    ``host`` alone (:mod:`distgrad.launch.listen`).
 
     Example::
 
         >>> store = serve_store("0.0.0.0", 29500)   # then: DISTGRAD_STORE_HOSTED=1 on every worker
     """
-    return dist.TCPStore(host, port, None, is_master=True, timeout=timedelta(seconds=60),
-                         wait_for_workers=False)
+    from ..launch.listen import host_store
+    return host_store(host, port, None, timedelta(seconds=60))

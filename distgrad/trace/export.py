@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..safe_files import new_file
 from .clock import Offset, keep_causal
 
 # the synthetic track a worker's backward passes are drawn on (not an OS thread id)
@@ -38,7 +39,7 @@ def write(path: str, tracer: int, payloads: dict[int, dict], offsets: dict[int, 
           session: Any) -> None:
     """Merge every worker's events onto ``tracer``'s clock and write them to ``path``."""
     doc = build(tracer, payloads, offsets, session)
-    with open(path, "w") as f:
+    with new_file(path, binary=False) as f:   # never through a link (see safe_files)
         json.dump(doc, f, separators=(",", ":"))
 
 

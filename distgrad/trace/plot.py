@@ -14,7 +14,9 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 
+from ..safe_files import new_file
 from .summary import Summary, report, summarize
 
 COLOURS = {"computing": "#e8871e", "serving": "#3c9d4e", "network": "#4a7fc1", "idle": "#eeeeee"}
@@ -69,7 +71,8 @@ def draw(s: Summary, out: str, title: str) -> None:
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=8,
               frameon=False)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    with new_file(out) as f:   # never through a link (see safe_files)
+        fig.savefig(f, dpi=110, format=os.path.splitext(out)[1].lstrip(".").lower() or "png")
     plt.close(fig)
 
 

@@ -7,10 +7,16 @@ BLAKE2b MAC over the sequence number, ``full``, the length of every frame and
 the content of the first ``full`` frames. The transport sends a message's
 *envelope* first (everything that is ever parsed: header, meta and payload
 pickles, the shared-memory descriptor), so it is always covered in full; the
-frames after it are raw tensor bytes, never parsed, covered by length only
-(hashing them cost ~100 us per 100 KB). A receiver built with ``mac_bulk``
-demands every frame in full. The key of the direction S->R is derived from the
-secret, both ranks and the nonces R and S chose at start-up and keep in
+frames after it are raw tensor bytes, never parsed: on a Unix socket (one
+host: the kernel carries the bytes) they are covered by length only (hashing
+them cost ~100 us per 100 KB). On TCP (bytes that cross a network) the
+transport seals and opens with ``every=True`` unless ``DISTGRAD_MAC_TENSORS=0``
+(a trusted fabric): every frame is covered in full, the tensor bytes at memory
+speed by Poly1305 under a one-time key derived from the direction's key and the
+sequence number, its tag folded into the BLAKE2b MAC (below :data:`BULK_POLY`
+bytes of tensors, BLAKE2b covers them directly). A receiver built with
+``mac_bulk`` demands every frame in full (BLAKE2b). The key of the direction
+S->R is derived from the secret, both ranks and the nonces R and S chose at start-up and keep in
 memory, so messages recorded in an earlier session, or sealed by or for an
 earlier process under one of the ranks (a dynamic group's member replaced),
 never verify again, and sequence numbers must grow, so a message is never
@@ -34,6 +40,8 @@ import struct
 _HEAD = struct.Struct("!QI")  # sequence number, frames covered in full
 TAG_BYTES = 16
 AUTH_FRAME_BYTES = _HEAD.size + TAG_BYTES
+BULK_POLY = 64 << 10   # tensor bytes from which Poly1305 covers them (BLAKE2b below)
+_ALL = 0x80000000      # in ``full``: every frame covered, tensors by Poly1305 (every=True)
 
 
 class AuthError(Exception):
@@ -105,20 +113,51 @@ class Authenticator:
             mac.update(f)
         return mac.digest()
 
-    def seal(self, peer: int, frames: list, full: int = 1) -> list:
+    @staticmethod
+    def _tag_every(key: bytes, head: bytes, full: int, frames) -> bytes:
+        """The tag of ``frames`` with every byte covered: the first ``full`` by
+        BLAKE2b, the rest by Poly1305 (one-time key from ``key`` and ``head``,
+        which holds the sequence number) when they are large."""
+        from cryptography.hazmat.primitives.poly1305 import Poly1305
+        n = len(frames)
+        sizes = []
+        for f in frames:
+            sizes.append(memoryview(f).nbytes)
+        mac = hashlib.blake2b(head, key=key[:32], digest_size=TAG_BYTES)
+        mac.update(struct.pack(f"!I{n}Q", n, *sizes))
+        for f in frames[:full]:
+            mac.update(f)
+        if sum(sizes[full:]) >= BULK_POLY:
+            one_time = hashlib.blake2b(head, key=key[:32], digest_size=32,
+                                       person=b"dg-poly1305-otk").digest()
+            poly = Poly1305(one_time)
+            for f in frames[full:]:
+                poly.update(f)
+            mac.update(poly.finalize())
+        else:
+            for f in frames[full:]:
+                mac.update(f)
+        return mac.digest()
+
+    def seal(self, peer: int, frames: list, full: int = 1, every: bool = False) -> list:
         """``frames`` with the authentication frame in front; the first ``full``
         frames (the envelope) are covered in full, the rest by length (all of
-        them with ``mac_bulk``)."""
+        them with ``mac_bulk``; with ``every``, the rest too, by Poly1305 when
+        large: for TCP, see the module docstring)."""
         seq = self._send_seq.get(peer, 0) + 1
         self._send_seq[peer] = seq
         full = len(frames) if self.mac_bulk else min(full, len(frames))
+        if every:
+            head = _HEAD.pack(seq, full | _ALL)
+            return [head + self._tag_every(self._send_keys[peer], head, full, frames), *frames]
         head = _HEAD.pack(seq, full)
         return [head + self._tag(self._send_keys[peer], head, full, frames), *frames]
 
-    def open(self, peer: int, frames: list, min_full: int = 1) -> list:
+    def open(self, peer: int, frames: list, min_full: int = 1, every: bool = False) -> list:
         """The frames without the authentication frame; raises AuthError when forged,
         replayed, from a worker this one has no key for, or covering fewer than
-        ``min_full`` frames (all with ``mac_bulk``) in full."""
+        ``min_full`` frames (all with ``mac_bulk``) in full, or (``every``: a TCP
+        connection) not covering every byte."""
         key = self._recv_keys.get(peer)
         if key is None:
             raise AuthError(f"no key for worker {peer}")
@@ -128,10 +167,18 @@ class Authenticator:
         head = auth[:_HEAD.size]
         seq, full = _HEAD.unpack(head)
         body = frames[1:]
-        if not hmac.compare_digest(auth[_HEAD.size:], self._tag(key, head, full, body)):
+        if every != bool(full & _ALL):
+            raise AuthError("message does not cover every byte" if every else
+                            "message covers every byte where the link does not ask it")
+        if every:
+            full &= ~_ALL
+            if full > len(body) or not hmac.compare_digest(
+                    auth[_HEAD.size:], self._tag_every(key, head, full, body)):
+                raise AuthError("bad authentication tag")
+        elif not hmac.compare_digest(auth[_HEAD.size:], self._tag(key, head, full, body)):
             raise AuthError("bad authentication tag")
         need = len(body) if self.mac_bulk else min(min_full, len(body))
-        if full < need:
+        if full < need and not every:   # (with every, Poly1305 covered the rest)
             raise AuthError(f"message covers {full} of {len(body)} frames in full")
         if seq <= self._recv_seq.get(peer, 0):
             raise AuthError(f"replayed message (sequence {seq})")

@@ -15,8 +15,10 @@ offline. Only once the client's proof checked out (verdict ``OK``) does the
 server prove its own; otherwise it sends the verdict ``BAD_PROOF`` (the client
 knows its own proof was wrong: nothing new) or ``NOT_EXPECTED``, and closes.
 
-``flags`` say whether each side has a cluster secret and wants encryption, so
-a mismatch fails at once with a message that says which. With a secret, each
+``flags`` say whether each side has a cluster secret, wants encryption and (on
+this connection: TCP) authenticates every byte of tensors
+(``DISTGRAD_MAC_TENSORS``, :mod:`.auth`), so a mismatch fails at once with a
+message that says which. With a secret, each
 proof is an HMAC, over both ranks and both fresh challenges, under a key from
 ``secret``: the transport passes the secret stretched by scrypt
 (:func:`stretch`, once per process), so each guess at the secret costs the
@@ -35,14 +37,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import math
 import os
 import socket
-import string
 import struct
 import threading
 import time
 from collections.abc import Callable, Collection
+
+from .strength import secret_bits
 
 MAGIC = b"DGT2"
 _HELLO = struct.Struct("!4sIIB16s")
@@ -50,7 +52,7 @@ _WELCOME = struct.Struct("!4sIB16s")
 _PROOF = 32
 _VERDICT = struct.Struct("!B32s")
 OK, BAD_PROOF, NOT_EXPECTED = 1, 2, 3
-F_SECRET, F_ENCRYPT = 1, 2
+F_SECRET, F_ENCRYPT, F_MAC_ALL = 1, 2, 4
 HANDSHAKE_SECONDS = float(os.environ.get("DISTGRAD_HANDSHAKE_TIMEOUT", "5"))
 GOOD_SECRET_HINT = 'python -c "import secrets; print(secrets.token_hex(32))"'
 
@@ -70,44 +72,37 @@ _stretched: dict[bytes, bytes] = {}
 _stretch_lock = threading.Lock()
 
 
-def secret_bits(secret: bytes) -> float:
-    """A rough upper bound on the entropy of ``secret``: its length times log2 of
-    the size of the character classes it uses."""
-    try:
-        text = secret.decode()
-    except UnicodeDecodeError:
-        return 8.0 * len(secret)
-    size = sum(n for chars, n in ((string.ascii_lowercase, 26), (string.ascii_uppercase, 26),
-                                  (string.digits, 10)) if any(c in chars for c in text))
-    size += 33 if any(not c.isalnum() or not c.isascii() for c in text) else 0
-    return len(text) * math.log2(max(size, 2))
-
-
 def stretch(secret: bytes) -> bytes:
-    """The key every other key of the transport derives from: scrypt over the
-    secret (n=2**14, r=8: some 16 MiB and tens of ms), computed once per process
-    and secret. Warns, once, when the secret looks shorter than 128 bits."""
+    """The key every other key derives from (the transport's, the store's seals):
+    scrypt over the secret (n=2**14, r=8: some 16 MiB and tens of ms), computed
+    once per process and secret. Warns, once, when the secret looks weaker than
+    128 bits (:func:`~distgrad.transport.strength.secret_bits`: dictionary words
+    count as words)."""
     with _stretch_lock:
         key = _stretched.get(secret)
         if key is None:
             from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
             if secret_bits(secret) < 128:
                 log.warning("the cluster secret (DISTGRAD_SECRET) looks weaker than 128 bits "
-                            "(%d characters): anyone who reaches a worker can try guesses at it. "
-                            "Make a good one with: %s", len(secret), GOOD_SECRET_HINT)
+                            "(%d characters, some %d bits counting words as words): anyone who "
+                            "reaches a worker or reads the store can try guesses at it. "
+                            "Make a good one with: %s", len(secret), secret_bits(secret),
+                            GOOD_SECRET_HINT)
             key = Scrypt(salt=b"distgrad-secret-v2", length=32, n=2 ** 14, r=8, p=1).derive(secret)
             _stretched[secret] = key
         return key
 
 
 # -- the exchange -----------------------------------------------------------------
-def _flags(secret: bytes | None, encrypt: bool) -> int:
-    return (F_SECRET if secret else 0) | (F_ENCRYPT if encrypt else 0)
+def _flags(secret: bytes | None, encrypt: bool, mac_all: bool = False) -> int:
+    return (F_SECRET if secret else 0) | (F_ENCRYPT if encrypt else 0) | (F_MAC_ALL if mac_all else 0)
 
 
 def _describe(flags: int) -> str:
     return (f"cluster secret {'set' if flags & F_SECRET else 'unset'} (DISTGRAD_SECRET), "
-            f"encryption {'on' if flags & F_ENCRYPT else 'off'} (DISTGRAD_ENCRYPT)")
+            f"encryption {'on' if flags & F_ENCRYPT else 'off'} (DISTGRAD_ENCRYPT), "
+            f"tensor bytes on TCP {'' if flags & F_MAC_ALL else 'not '}authenticated "
+            "(DISTGRAD_MAC_TENSORS)")
 
 
 def _proof(secret: bytes | None, role: bytes, client: int, server: int, cc: bytes, sc: bytes) -> bytes:
@@ -143,13 +138,14 @@ def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
 
 
 def client_handshake(sock: socket.socket, my_rank: int, peer_rank: int, secret: bytes | None,
-                     encrypt: bool, deadline: float | None = None) -> tuple[bytes, bytes]:
+                     encrypt: bool, deadline: float | None = None,
+                     mac_all: bool = False) -> tuple[bytes, bytes]:
     """Run the connecting side; returns (client challenge, server challenge).
     Raises :class:`Refused` when the server judged this side's proof or rank
     (retrying will not help), HandshakeError or OSError otherwise."""
     deadline = time.monotonic() + HANDSHAKE_SECONDS if deadline is None else deadline
     cc = os.urandom(16)
-    flags = _flags(secret, encrypt)
+    flags = _flags(secret, encrypt, mac_all)
     _send(sock, _HELLO.pack(MAGIC, my_rank, peer_rank, flags, cc), deadline)
     magic, rank, sflags, sc = _WELCOME.unpack(_recv_exact(sock, _WELCOME.size, deadline))
     if magic != MAGIC:
@@ -174,7 +170,7 @@ def client_handshake(sock: socket.socket, my_rank: int, peer_rank: int, secret: 
 
 def server_handshake(sock: socket.socket, my_rank: int, secret: bytes | None, encrypt: bool,
                      expect: Collection[int] | Callable[[int], bool],
-                     deadline: float | None = None) -> tuple[int, bytes, bytes]:
+                     deadline: float | None = None, mac_all: bool = False) -> tuple[int, bytes, bytes]:
     """Run the accepting side for a peer whose rank must be in ``expect`` (or for
     which ``expect(rank)`` is true, asked once its proof checked out), all of it
     by ``deadline`` (monotonic; default: :data:`HANDSHAKE_SECONDS` from now);
@@ -183,7 +179,7 @@ def server_handshake(sock: socket.socket, my_rank: int, secret: bytes | None, en
     magic, rank, expected, cflags, cc = _HELLO.unpack(_recv_exact(sock, _HELLO.size, deadline))
     if magic != MAGIC:
         raise HandshakeError("not a distgrad worker (bad magic)")
-    flags = _flags(secret, encrypt)
+    flags = _flags(secret, encrypt, mac_all)
     sc = os.urandom(16)
     if expected != my_rank:
         raise HandshakeError(f"a peer claiming rank {rank} expected worker {expected}, this is {my_rank}")

@@ -58,9 +58,10 @@ def host_key() -> str:
 
 class _Conn:
     __slots__ = ("peer", "sock", "fd", "wlock", "wowner", "rlock", "alock", "reader", "outq", "owned",
-                 "lost", "cipher", "poll", "deferred")
+                 "lost", "cipher", "poll", "deferred", "mac_all")
 
-    def __init__(self, peer: int, sock: socket.socket, max_frame: int, cipher) -> None:
+    def __init__(self, peer: int, sock: socket.socket, max_frame: int, cipher,
+                 mac_all: bool = False) -> None:
         self.peer, self.sock, self.fd = peer, sock, sock.fileno()
         self.wlock = threading.Lock()   # one sender at a time, whole messages
         self.wowner = 0                 # the thread holding wlock (0: none)
@@ -72,6 +73,7 @@ class _Conn:
         self.owned = False              # a caller reads its own reply here
         self.lost = False
         self.cipher = cipher
+        self.mac_all = mac_all          # every byte MAC'd (TCP, see auth.every_byte)
         self.poll = None                # for a caller reading its own reply
         if hasattr(select, "poll"):     # (Windows: the leader reads every reply)
             self.poll = select.poll()
@@ -203,7 +205,8 @@ class Opening:
             sock = self._dial(peer, unix, addr, deadline)
             try:
                 cc, sc = client_handshake(sock, self.rank, peer, self._secret, self.encrypt,
-                                          min(deadline, time.monotonic() + 3 * HANDSHAKE_SECONDS))
+                                          min(deadline, time.monotonic() + 3 * HANDSHAKE_SECONDS),
+                                          mac_all=self._mac_all(sock))
                 return self._conn(peer, sock, cc, sc)
             except (HandshakeError, OSError) as e:
                 # dropped by the peer's gate (strangers crowd it) or torn: try again;
@@ -235,6 +238,13 @@ class Opening:
                                        f"{unix or addr}: {e}{self._unreachable_hint(peer)}") from e
                 time.sleep(0.05)
 
+    def _mac_all(self, sock: socket.socket) -> bool:
+        """Whether every byte on ``sock`` is MAC'd: TCP (bytes that cross a network),
+        with a secret, encryption off (it covers every byte anyway), unless
+        ``DISTGRAD_MAC_TENSORS=0`` (see :mod:`.auth`)."""
+        return (self._auth is not None and self.mac_tensors
+                and sock.family != getattr(socket, "AF_UNIX", None))
+
     def _conn(self, peer: int, sock: socket.socket, cc: bytes, sc: bytes) -> _Conn:
         cipher = None
         if self.encrypt:
@@ -243,7 +253,7 @@ class Opening:
         if sock.family != getattr(socket, "AF_UNIX", None):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
-        return _Conn(peer, sock, self.max_message_size, cipher)
+        return _Conn(peer, sock, self.max_message_size, cipher, self._mac_all(sock))
 
     def _accept_all(self, lower: set[int], accepted: dict, errors: list, deadline: float) -> None:
         """Accept until every lower rank connected: each handshake on a thread of
@@ -261,7 +271,8 @@ class Opening:
 
         def handshake(sock: socket.socket) -> None:
             try:
-                peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt, expect)
+                peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt, expect,
+                                                mac_all=self._mac_all(sock))
                 conn = self._conn(peer, sock, cc, sc)
             except (HandshakeError, OSError) as e:
                 # Never fatal: anyone can connect. A peer of the cluster with
@@ -329,7 +340,8 @@ class Opening:
             return True
 
         try:
-            peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt, expect)
+            peer, cc, sc = server_handshake(sock, self.rank, self._secret, self.encrypt, expect,
+                                                mac_all=self._mac_all(sock))
             conn = self._conn(peer, sock, cc, sc)
             now = time.monotonic()
             self._last_recv[peer], self._last_sent[peer] = now, 0.0

@@ -188,7 +188,8 @@ class Reading:
             elif self._auth is not None:
                 f1 = body[1] if len(body) > 1 else b""  # shm.parsed_frames, inlined
                 body = self._auth.open(peer, body, (2 if f1[:4] == shm.MARK else 1)
-                                       if type(f1) is bytearray else shm.parsed_frames(body[1:]))
+                                       if type(f1) is bytearray else shm.parsed_frames(body[1:]),
+                                       conn.mac_all)
         except AuthError as e:
             # liveness counts only authenticated bytes: the credit its parts earned goes
             self._last_partial.pop(peer, None)

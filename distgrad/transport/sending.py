@@ -167,7 +167,8 @@ class Sending:
                 f0 = frames[0]  # shm.parsed_frames, inlined for the common bytes envelope
                 full = ((2 if f0[:4] == shm.MARK else 1) if type(f0) is bytes
                         else shm.parsed_frames(frames))
-                frames = auth.seal(peer, list(frames), full)
+                frames = (auth.seal(peer, list(frames), full, True) if conn.mac_all
+                          else auth.seal(peer, list(frames), full))
             views += framing.coalesce(frames)
             n += 1
         popped.clear()
@@ -200,7 +201,8 @@ class Sending:
                     if conn.cipher is not None:
                         msg = conn.cipher.seal(list(msg))
                     elif self._auth is not None:
-                        msg = self._auth.seal(conn.peer, list(msg), shm.parsed_frames(msg))
+                        msg = self._auth.seal(conn.peer, list(msg), shm.parsed_frames(msg),
+                                              conn.mac_all)
                     conn.outq.extend(framing.coalesce(msg))
                 conn.deferred.clear()
                 end = time.monotonic() + max(linger, 0.05)

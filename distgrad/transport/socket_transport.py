@@ -80,7 +80,8 @@ class SocketTransport(Sending, Reading, Opening, Transport):
 
     def __init__(self, rank: int, heartbeat_interval: float = 0.5, heartbeat_deadline: float = 4.0,
                  max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE, shm_threshold: int | None = None,
-                 secret: bytes | None = None, encrypt: bool = False, num_threads: int = 16) -> None:
+                 secret: bytes | None = None, encrypt: bool = False, num_threads: int = 16,
+                 mac_tensors: bool | None = None) -> None:
         if encrypt and not secret:
             raise ValueError("encryption (DISTGRAD_ENCRYPT / encrypt=True) derives its keys from "
                              "the cluster secret: set DISTGRAD_SECRET")
@@ -90,6 +91,9 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         # stretched by scrypt: a guess at the secret costs a scrypt
         self._secret = stretch(secret) if secret else None
         self._auth = Authenticator(self._secret, rank) if secret and not encrypt else None
+        # on TCP every byte is MAC'd (tensors too) unless turned off for a trusted fabric
+        self.mac_tensors = (os.environ.get("DISTGRAD_MAC_TENSORS", "1") != "0"
+                            if mac_tensors is None else bool(mac_tensors))
         self.max_message_size = max_message_size if max_message_size > 0 else 1 << 62
         self.shm_threshold = _default_shm_threshold() if shm_threshold is None else shm_threshold
         if self.encrypt:  # frames in /dev/shm would be in the clear, and writable after delivery

@@ -1,0 +1,128 @@
+"""Files distgrad writes, and directories it trusts, safe from other local users.
+
+Another user of the host may plant a link where distgrad is about to write (the
+demo's ``--out /tmp/demo``, a trace, a graph), or own, or be able to write, a
+directory on the way to a file, and so swap the file after distgrad checked it.
+Two rules, used by everything in distgrad that writes a file or keeps one:
+
+- :func:`check_dirs`: a directory, and every directory above it up to ``/``,
+  belongs to this user or root, and no one else can write it, unless it has the
+  sticky bit (``/tmp``: others may add entries there but not rename or remove
+  ours). This is OpenSSH's rule for ``~/.ssh``, with the sticky exception.
+- :func:`write_file` / :func:`new_file`: a file is written, in a directory that
+  passes :func:`check_dirs`, as a new file beside its path (``O_CREAT | O_EXCL |
+  O_NOFOLLOW``: never through a link, never into a file someone else made), then
+  renamed over the path: a link planted there is replaced, never followed.
+
+:func:`out_dir` makes an output directory (as ``mkdir -p``) and checks it.
+
+Example::
+
+    >>> d = out_dir("/tmp/demo")                    # refused if another user can write it
+    >>> write_file(os.path.join(d, "summary.json"), '{"ok": true}')
+    >>> with new_file(os.path.join(d, "loss.png")) as f:
+    ...     fig.savefig(f, format="png")
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Iterator
+from typing import IO
+
+from .errors import DistgradError
+
+
+def _ancestors(path: str) -> list[str]:
+    out, cur = [], path
+    while True:
+        out.append(cur)
+        up = os.path.dirname(cur)
+        if up == cur:
+            return out
+        cur = up
+
+
+def dir_problem(path: str) -> str | None:
+    """What makes directory ``path`` (or one above it) unsafe to hold this user's
+    files, or None: see :func:`check_dirs`."""
+    me = os.geteuid()
+    real, literal = os.path.realpath(path), os.path.abspath(path)
+    seen: set[str] = set()
+    for d in _ancestors(real) + _ancestors(literal):
+        if d in seen:
+            continue
+        seen.add(d)
+        try:
+            st = os.stat(d)
+        except OSError as e:
+            return f"cannot check {d}: {e}"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{d} is not a directory"
+        if st.st_uid not in (me, 0):
+            return (f"{d} belongs to another user (uid {st.st_uid}), who could replace what is in "
+                    "it")
+        if st.st_mode & stat.S_ISVTX:
+            continue   # others may add entries, not rename or remove ours
+        if st.st_mode & stat.S_IWOTH:
+            return f"{d} is writable by anyone and has no sticky bit"
+        if st.st_mode & stat.S_IWGRP:
+            return f"{d} is writable by its group (gid {st.st_gid}), not only by its owner"
+    return None
+
+
+def check_dirs(path: str, what: str) -> None:
+    """Raise DistgradError (``what``: the use, for the message) unless directory
+    ``path`` and every directory above it belong to this user or root and nobody
+    else can write them (a directory with the sticky bit excepted)."""
+    problem = dir_problem(path)
+    if problem is not None:
+        raise DistgradError(f"{what}: refusing the directory {os.path.abspath(path)}: {problem}, "
+                            "so another user could plant or swap files there. Use a directory "
+                            "only you can write (e.g. mkdir -m 700 ~/distgrad-out)")
+
+
+def out_dir(path: str, what: str = "output directory") -> str:
+    """Make directory ``path`` (and its parents, mode 0755 less the umask) if it
+    is missing, check it with :func:`check_dirs`, and return it."""
+    os.makedirs(path, exist_ok=True)
+    check_dirs(path, what)
+    return path
+
+
+@contextlib.contextmanager
+def new_file(path: str, mode: int = 0o644, binary: bool = True) -> Iterator[IO]:
+    """A file object on a new file beside ``path``; when the block ends without an
+    error the file takes ``path``'s place (a link there is replaced, not
+    followed), else it is removed. ``mode`` (less the umask) is the file's."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    check_dirs(parent, f"writing {path}")
+    base = os.path.basename(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = os.path.join(parent, f".{base}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o600)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
+            yield f
+            f.flush()
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(f.fileno(), mode & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_file(path: str, data: bytes | str, mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` through :func:`new_file` (never through a link)."""
+    with new_file(path, mode, binary=isinstance(data, bytes)) as f:
+        f.write(data)

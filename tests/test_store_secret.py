@@ -1,0 +1,100 @@
+"""Whoever reads the rendezvous store must pay a scrypt per guess at the secret
+(issue 35, item 1).
+
+Real workers (spawn) start a static group on a store the test hosts as torchrun's
+agent does, with a passphrase of four dictionary words as the secret. The test
+then reads their sealed entries as anyone who reaches the store's port can: each
+entry's tag checks only under a key derived from the secret *stretched by scrypt*
+(derived here independently of distgrad's code), never under a key derived from
+the raw secret, so a guess tested against an entry costs a scrypt. The workers
+also warned that the passphrase is weak: words count as words, not as characters.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import struct
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from mp_utils import free_port, run_workers
+
+pytestmark = pytest.mark.timeout(120)
+
+PASSPHRASE = "timber-orchard-lantern-velvet-maple"   # 35 characters, five common words
+
+
+def _hkdf(secret: bytes, info: bytes) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+
+
+def _scrypt(secret: bytes) -> bytes:
+    """scrypt as docs/threat-model.md states it: n=2**14, r=8, p=1, 32 bytes."""
+    return hashlib.scrypt(secret, salt=b"distgrad-secret-v2", n=2 ** 14, r=8, p=1, dklen=32,
+                          maxmem=64 << 20)
+
+
+def _tag(key: bytes, attempt: str, name: str, body: bytes) -> bytes:
+    framed = b"".join(struct.pack("!I", len(p)) + p for p in (attempt.encode(), name.encode(), body))
+    return hmac.new(key, framed, hashlib.sha256).digest()
+
+
+def _start(rank: int, world_size: int, port: int) -> list[str]:
+    import logging
+
+    import torch
+
+    import distgrad.rpc as rpc
+    seen: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger("distgrad").addHandler(_Keep(level=logging.WARNING))
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    rpc.init_rpc(f"worker{rank}")
+    assert rpc.rpc_sync(f"worker{1 - rank}", torch.add, args=(torch.ones(1), 1)).item() == 2.0
+    rpc.shutdown()
+    return seen
+
+
+def test_store_entries_cost_a_scrypt_per_guess_and_words_count_as_words():
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, None, is_master=True, timeout=timedelta(seconds=60),
+                         wait_for_workers=False, multi_tenant=True)
+    warnings = run_workers(_start, world_size=2, init=False, timeout=90, args=(port,),
+                           env_per_rank={r: {"DISTGRAD_SECRET": PASSPHRASE} for r in range(2)})
+    secret = PASSPHRASE.encode()
+    stretched, raw = _hkdf(_scrypt(secret), b"distgrad-store-v2"), _hkdf(secret, b"distgrad-store-v1")
+    checked = 0
+    for name in host.list_keys():
+        value = host.get(name)
+        if not value.startswith(b"DGS1"):
+            continue
+        tag, body = value[4:36], value[36:]
+        assert tag != bytes(32), name
+        assert tag != _tag(raw, "0", name, body), f"{name}: sealed under the raw secret"
+        checked += tag == _tag(stretched, "0", name, body)
+    assert checked >= 2, "no entry sealed (in attempt 0, under its own name) to check"
+    for seen in warnings:
+        weak = [w for w in seen if "weaker than 128 bits" in w]
+        assert len(weak) == 1 and "secrets.token_hex(32)" in weak[0], seen
+
+
+def test_secret_strength_counts_words_and_spares_random_secrets():
+    from distgrad.transport.strength import secret_bits
+    for phrase in (PASSPHRASE, "correct-horse-battery-staple-xyz", "CorrectHorseBatteryStaple2024!",
+                   "correcthorsebatterystaple", "Sunshine-Rainbow-2024"):
+        assert secret_bits(phrase.encode()) < 128, phrase
+    for _ in range(300):
+        assert secret_bits(secrets.token_hex(32).encode()) >= 256
+        assert secret_bits(secrets.token_urlsafe(32).encode()) >= 160
+        assert secret_bits(secrets.token_hex(16).encode()) >= 128
+    assert secret_bits(os.urandom(32)) == 256

@@ -1,0 +1,163 @@
+"""On TCP every byte is authenticated, tensors too (issue 35, item 5).
+
+Two workers (spawn) on the cross-host path (``DISTGRAD_SAME_HOST=0``: TCP, no
+shared memory). An attacker on the path, a proxy in the test process that the
+receiver's published address leads through, flips one byte deep inside a 4 MiB
+tensor on its way from worker0 to worker1. By default worker1 drops the message
+(the call times out) and its function never sees the changed tensor; with
+``DISTGRAD_MAC_TENSORS=0`` (the documented switch for trusted fabrics) the
+change goes through, as it did for every TCP link before.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+from mp_utils import free_port, run_workers
+
+pytestmark = pytest.mark.timeout(150)
+
+FLIP_AT = (1 << 20) + 4321   # bytes into the worker0 -> worker1 stream: inside the tensor
+SEEN: list[int] = []
+
+
+def _sum(t):
+    SEEN.append(int(t.sum()))
+    return int(t.sum())
+
+
+def _seen():
+    return list(SEEN)
+
+
+def _worker(rank: int, world_size: int, cfg: dict):
+    import torch
+
+    import distgrad.rpc as rpc
+    from distgrad.transport.socket_transport import SocketTransport
+
+    if rank == 1:   # publish the proxy's port: the attacker sits on the path to worker1
+        orig = SocketTransport.listen
+
+        def listen(self, host):
+            addr = orig(self, host)
+            real = self._tcp.getsockname()[1]
+            with open(cfg["port_file"] + ".tmp", "w") as f:
+                f.write(str(real))
+            os.replace(cfg["port_file"] + ".tmp", cfg["port_file"])
+            return addr.replace(f":{real}", f":{cfg['proxy']}", 1)
+
+        SocketTransport.listen = listen
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{cfg['store']}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    out = None
+    if rank == 0:
+        try:
+            out = ("returned", rpc.rpc_sync("worker1", _sum, args=(torch.zeros(4 << 20, dtype=torch.uint8),),
+                                            timeout=8))
+        except Exception as e:  # noqa: BLE001 - what happened is the result
+            out = ("error", f"{type(e).__name__}: {e}")
+        out = (*out, rpc.rpc_sync("worker1", _seen, timeout=20))
+        with open(cfg["done_file"], "w"):
+            pass
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(cfg["done_file"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    rpc.shutdown(graceful=False)
+    return out
+
+
+class _Flipper:
+    """Forwards connections to the port worker1 wrote, flipping the byte at FLIP_AT of
+    the first stream that gets that far (client -> server)."""
+
+    def __init__(self, port: int, port_file: str) -> None:
+        self.sock = socket.create_server(("127.0.0.1", port))
+        self.port_file, self.flipped, self.stop = port_file, 0, False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stop:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            while not os.path.exists(self.port_file):
+                time.sleep(0.01)
+            real = int(open(self.port_file).read())
+            server = socket.create_connection(("127.0.0.1", real))
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, flip: bool) -> None:
+        offset = 0
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if flip and not self.flipped and offset <= FLIP_AT < offset + len(data):
+                    data = bytearray(data)
+                    data[FLIP_AT - offset] ^= 0x01
+                    self.flipped += 1
+                offset += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.stop = True
+        self.sock.close()
+
+
+@pytest.mark.parametrize("mac_tensors", ["default", "0"])
+def test_a_tensor_changed_on_the_path_is_refused_on_tcp(tmp_path, mac_tensors):
+    proxy = free_port()
+    cfg = {"store": free_port(), "proxy": proxy, "port_file": str(tmp_path / "port"),
+           "done_file": str(tmp_path / "done")}
+    env = {"DISTGRAD_SAME_HOST": "0"}
+    if mac_tensors != "default":
+        env["DISTGRAD_MAC_TENSORS"] = mac_tensors
+    flipper = _Flipper(proxy, cfg["port_file"])
+    try:
+        out = run_workers(_worker, world_size=2, init=False, timeout=120, args=(cfg,),
+                          env_per_rank={0: env, 1: env})[0]
+    finally:
+        flipper.close()
+    assert flipper.flipped == 1, out
+    what, value, seen = out
+    if mac_tensors == "default":   # dropped: never handed to the function
+        assert what == "error" and seen == [], out
+    else:                          # the documented switch: the change goes through
+        assert what == "returned" and value == 1 and seen == [1], out
+
+
+@pytest.mark.parametrize("bulk", [1000, 1 << 20], ids=["small tensor: BLAKE2b", "large: Poly1305"])
+def test_every_byte_seal_refuses_any_change_and_the_other_mode(bulk):
+    from distgrad.transport.auth import Authenticator, AuthError
+    a, b = Authenticator(os.urandom(32), 0), Authenticator(os.urandom(32), 1)
+    a._secret = b._secret   # one cluster
+    a.set_peer_nonce(1, b.nonce)
+    b.set_peer_nonce(0, a.nonce)
+    frames = [b"envelope", bytes(bulk), bytes(7)]
+    assert [bytes(f) for f in b.open(0, a.seal(1, list(frames), 1, True), every=True)] == frames
+    for i in (1, 2, 3):   # a flipped bit anywhere: envelope, large frame, last frame
+        sealed = a.seal(1, list(frames), 1, True)
+        sealed[i] = bytearray(sealed[i])
+        sealed[i][len(sealed[i]) // 2] ^= 1
+        with pytest.raises(AuthError, match="bad authentication tag"):
+            b.open(0, sealed, every=True)
+    with pytest.raises(AuthError, match="does not cover every byte"):
+        b.open(0, a.seal(1, list(frames), 1), every=True)
+    with pytest.raises(AuthError, match="where the link does not ask it"):
+        b.open(0, a.seal(1, list(frames), 1, True))
