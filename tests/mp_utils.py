@@ -27,6 +27,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# How much slower than an idle machine a test may run before a time bound it asserts
+# fails: a loaded 2-core machine runs about 3x slower (issue 34: a 50 s bound failed at
+# 51.6 s at load average 7-9). A bound that only guards against a hang is multiplied
+# by it; a bound that checks something ("at the loss, not at the 60 s call timeout")
+# is multiplied by it together with the timeout it is measured against, so that it
+# keeps its meaning. Set DISTGRAD_TEST_SLOWDOWN higher on a slower machine.
+SLOW = float(os.environ.get("DISTGRAD_TEST_SLOWDOWN", "3"))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -112,7 +120,7 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
                     # give it time to arrive, even on a loaded machine
                     clean = all(procs[r].exitcode == 0 for r in dead)
                     try:
-                        rank, status, value = results.get(timeout=15.0 if clean else 2.0)
+                        rank, status, value = results.get(timeout=15.0 if clean else 2.0 * SLOW)
                     except queue.Empty:
                         raise RuntimeError(f"worker(s) {dead} died with exit codes "
                                            f"{[procs[r].exitcode for r in dead]}") from None

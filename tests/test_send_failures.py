@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from mp_utils import run_workers
+from mp_utils import SLOW, run_workers
 
 from distgrad.transport import framing
 
@@ -63,7 +63,8 @@ def _seal_fails(rank, world_size):
     assert rpc.rpc_sync("worker1", _poison_replies, timeout=30)
     t0 = time.monotonic()
     try:
-        seen["reply"] = ("value", rpc.rpc_sync("worker1", _echo, args=("POISON-REPLY",), timeout=30))
+        seen["reply"] = ("value", rpc.rpc_sync("worker1", _echo, args=("POISON-REPLY",),
+                                               timeout=30 * SLOW))
     except Exception as e:  # noqa: BLE001 - reported
         seen["reply"] = (type(e).__name__, str(e))
     seen["reply_s"] = time.monotonic() - t0
@@ -118,7 +119,7 @@ def test_a_batch_that_cannot_be_sealed_fails_its_calls_and_frees_the_lock():
     kind, text = seen["reply"]
     assert kind in ("DistgradError", "RuntimeError"), seen["reply"]
     assert "could not send its reply to worker worker0" in text and "injected seal failure" in text
-    assert seen["reply_s"] < 25  # an error reply, not the call's 30 s timeout
+    assert seen["reply_s"] < 25 * SLOW  # an error reply, not the call's timeout (30 s x SLOW)
     assert seen["queued"] == 2
     assert seen["threads_done"] == [True, True] and seen["lock_free"], seen
     for tag in ("POISON-CALL-a", "POISON-CALL-b"):

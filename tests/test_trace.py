@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mp_utils import run_workers, tmp_path_for
+from mp_utils import SLOW, run_workers, tmp_path_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -331,7 +331,7 @@ def test_profile_ops_puts_a_remote_matmul_inside_its_served_span():
 def test_a_worker_dying_mid_trace_does_not_hang_the_close():
     path = tmp_path_for("dies.json")
     took = run_workers(_dies, world_size=3, timeout=120, args=(path,), expect_exit={2})[0]
-    assert took < 15, took
+    assert took < 15 * SLOW, took  # a hang guard
     with open(path) as f:
         doc = json.load(f)
     missing = doc["otherData"]["distgrad"]["missing"]

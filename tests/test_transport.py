@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from mp_utils import SLOW
 
 from distgrad.transport import framing, shm
 from distgrad.transport.socket_transport import SocketTransport
@@ -622,6 +623,7 @@ def test_rpc_over_shm_between_processes(monkeypatch):
 
 
 _SLEEPING = threading.Event()
+_OWN_SLEEP = 3.0 * SLOW   # s: worker0's call, during which worker1's request is served
 
 
 def _sleeper(seconds):
@@ -641,7 +643,7 @@ def _own_reply(rank, world_size):
     import distgrad.rpc as rpc
     if rank == 0:
         t0 = time.monotonic()
-        out = rpc.rpc_sync("worker1", _sleeper, args=(3.0,), timeout=60)
+        out = rpc.rpc_sync("worker1", _sleeper, args=(_OWN_SLEEP,), timeout=60)
         return out, time.monotonic() - t0
     assert _SLEEPING.wait(60), "worker0's call never arrived"
     t0 = time.monotonic()
@@ -651,13 +653,14 @@ def _own_reply(rank, world_size):
 
 
 def test_caller_reads_its_own_reply_and_requests_are_still_served():
-    # worker0's main thread waits in rpc_sync for worker1 (which sleeps 3 s), reading
+    # worker0's main thread waits in rpc_sync for worker1 (which sleeps 3 s x SLOW), reading
     # the connection itself; worker1 calls worker0 meanwhile: the request arrives on
     # that very connection and is served at once; both calls finish.
     from mp_utils import run_workers
     (out, took), (owned, served_in) = run_workers(_own_reply, world_size=2, timeout=120)
-    assert out == "slept" and took >= 3.0
-    assert served_in < 3.0, served_in  # not after worker0's call ended
+    assert out == "slept" and took >= _OWN_SLEEP
+    # not after worker0's call ended (as much slack as that allows)
+    assert served_in < _OWN_SLEEP, served_in
     assert owned is True  # read by the caller's read_until, not the leader
 
 
@@ -689,9 +692,9 @@ def test_silent_peer_is_lost_though_nobody_reads_its_connection():
         b._heartbeat = lambda now: None  # b goes silent: no heartbeats, no checks
         start = time.monotonic()
         with ha.cond:
-            assert ha.cond.wait_for(lambda: ha.lost, 10), "the silent peer was never lost"
+            assert ha.cond.wait_for(lambda: ha.lost, 10 * SLOW), "the silent peer was never lost"
         assert ha.lost[0][0] == 1 and "no heartbeat" in ha.lost[0][1], ha.lost
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 5 * SLOW  # heartbeat deadline 0.5 s: a hang guard
     finally:
         a.close(0)
         b.close(0)

@@ -24,12 +24,14 @@ import time
 from pathlib import Path
 
 import pytest
+from mp_utils import SLOW
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve().parent / "launch_scripts" / "two_hosts.py"
 ADDR_A, ADDR_B = "10.213.0.1", "10.213.0.2"
 PORT = 29500  # fresh namespaces: nothing else listens there
-TIMEOUT = 75  # per launcher (a loaded 2-core machine took 70 s once)
+# a hang guard per launcher: a loaded 2-core machine took 70 s once, and may be slower still
+TIMEOUT = 60 * SLOW
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
 
@@ -204,7 +206,7 @@ def _check_trace_clocks(out: str) -> None:
         assert name != "worker0" or c["offset_us"] == 0, c
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(TIMEOUT + 60)
 def test_torchrun_multi_node_across_two_hosts(hosts) -> None:
     """torchrun's own agents (static rendezvous; node 0's hosts the store on
     MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE) start distgrad workers."""
@@ -224,7 +226,7 @@ def test_torchrun_multi_node_across_two_hosts(hosts) -> None:
         assert _ns_pids(ns) == [], f"processes left in {ns}"
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(TIMEOUT + 30 * SLOW + 80)
 def test_distgrad_launch_across_two_hosts_then_one_is_lost(hosts, tmp_path: Path) -> None:
     """Train across the hosts; then host B vanishes (link down, processes killed:
     no FIN reaches A) and A's workers learn it from heartbeats, not timeouts."""
@@ -246,7 +248,7 @@ def test_distgrad_launch_across_two_hosts_then_one_is_lost(hosts, tmp_path: Path
         _ip("-n", ns_b, "link", "set", "dg0", "down")
         assert _kill_ns_processes(ns_b)
         code_b, out_b, _ = _finish(procs[1], 10)
-        code_a, out_a, err_a = _finish(procs[0], 30)
+        code_a, out_a, err_a = _finish(procs[0], 30 * SLOW)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -261,8 +263,9 @@ def test_distgrad_launch_across_two_hosts_then_one_is_lost(hosts, tmp_path: Path
     assert sorted(lost) == [0, 1], f"stdout:\n{out_a}\nstderr:\n{err_a}"
     for rank, (worker, at) in lost.items():
         assert worker == f"worker{rank + 2}"
-        # the heartbeat deadline is 4 s (interval 0.5 s); the call's timeout is 60 s
-        assert 3.0 < at - cut < 15.0, (rank, at - cut, out_a)
+        # the heartbeat deadline is 4 s (interval 0.5 s); the call's timeout is 60 s:
+        # the upper bound, SLOW times 15 s, stays below the latter
+        assert 3.0 < at - cut < 15.0 * SLOW, (rank, at - cut, out_a)
     print(f"\nhost loss noticed after {max(at for _, at in lost.values()) - cut:.2f} s")
     assert "no heartbeat" in out_a, out_a
     # node 0's launcher (torchrun's agent) reports its workers' exit (code 17 after a
