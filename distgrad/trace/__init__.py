@@ -23,6 +23,7 @@ on the agent only while one is (:mod:`.recorder`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import types
 from collections.abc import Iterator
@@ -34,14 +35,21 @@ from .clock import local_ns
 __all__ = ["start", "stop", "span", "is_tracing"]
 
 
-def start(path: str, profile_ops: bool = False, timeout: float = 30.0) -> None:
+def start(path: str, profile_ops: bool = False, timeout: float = 30.0,
+          max_events: int = recorder.DEFAULT_MAX_EVENTS) -> None:
     """Start recording a trace on every worker of the group, to be written to ``path``
     by :func:`stop` on this worker.
 
-    ``profile_ops=True`` also runs ``torch.profiler.profile`` on each worker for the
-    window (every thread), its events merged on the same clock. ``timeout`` (s)
-    bounds each worker's answer to start and stop: one that does not answer is left
-    out and named in the file's metadata (``otherData.distgrad.missing``).
+    ``path`` is checked now (its directory must exist and be writable); the file is
+    written atomically at the close. ``profile_ops=True`` also runs
+    ``torch.profiler.profile`` on each worker for the window (every thread), its
+    events merged on the same clock; it is refused while a torch profiler is active
+    here (a worker whose user profiles itself records without torch's ops: a
+    profiler of someone else's is never ended). ``timeout`` (s) bounds each worker's
+    answer to start and stop: one that does not answer is left out and named in the
+    file's metadata (``otherData.distgrad.missing``). Each worker keeps its last
+    ``max_events`` events (the older ones are counted in ``otherData.distgrad.dropped``);
+    a member whose tracing worker is lost stops recording.
 
     Example::
 
@@ -51,7 +59,7 @@ def start(path: str, profile_ops: bool = False, timeout: float = 30.0) -> None:
         'trace.json'
     """
     from .session import open_trace
-    open_trace(path, profile_ops, timeout)
+    open_trace(path, profile_ops, timeout, max_events)
 
 
 def stop() -> str:
@@ -68,12 +76,19 @@ def stop() -> str:
 
 
 @contextlib.contextmanager
-def _traced(path: str, profile_ops: bool = False, timeout: float = 30.0) -> Iterator[str]:
-    start(path, profile_ops, timeout)
+def _traced(path: str, profile_ops: bool = False, timeout: float = 30.0,
+            max_events: int = recorder.DEFAULT_MAX_EVENTS) -> Iterator[str]:
+    start(path, profile_ops, timeout, max_events)
     try:
         yield path
-    finally:
-        stop()
+    except BaseException:
+        try:  # the block's own error is the one the user sees; the trace is still written
+            stop()
+        except Exception as e:  # noqa: BLE001 - reported, never instead of the block's error
+            logging.getLogger(__name__).warning("distgrad.trace: the trace to %s was not written: "
+                                                "%s: %s", path, type(e).__name__, e)
+        raise
+    stop()
 
 
 class _NullSpan:
@@ -120,10 +135,12 @@ def is_tracing() -> bool:
 
 
 class _CallableModule(types.ModuleType):
-    def __call__(self, path: str, profile_ops: bool = False, timeout: float = 30.0) -> Any:
+    def __call__(self, path: str, profile_ops: bool = False, timeout: float = 30.0,
+                 max_events: int = recorder.DEFAULT_MAX_EVENTS) -> Any:
         """``with distgrad.trace(path, profile_ops=False):`` records one trace (see
-        :func:`start`); the file is written when the block ends."""
-        return _traced(path, profile_ops, timeout)
+        :func:`start`); the file is written when the block ends (also when it raised:
+        its error is the one that propagates)."""
+        return _traced(path, profile_ops, timeout, max_events)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -4,8 +4,10 @@ Layout of the file::
 
     {"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {"distgrad": {...}}}
 
-* a process per worker (``pid`` its OS pid; ``process_name`` its worker name,
-  ``process_sort_index`` its rank), a thread track per thread (``thread_name``);
+* a process per worker, identified by its rank (``pid`` = rank + 1: workers in
+  containers may all be OS pid 1; ``process_name`` its worker name,
+  ``process_sort_index`` its rank, ``process_labels`` its host and OS pid), a
+  thread track per thread (``thread_name``);
 * ``X`` spans (``ts``/``dur`` in microseconds from the trace's first event, on the
   tracing worker's clock), ``i`` instants;
 * ``s``/``f`` flow pairs sharing an ``id`` (``f`` with ``"bp": "e"``: it binds to
@@ -15,7 +17,11 @@ Layout of the file::
   (first to last run of its share there);
 * ``otherData.distgrad``: the tracing worker, the members, the ``missing`` ones and
   why, each clock's offset and estimated error (:mod:`.clock`), torch's profiler's
-  clock error where ``profile_ops``.
+  clock error where ``profile_ops``, each worker's recording window and the
+  tracer's (``window_us``), the events each worker dropped past ``max_events``.
+
+The file is written atomically (a new file beside ``path``, then renamed over it):
+a close that fails leaves no truncated file.
 
 Example::
 
@@ -25,10 +31,14 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
 from typing import Any
 
 from .clock import Offset, keep_causal
+from .records import value
 
 # the synthetic track a worker's backward passes are drawn on (not an OS thread id)
 PASSES_TID = 10_000_000
@@ -38,8 +48,38 @@ def write(path: str, tracer: int, payloads: dict[int, dict], offsets: dict[int, 
           session: Any) -> None:
     """Merge every worker's events onto ``tracer``'s clock and write them to ``path``."""
     doc = build(tracer, payloads, offsets, session)
-    with open(path, "w") as f:
-        json.dump(doc, f, separators=(",", ":"))
+    where = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{os.path.basename(path)}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, separators=(",", ":"), default=value)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def check_path(path: str) -> None:
+    """Raise now (before anything is recorded) where the trace could not be written to ``path``."""
+    p = os.fspath(path)
+    if not p:
+        raise ValueError("distgrad.trace: the trace's path is empty")
+    if os.path.isdir(p):
+        raise IsADirectoryError(f"distgrad.trace: cannot write the trace to {p}: it is a directory")
+    where = os.path.dirname(os.path.abspath(p))
+    if not os.path.isdir(where):
+        raise FileNotFoundError(f"distgrad.trace: cannot write the trace to {p}: "
+                                f"directory {where} does not exist")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise PermissionError(f"distgrad.trace: cannot write the trace to {p}: "
+                              f"directory {where} is not writable")
+
+
+def track(rank: int) -> int:
+    """The trace-event ``pid`` of worker ``rank``'s process track."""
+    return rank + 1
 
 
 def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], session: Any) -> dict:
@@ -66,13 +106,19 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
             continue
         for (rank, tid, ns, name), ph in ((s, "s"), (f, "f")):
             ev = {"ph": ph, "id": fid, "cat": "rpc.flow", "name": name,
-                  "pid": payloads[rank]["pid"], "tid": tid, "ts": us(rank, ns)}
+                  "pid": track(rank), "tid": tid, "ts": us(rank, ns)}
             if ph == "f":
                 ev["bp"] = "e"
             events.append(ev)
     meta = {
         "tracer": payloads[tracer]["name"],
-        "workers": {p["name"]: {"rank": r, "pid": p["pid"]} for r, p in sorted(payloads.items())},
+        "workers": {p["name"]: {"rank": r, "pid": p["pid"], "host": p.get("host", "?"), "track": track(r)}
+                    for r, p in sorted(payloads.items())},
+        "window_us": _window(payloads[tracer], tracer, us),
+        "windows_us": {p["name"]: _window(p, r, us) for r, p in sorted(payloads.items())},
+        "max_events": getattr(session, "max_events", None),
+        "recorded": {p["name"]: p.get("recorded", len(p["events"])) for p in payloads.values()},
+        "dropped": {p["name"]: p.get("dropped", 0) for p in payloads.values()},
         "missing": dict(session.missing),
         "clock": {payloads[r]["name"]: offsets[r].as_meta() for r in sorted(payloads)},
         "clock_method": "perf_counter_ns per worker; offsets to the tracer's clock by NTP-style pings "
@@ -84,6 +130,11 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
         "unmatched_flow_ends": unmatched,
     }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"distgrad": meta}}
+
+
+def _window(p: dict, rank: int, us: Any) -> list[float]:
+    """A worker's recording window (its start and stop) on the trace's time axis (µs)."""
+    return [max(0.0, us(rank, p["started_ns"])), us(rank, p["stopped_ns"] or p["started_ns"])]
 
 
 def _first(p: dict) -> int | None:
@@ -102,12 +153,12 @@ def _flow_ends(payloads: dict[int, dict]) -> dict[int, list]:
 
 
 def _worker_events(rank: int, p: dict, us: Any) -> list[dict]:
-    pid, out = p["pid"], []
+    pid, out = track(rank), []
     out.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": p["name"]}})
     out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                 "args": {"sort_index": rank}})
     out.append({"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
-                "args": {"labels": f"rank {rank}, pid {pid}"}})
+                "args": {"labels": f"rank {rank}, host {p.get('host', '?')}, pid {p['pid']}"}})
     threads = dict(p["threads"])
     passes: dict[Any, list[int]] = {}
     for e in p["events"]:

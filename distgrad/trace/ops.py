@@ -80,6 +80,18 @@ class OpsProfiler:
         return convert(raw, self.marks, self.all_threads)
 
 
+def active_profiler() -> str | None:
+    """What profiler already runs in this process (torch.profiler, the autograd
+    profiler, a distgrad trace's own), or None: a second one would end it."""
+    try:
+        import torch
+        if torch._C._autograd._profiler_enabled():
+            return "a torch profiler is already active in this process"
+    except (AttributeError, ImportError):
+        pass
+    return None
+
+
 def _all_threads_config() -> Any:
     """torch's switch to profile every thread (served requests run on pool threads),
     where this torch has it."""
