@@ -35,12 +35,14 @@ import collections
 import gc
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ..wire import Kind
+from ..wire.fast_header import FAST, FAST_MAGIC
 from ..wire.messages import peek_header
-from . import records
+from . import clock, records
 from .clock import local_ns
 from .records import CALL, GC, INSTANT, RECV, SEND, SERVE, SPAN, WAIT, flow_id, plain, short
 
@@ -56,6 +58,28 @@ DEFAULT_MAX_EVENTS = 1_000_000
 _OWN = "distgrad.trace."
 _WRAPPED = ("send_request", "notify", "send_control", "on_message", "_serve", "wait", "read_reply",
             "on_peer_lost")
+
+
+_CONTROL = int(Kind.CONTROL)
+
+
+class _Local(threading.local):
+    """What a thread is doing, as the wrappers tell each other (defaults: nothing)."""
+
+    skip = False            # the session's own RPC: not recorded
+    what: str | None = None  # the function of the request being sent
+    control: str | None = None  # the control message being handled
+
+
+def _head(frames: Any) -> tuple[int, int]:
+    """(kind, request id) of a message, for its record only (the agent checks it)."""
+    env = frames[0]
+    if type(env) is bytes or type(env) is bytearray:
+        if env[:2] == FAST_MAGIC and len(env) >= FAST.size:
+            h = FAST.unpack_from(env)
+            return h[2], h[4]
+    kind, rid, _ = peek_header(frames)
+    return kind, rid
 
 
 def _nbytes(frames: Any) -> int:
@@ -83,9 +107,11 @@ class Recorder:
         self._tick = self._count.__next__
         self.started_ns = local_ns()
         self.stopped_ns = 0
+        # the clock: perf_counter_ns itself unless a test shifted this process's
+        self._now = local_ns if clock._SKEW[0] else time.perf_counter_ns
         self.stopped_why: str | None = None  # set when recording stopped without the tracer
         self.on_tracer_lost: Callable[[], None] | None = None
-        self._tls = threading.local()
+        self._tls = _Local()
         self._saved: dict[str, Any] = {}
         self._served_in = itertools.count()  # requests whose serving began / ended:
         self._served_out = itertools.count()  # settle() waits for the two to agree
@@ -96,12 +122,12 @@ class Recorder:
     def span(self, name: str, cat: str, start_ns: int, args: dict | None = None) -> None:
         """A span of this thread from ``start_ns`` to now (``args``: its details, any values)."""
         self._tick()
-        self._add((SPAN, threading.get_native_id(), start_ns, local_ns(), name, cat, 0, 0,
+        self._add((SPAN, threading.get_native_id(), start_ns, self._now(), name, cat, 0, 0,
                    plain(args) if args else None))
 
     def instant(self, name: str, cat: str, args: dict | None = None) -> None:
         """An instant of this thread, now."""
-        now = local_ns()
+        now = self._now()
         self._tick()
         self._add((INSTANT, threading.get_native_id(), now, now, name, cat, 0, 0,
                    plain(args) if args else None))
@@ -141,14 +167,14 @@ class Recorder:
                 agent.control_handlers[op] = fn
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
-        self.stopped_ns = local_ns()
+        self.stopped_ns = self._now()
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc_t0 = local_ns()
+            self._gc_t0 = self._now()
         elif self._gc_t0:
             self._tick()
-            self._add((GC, threading.get_native_id(), self._gc_t0, local_ns(), None, 0, 0,
+            self._add((GC, threading.get_native_id(), self._gc_t0, self._now(), None, 0, 0,
                        info.get("generation", -1), info.get("collected", 0)))
             self._gc_t0 = 0
 
@@ -161,14 +187,14 @@ class Recorder:
                 return orig(dest, kind, payload_obj, what, timeout, sync, extra)
             finally:
                 tls.skip = False
-        t0 = local_ns()
+        t0 = self._now()
         tls.what = what
         try:
             return orig(dest, kind, payload_obj, what, timeout, sync, extra)
         finally:
             tls.what = None
             self._tick()
-            self._add((CALL, threading.get_native_id(), t0, local_ns(), what, dest.id, 0,
+            self._add((CALL, threading.get_native_id(), t0, self._now(), what, dest.id, 0,
                        2 if kind == Kind.REMOTE else 1 if sync else 0, None))
 
     def _notify(self, to: Any, func: Callable, args: tuple = (), kwargs: dict | None = None) -> bool:
@@ -188,36 +214,36 @@ class Recorder:
 
     def _transport_send(self, peer: int, frames: Any) -> Any:
         tls = self._tls
-        if getattr(tls, "skip", False):
+        if tls.skip:
             return self._send(peer, frames)
         try:
-            kind, rid, _ = peek_header(frames)
+            kind, rid = _head(frames)
         except Exception:  # noqa: BLE001 - not an agent message: not ours to record
             return self._send(peer, frames)
         nbytes = _nbytes(frames)
-        what = getattr(tls, "what", None)
-        t0 = local_ns()
+        what = tls.what
+        t0 = self._now()
         try:
             return self._send(peer, frames)
         finally:
             self._tick()
-            self._add((SEND, threading.get_native_id(), t0, local_ns(), what, peer, rid, nbytes, kind))
+            self._add((SEND, threading.get_native_id(), t0, self._now(), what, peer, rid, nbytes, kind))
 
     def _on_message(self, peer: int, frames: list) -> Any:
-        t0 = local_ns()
+        t0 = self._now()
         try:
-            kind, rid, _ = peek_header(frames)
+            kind, rid = _head(frames)
         except Exception:  # noqa: BLE001 - the agent reports it
             return self._saved["on_message"](peer, frames)
         tls = self._tls
-        if kind == Kind.CONTROL:
+        if kind == _CONTROL:
             tls.control = None
         try:
             return self._saved["on_message"](peer, frames)
         finally:
             self._tick()
-            self._add((RECV, threading.get_native_id(), t0, local_ns(),
-                       tls.control if kind == Kind.CONTROL else None, peer, rid, _nbytes(frames), kind))
+            self._add((RECV, threading.get_native_id(), t0, self._now(),
+                       tls.control if kind == _CONTROL else None, peer, rid, _nbytes(frames), kind))
 
     def _control(self, op: str, fn: Callable) -> Callable:
         def handler(peer: int, *args: Any) -> Any:
@@ -236,30 +262,30 @@ class Recorder:
             finally:
                 tls.skip = False
         next(self._served_in)
-        t0 = local_ns()
+        t0 = self._now()
         try:
             return orig(peer, msg)
         finally:
             self._tick()
-            self._add((SERVE, threading.get_native_id(), t0, local_ns(), what, peer, msg.rid,
+            self._add((SERVE, threading.get_native_id(), t0, self._now(), what, peer, msg.rid,
                        int(msg.kind), None))
             next(self._served_out)
 
     def _wait(self, p: Any) -> Any:
-        t0 = local_ns()
+        t0 = self._now()
         try:
             return self._saved["wait"](p)
         finally:
             self._tick()
-            self._add((WAIT, threading.get_native_id(), t0, local_ns(), p.what, p.peer, 0, 0, None))
+            self._add((WAIT, threading.get_native_id(), t0, self._now(), p.what, p.peer, 0, 0, None))
 
     def _read_reply(self, p: Any) -> None:
-        t0 = local_ns()
+        t0 = self._now()
         try:
             return self._saved["read_reply"](p)
         finally:
             self._tick()
-            self._add((WAIT, threading.get_native_id(), t0, local_ns(), p.what, p.peer, 0, 0, None))
+            self._add((WAIT, threading.get_native_id(), t0, self._now(), p.what, p.peer, 0, 0, None))
 
     def _on_peer_lost(self, peer: int, reason: str, graceful: bool) -> None:
         try:
