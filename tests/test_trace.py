@@ -286,7 +286,8 @@ def test_user_spans(pipeline):
     user = {e["name"]: e for e in _spans(doc, "user", "worker0")}
     assert set(user) == {"step", "forward"}
     step, fwd = user["step"], user["forward"]
-    assert step["args"] == {"number": 1}
+    assert step["args"]["number"] == 1 and set(step["args"]) == {"number", "cpu_us"}, step["args"]
+    assert 0 <= step["args"]["cpu_us"] <= step["dur"] + 1000, step
     assert step["ts"] <= fwd["ts"] and fwd["ts"] + fwd["dur"] <= step["ts"] + step["dur"]
     calls = [e for e in _spans(doc, "rpc.call", "worker0") if fwd["ts"] <= e["ts"] <= fwd["ts"] + fwd["dur"]]
     assert len(calls) == 2
