@@ -169,3 +169,21 @@ def test_trace_plot_says_in_one_line_what_is_wrong_with_a_bad_file(content, caps
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 1 and len(out) == 1, out
     assert out[0].startswith(f"distgrad trace-plot: cannot read {path} as a distgrad trace: "), out
+
+
+def test_concurrent_backward_passes_get_a_track_each():
+    def run(key, a, b):
+        return ("X", "backward run (roots)", "backward", 7, a, b, {"pass": key})
+    doc = _doc({0: ([run("0.1", 0, 100), run("0.2", 50, 150), run("0.1", 120, 130), run("0.3", 160, 200)],
+                    (0, 200))})
+    passes = [e for e in doc["traceEvents"] if e.get("cat") == "backward.pass"]
+    assert len(passes) == 3, passes
+    by_track: dict = {}
+    for e in passes:
+        by_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_track.values():  # on one track, spans never partly overlap
+        spans.sort()
+        assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:])), spans
+    assert len(by_track) == 2
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    assert sorted(names[t] for _, t in by_track) == ["backward passes", "backward passes (2)"], names

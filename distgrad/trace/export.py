@@ -14,7 +14,8 @@ Layout of the file::
   the span that encloses it, the one that read the message): request -> arrival,
   reply -> arrival; only pairs whose two ends were both recorded;
 * per worker, a "backward passes" track with one span per pass that reached it
-  (first to last run of its share there);
+  (first to last run of its share there); passes that overlap in time get a track
+  each ("backward passes (2)", ...);
 * ``otherData.distgrad``: the tracing worker, the members, the ``missing`` ones and
   why, each clock's offset and estimated error (:mod:`.clock`), torch's profiler's
   clock error where ``profile_ops``, each worker's recording window and the
@@ -40,7 +41,7 @@ from typing import Any
 from .clock import Offset, keep_causal
 from .records import value
 
-# the synthetic track a worker's backward passes are drawn on (not an OS thread id)
+# the synthetic tracks a worker's backward passes are drawn on (not OS thread ids): + lane
 PASSES_TID = 10_000_000
 
 
@@ -176,12 +177,17 @@ def _worker_events(rank: int, p: dict, us: Any) -> list[dict]:
             _, name, cat, tid, ns, args = e
             out.append({"ph": "i", "s": "t", "name": name, "cat": cat, "pid": pid, "tid": tid,
                         "ts": us(rank, ns), "args": args})
+    lanes: list[int] = []  # the end of the last pass on each track
     for key, (start, end) in sorted(passes.items(), key=lambda kv: kv[1][0]):
+        # concurrent passes get a track each (Perfetto cannot draw partly overlapping spans)
+        lane = next((i for i, busy_until in enumerate(lanes) if busy_until <= start), len(lanes))
+        if lane == len(lanes):
+            lanes.append(end)
+            threads[PASSES_TID + lane] = "backward passes" + (f" ({lane + 1})" if lane else "")
+        lanes[lane] = end
         out.append({"ph": "X", "name": f"backward pass {key} on {p['name']}", "cat": "backward.pass",
-                    "pid": pid, "tid": PASSES_TID, "ts": us(rank, start),
+                    "pid": pid, "tid": PASSES_TID + lane, "ts": us(rank, start),
                     "dur": round((end - start) / 1e3, 3), "args": {"pass": key}})
-    if passes:
-        threads[PASSES_TID] = "backward passes"
     for tid, name in threads.items():
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
     return out
