@@ -311,6 +311,10 @@ def test_trace_plot_draws_the_step_and_prints_the_summary(pipeline):
         assert abs(sum(shares) - 100) < 0.5, line
     serving = float(next(ln for ln in text.splitlines() if ln.startswith("worker1 ")).split()[2].rstrip("%"))
     assert serving > 0
+    # the critical path covers the step (issue 36): every stretch on it, none left out
+    line = next(ln for ln in text.splitlines() if ln.startswith("critical path:"))
+    covered = float(line.split("% of the step")[0].rsplit(" ", 1)[1])
+    assert covered >= 95, line
 
 
 def test_profile_ops_puts_a_remote_matmul_inside_its_served_span():
