@@ -34,6 +34,9 @@ def _doc(workers, tracer=0):
             elif e[0] in ("s", "f"):
                 ph, fid, tid, t, name = e
                 ns.append((ph, fid, tid, t * US, name))
+            elif e[0] == "i":
+                ph, name, cat, tid, t, args = e
+                ns.append((ph, name, cat, tid, t * US, args))
         payloads[rank] = {"rank": rank, "name": f"worker{rank}", "pid": 100 + rank, "host": "h", "events": ns,
                           "threads": {}, "started_ns": started * US, "stopped_ns": stopped * US}
     session = types.SimpleNamespace(missing={}, profile_ops=False, max_events=1000)
@@ -187,3 +190,15 @@ def test_concurrent_backward_passes_get_a_track_each():
     assert len(by_track) == 2
     names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
     assert sorted(names[t] for _, t in by_track) == ["backward passes", "backward passes (2)"], names
+
+
+def test_a_garbage_collection_on_the_path_is_named_a_pause_not_a_wait():
+    doc = _doc({0: ([("X", "rpc_sync f → worker1", "rpc.call", 7, 0, 10, {}),
+                     ("X", "wait f ← worker1", "rpc.wait", 7, 10, 300, {}),
+                     ("i", "gc pause (gen 2)", "gc", 7, 20, {"generation": 2, "pause_us": 250.0}),
+                     ("X", "backward run", "backward", 7, 300, 310, {})], (0, 310))})
+    from distgrad.trace import summary
+    s = summary.summarize(doc)
+    got = [(round(a), round(b), label, cat) for _, a, b, label, cat in s.path]
+    assert (20, 270, "gc pause during wait f ← worker1", "gc pause") in got, got
+    assert "garbage collections: 1, 0.250 ms in all" in summary.report(s)

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 from .records import flow_id
 
-CATEGORIES = ("compute", "serve", "network", "queueing", "waiting", "user span", "untraced")
+CATEGORIES = ("compute", "serve", "network", "queueing", "waiting", "user span", "untraced", "gc pause")
 BUSY = {"backward", "backward.region", "optim", "rpc.serve", "rpc.send", "rpc.recv", "rpc.call", "op"}
 _CATEGORY = {"backward": "compute", "backward.region": "compute", "optim": "compute", "op": "compute",
              "rpc.serve": "serve", "rpc.send": "network", "rpc.recv": "network", "rpc.call": "network"}
@@ -192,6 +192,36 @@ def _gap(wk: _Worker, w: str, a: float, b: float, tid: int | None) -> tuple:
     if s is not None:
         return (w, a, b, s[2], "user span")
     return (w, a, b, f"untraced on {w}", "untraced")
+
+
+def split_gc(path: list[tuple], pauses: list[tuple[str, float, float]]) -> list[tuple]:
+    """``path`` with the garbage collections ``(worker, start, µs)`` that fell in its
+    stretches cut out as stretches of their own (category ``gc pause``): a pause is
+    never read as the network or a wait."""
+    by: dict[str, tuple[list[float], list[tuple[float, float]]]] = {}
+    for w, at, dur in sorted(pauses, key=lambda p: p[1]):
+        starts, items = by.setdefault(w, ([], []))
+        starts.append(at)
+        items.append((at, at + dur))
+    out = []
+    for step in path:
+        w, a, b, label, cat = step
+        starts, items = by.get(w, ((), ()))
+        if label.startswith("message") or not starts:
+            out.append(step)
+            continue
+        i = max(0, bisect_left(starts, a) - 1)
+        while i < len(items) and items[i][0] < b:
+            p0, p1 = max(items[i][0], a), min(items[i][1], b)
+            if p1 > p0:
+                if p0 > a:
+                    out.append((w, a, p0, label, cat))
+                out.append((w, p0, p1, f"gc pause during {label}", "gc pause"))
+                a = p1
+            i += 1
+        if b > a:
+            out.append((w, a, b, label, cat))
+    return out
 
 
 def contributions(path: list[tuple]) -> list[tuple[str, float]]:

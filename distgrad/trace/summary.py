@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .critical import contributions, critical_path
+from .critical import contributions, critical_path, split_gc
 
 ACTIVITIES = ("computing", "serving", "network", "idle")
 _PRIORITY = {"backward": 0, "backward.region": 0, "optim": 0, "rpc.serve": 1, "rpc.send": 2,
@@ -97,7 +97,7 @@ def summarize(doc: dict) -> Summary:
     tracer = meta.get("tracer", workers[0] if workers else None)
     ranks = {str(n): v.get("rank") for n, v in meta.get("workers", {}).items()
              if isinstance(v, dict) and isinstance(v.get("rank"), int)}
-    s.path = critical_path(spans, messages, tracer, window, ranks)
+    s.path = split_gc(critical_path(spans, messages, tracer, window, ranks), pauses)
     return s
 
 
