@@ -20,7 +20,7 @@ def _fid(rank, rid, reply):
     return ((rank + 1) << 41) | (rid << 1) | reply
 
 
-def _doc(workers, tracer=0):
+def _doc(workers, tracer=0, missing=None):
     """``workers``: rank -> (events in µs, (started, stopped) µs) -> the merged document."""
     from distgrad.trace import export
     from distgrad.trace.clock import Offset
@@ -39,7 +39,7 @@ def _doc(workers, tracer=0):
                 ns.append((ph, name, cat, tid, t * US, args))
         payloads[rank] = {"rank": rank, "name": f"worker{rank}", "pid": 100 + rank, "host": "h", "events": ns,
                           "threads": {}, "started_ns": started * US, "stopped_ns": stopped * US}
-    session = types.SimpleNamespace(missing={}, profile_ops=False, max_events=1000)
+    session = types.SimpleNamespace(missing=dict(missing or {}), profile_ops=False, max_events=1000)
     return export.build(tracer, payloads, {r: Offset(0, 0, 0, 1) for r in payloads}, session)
 
 
@@ -202,3 +202,33 @@ def test_a_garbage_collection_on_the_path_is_named_a_pause_not_a_wait():
     got = [(round(a), round(b), label, cat) for _, a, b, label, cat in s.path]
     assert (20, 270, "gc pause during wait f ← worker1", "gc pause") in got, got
     assert "garbage collections: 1, 0.250 ms in all" in summary.report(s)
+
+
+def test_the_picture_shows_phases_threads_span_names_failures_and_a_missing_worker(monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from distgrad.trace import plot, summary
+    doc = _doc({0: ([("X", "step", "user", 7, 0, 1000, {"cpu_us": 900.0}),
+                     ("X", "dist_autograd.backward", "backward.call", 7, 100, 400, {}),
+                     ("X", "DistributedOptimizer.step", "optim.call", 7, 500, 900, {}),
+                     ("X", "recv error f ← worker1", "rpc.recv", 7, 950, 960, {"kind": "error"})], (0, 1000)),
+                1: ([("X", "serve gradients ← worker0", "rpc.serve", 8, 100, 400, {}),
+                     ("X", "serve step ← worker0", "rpc.serve", 9, 200, 800, {})], (0, 1000))},
+               missing={"worker2": "no events gathered: WorkerLostError"})
+    s = summary.summarize(doc)
+    figs = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figs.append(self))
+    monkeypatch.setattr("matplotlib.pyplot.close", lambda fig=None: None)
+    plot.draw(s, "unused.png", "t")
+    ax = figs[0].axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    for name in ("step", "dist_autograd.backward", "DistributedOptimizer.step", "serve gradients ← worker0",
+                 "serve step ← worker0"):
+        assert name in texts, (name, texts)
+    assert any(t.startswith("worker2 missing: no events gathered") for t in texts), texts
+    rows = [t.get_text().strip() for t in ax.get_yticklabels()]
+    assert [r.split("\n")[0] for r in rows] == ["worker0", "thread 7", "worker1", "thread 9", "thread 8",
+                                                "worker2"], rows
+    assert plot.failures(s) == [("worker0", s.window[0] + 950)]

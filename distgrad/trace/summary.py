@@ -53,15 +53,18 @@ class Summary:
     missing: dict[str, str] = field(default_factory=dict)
     spans: dict[str, list[tuple]] = field(default_factory=dict)  # worker -> (start, end, name, cat, tid, key)
     gc_pauses: list[tuple[str, float, float]] = field(default_factory=list)  # (worker, at, pause µs)
+    threads: dict[tuple[str, int], str] = field(default_factory=dict)  # (worker, tid) -> thread name
 
 
 def summarize(doc: dict) -> Summary:
     """The :class:`Summary` of a trace document (``json.load`` of a distgrad trace);
     ``ValueError`` saying what is wrong with one that is not."""
     events = _events(doc)
-    names, order = {}, {}
+    names, order, tnames = {}, {}, {}
     for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            tnames[(e.get("pid"), e.get("tid"))] = str(_get(e, "args", dict).get("name", e.get("tid")))
+        elif e.get("ph") == "M" and e.get("name") == "process_name":
             names[e["pid"]] = str(_get(e, "args", dict).get("name", e["pid"]))
         elif e.get("ph") == "M" and e.get("name") == "process_sort_index":
             order[e["pid"]] = _get(e, "args", dict).get("sort_index", 0)
@@ -93,7 +96,8 @@ def summarize(doc: dict) -> Summary:
         shares[w] = {k: v / total for k, v in acc.items()}
     messages = _messages(events, names)
     s = Summary(workers, window, segments, shares, messages, missing=dict(meta.get("missing", {})),
-                spans=spans, gc_pauses=pauses)
+                spans=spans, gc_pauses=pauses,
+                threads={(names[p], t): n for (p, t), n in tnames.items() if p in names})
     tracer = meta.get("tracer", workers[0] if workers else None)
     ranks = {str(n): v.get("rank") for n, v in meta.get("workers", {}).items()
              if isinstance(v, dict) and isinstance(v.get("rank"), int)}
