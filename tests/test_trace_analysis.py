@@ -232,3 +232,14 @@ def test_the_picture_shows_phases_threads_span_names_failures_and_a_missing_work
     assert [r.split("\n")[0] for r in rows] == ["worker0", "thread 7", "worker1", "thread 9", "thread 8",
                                                 "worker2"], rows
     assert plot.failures(s) == [("worker0", s.window[0] + 950)]
+
+
+def test_torch_ops_outside_the_tracing_workers_window_are_left_out_and_counted():
+    def op(name, a, b):
+        return ("X", name, "op", 20, a, b, {"torch_cat": "cpu_op"})
+    doc = _doc({0: ([("X", "rpc_sync f → worker1", "rpc.call", 7, 1000, 1100, {})], (1000, 1200)),
+                1: ([op("aten::before", 10, 20), op("aten::inside", 1050, 1060),
+                     op("aten::across", 990, 1010), op("aten::after", 1300, 1310)], (0, 1400))})
+    ops = sorted(e["name"] for e in doc["traceEvents"] if e.get("cat") == "op")
+    assert ops == ["aten::across", "aten::inside"], ops
+    assert doc["otherData"]["distgrad"]["ops"]["worker1"]["outside_window"] == 2

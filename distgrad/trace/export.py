@@ -18,7 +18,8 @@ Layout of the file::
   each ("backward passes (2)", ...);
 * ``otherData.distgrad``: the tracing worker, the members, the ``missing`` ones and
   why, each clock's offset and estimated error (:mod:`.clock`), torch's profiler's
-  clock error where ``profile_ops``, each worker's recording window and the
+  clock error, the seconds its start took and the ops left out as outside the tracing
+  worker's window where ``profile_ops``, each worker's recording window and the
   tracer's (``window_us``), the events each worker dropped past ``max_events``.
 
 The file is written atomically (a new file beside ``path``, then renamed over it):
@@ -91,6 +92,7 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
     for r, off in causal.items():
         offsets[r].shift_ns = off - offsets[r].offset_ns
     align = {r: causal[r] for r in payloads}   # worker clock - tracer clock
+    payloads = _clip_ops(tracer, payloads, align)
     origin = min((_first(p) - align[r] for r, p in payloads.items() if _first(p) is not None),
                  default=0)
 
@@ -131,6 +133,21 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
         "unmatched_flow_ends": unmatched,
     }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"distgrad": meta}}
+
+
+def _clip_ops(tracer: int, payloads: dict[int, dict], align: dict[int, int]) -> dict[int, dict]:
+    """torch's ops outside the tracing worker's window left out (a member's profiler starts
+    before the tracer's, and its first start can take seconds), counted in its ``ops``."""
+    lo, hi = payloads[tracer]["started_ns"], payloads[tracer]["stopped_ns"] or float("inf")
+    out = {}
+    for r, p in payloads.items():
+        keep = [e for e in p["events"] if not (e[0] == "X" and e[2] == "op"
+                                               and (e[5] - align[r] < lo or e[4] - align[r] > hi))]
+        if len(keep) != len(p["events"]):
+            ops = dict(p.get("ops") or {}, outside_window=len(p["events"]) - len(keep))
+            p = dict(p, events=keep, ops=ops)
+        out[r] = p
+    return out
 
 
 def _window(p: dict, rank: int, us: Any) -> list[float]:
