@@ -135,11 +135,11 @@ def critical_path(spans: dict[str, list[tuple]], messages: list[tuple], tracer: 
         m = items[i] if i >= 0 and times[i] >= a else None
         if m is not None and m[1] < m[3] and m[1] < t and m[0] in workers:
             if t > m[3]:
-                path.append(_busy(wk, w, m[3], t, tid))
+                path.extend(_busy(wk, w, m[3], t, tid))
             path.append((w, m[1], m[3], f"message {m[0]} → {w}", "network"))
             w, t, tid = m[0], m[1], m[4]
             continue
-        path.append(_busy(wk, w, a, t, tid))
+        path.extend(_busy(wk, w, a, t, tid))
         t, tid = a, None
     path.reverse()
     return path
@@ -173,11 +173,27 @@ def _from_serve(wk: _Worker, w: str, t: float, tid: int, serve: tuple, on_thread
     return req[0], req[1], req[4]
 
 
-def _busy(wk: _Worker, w: str, a: float, b: float, tid: int | None) -> tuple:
+def _busy(wk: _Worker, w: str, a: float, b: float, tid: int | None) -> list[tuple]:
+    """The busy stretch [a, b] of ``w`` as steps (latest first, as the walk adds them),
+    cut where the innermost span of its thread changes (a send inside a backward run
+    is the send, the run around it compute)."""
     s = wk.at((a + b) / 2, BUSY, tid)
     if s is None:
-        return (w, a, b, "busy", "compute")
-    return (w, a, b, s[2], _CATEGORY.get(s[3], "compute"))
+        return [(w, a, b, "busy", "compute")]
+    starts, items = wk.threads[s[4]]
+    i = bisect_left(starts, b)
+    spans = [x for x in items[max(0, i - _SCAN):i] if x[1] > a and x[3] in BUSY]
+    cuts = sorted({a, b, *(x[0] for x in spans if a < x[0] < b), *(x[1] for x in spans if a < x[1] < b)})
+    out: list[tuple] = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        mid = (lo + hi) / 2
+        inner = max((x for x in spans if x[0] <= mid <= x[1]), key=lambda x: x[0], default=s)
+        name, cat = inner[2], _CATEGORY.get(inner[3], "compute")
+        if out and out[-1][3] == name and out[-1][2] == lo:
+            out[-1] = (w, out[-1][1], hi, name, cat)
+        else:
+            out.append((w, lo, hi, name, cat))
+    return out[::-1]
 
 
 def _gap(wk: _Worker, w: str, a: float, b: float, tid: int | None) -> tuple:

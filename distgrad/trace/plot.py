@@ -34,9 +34,11 @@ def plot(path: str, out: str, title: str | None = None) -> str:
     return report(s)
 
 
-_SPAN_COLOURS = {"backward": "#e8871e", "backward.region": "#e8871e", "optim": "#e8871e", "op": "#f0b46a",
-                 "rpc.serve": "#3c9d4e", "rpc.send": "#4a7fc1", "rpc.recv": "#4a7fc1", "rpc.call": "#4a7fc1",
-                 "rpc.wait": "#b9cce6", "backward.call": "#b9cce6", "optim.call": "#b9cce6"}
+# a thread's spans, drawn in this order (the outer kinds first, the inner ones over them)
+_SPAN_COLOURS = {"rpc.wait": "#b9cce6", "backward.call": "#b9cce6", "optim.call": "#b9cce6",
+                 "rpc.call": "#4a7fc1", "rpc.serve": "#3c9d4e", "backward": "#e8871e",
+                 "backward.region": "#e8871e", "optim": "#e8871e", "op": "#f0b46a", "rpc.send": "#4a7fc1",
+                 "rpc.recv": "#4a7fc1"}
 _PHASES = {"user": "#9e9e9e", "user.wait": "#9e9e9e", "backward.call": "#8e44ad", "optim.call": "#8d6e63"}
 _LANES = 6         # thread rows drawn per worker (the busiest)
 _LABEL_SHARE = 0.03  # a span gets its name written on it when it is this much of the window
