@@ -11,7 +11,9 @@ once per backward run, optimizer step or fork, never per message.
 
 Storage is flat and bounded: every event is :data:`WIDTH` atomic values (ints,
 strings, None) appended to one ``deque`` whose ``maxlen`` keeps the last
-``max_events`` events (the older ones are dropped and counted). A message's event
+``max_events`` events (the older ones are dropped and counted). ``deque.extend``
+of a tuple runs no Python code, so a record is never interleaved with another
+thread's. A message's event
 allocates no container that outlives the call, so an open trace triggers no
 garbage collections of its own; names and details are made only when the trace
 closes (:mod:`.records`). While the trace is open, every collection is recorded (a
@@ -52,7 +54,8 @@ __all__ = ["ACTIVE", "Recorder", "flow_id", "short", "DEFAULT_MAX_EVENTS"]
 ACTIVE: Recorder | None = None
 
 #: events kept per worker unless ``distgrad.trace.start(max_events=...)`` says otherwise
-DEFAULT_MAX_EVENTS = 1_000_000
+#: (about 200-260 bytes each: at most ~130 MB per worker)
+DEFAULT_MAX_EVENTS = 500_000
 
 # the tracing session's own RPCs (start, stop, pings) are never recorded
 _OWN = "distgrad.trace."
@@ -293,7 +296,16 @@ class Recorder:
         finally:
             if peer == self.session[0] and peer != self.rank and self.on_tracer_lost is not None:
                 self.stopped_why = f"the tracing worker (rank {peer}) was lost: {reason}"
-                self.on_tracer_lost()
+                try:
+                    self.on_tracer_lost()
+                except Exception:  # noqa: BLE001 - shutting down: stop here, now
+                    self._stop_here()
+
+    def _stop_here(self) -> None:
+        global ACTIVE
+        if ACTIVE is self:
+            ACTIVE = None
+        self.uninstall()
 
     # -- the result ------------------------------------------------------------
     def settle(self, timeout: float = 2.0) -> None:
