@@ -9,8 +9,10 @@ without and with a trace open (side by side in one cluster, ``rounds`` of each).
 Per block: the CPU (user + system) each process spent per call, read just before
 the first call and just after the last (the trace's start and stop are outside the
 window), and the garbage collections each process ran in it (``gc.callbacks``).
-Prints one row per side with the medians; the target is <= 10 % more CPU per call
-with the trace open.
+Prints one row per side: the medians, their ratio, and the median of the ratios of
+each traced block to the untraced block beside it ("paired": on a loaded machine
+the load moves both alike); the target is <= 10 % more CPU per call with the trace
+open.
 """
 from __future__ import annotations
 
@@ -90,13 +92,16 @@ def main(argv: list[str] | None = None) -> int:
                                                               rounds=args.rounds), timeout=600)
     print(f"rpc_sync(worker1, torch.add, (ones(4), 1)), {args.calls} calls x {args.rounds} blocks "
           f"each way, medians (message path: {'pure' if os.environ.get('DISTGRAD_PURE') else 'default'})")
-    print(f"{'side':<8}{'off us/call':>13}{'on us/call':>13}{'on/off':>9}   gc off -> on (gen0,1,2)")
+    print(f"{'side':<8}{'off us/call':>13}{'on us/call':>13}{'on/off':>9}{'paired':>9}"
+          "   gc off -> on (gen0,1,2)")
     for side in ("caller", "callee"):
         off = statistics.median(b[f"{side}_us"] for b in res["off"])
         on = statistics.median(b[f"{side}_us"] for b in res["on"])
+        # each traced block against the untraced one next to it: the load moves both alike
+        paired = statistics.median(a[f"{side}_us"] / b[f"{side}_us"] for a, b in zip(res["on"], res["off"]))
         goff = [sum(b[f"{side}_gc"][g] for b in res["off"]) for g in range(3)]
         gon = [sum(b[f"{side}_gc"][g] for b in res["on"]) for g in range(3)]
-        print(f"{side:<8}{off:>13.1f}{on:>13.1f}{on / off:>8.2f}x   {goff} -> {gon}")
+        print(f"{side:<8}{off:>13.1f}{on:>13.1f}{on / off:>8.2f}x{paired:>8.2f}x   {goff} -> {gon}")
     return 0
 
 
