@@ -243,3 +243,24 @@ def test_torch_ops_outside_the_tracing_workers_window_are_left_out_and_counted()
     ops = sorted(e["name"] for e in doc["traceEvents"] if e.get("cat") == "op")
     assert ops == ["aten::across", "aten::inside"], ops
     assert doc["otherData"]["distgrad"]["ops"]["worker1"]["outside_window"] == 2
+
+
+def test_a_trace_with_a_thread_per_span_is_summarized_in_linear_time():
+    # a crafted file: 2,000 calls, every span on a thread of its own (a look-up per thread
+    # per step would be quadratic)
+    from distgrad.trace import summary
+    w0, w1 = [], []
+    for i in range(2000):
+        t, rid = i * 100, i + 1
+        req, rep = _fid(0, rid, 0), _fid(0, rid, 1)
+        w0 += [("X", "rpc_sync f → worker1", "rpc.call", 10_000 + i, t, t + 20, {}),
+               ("s", req, 10_000 + i, t + 10, "request"), ("f", rep, 50_000 + i, t + 90, "reply"),
+               ("X", "recv reply f", "rpc.recv", 50_000 + i, t + 90, t + 95, {})]
+        w1 += [("X", "serve f", "rpc.serve", 90_000 + i, t + 40, t + 70, {"from": "worker0", "rid": rid}),
+               ("f", req, 90_000 + i, t + 30, "request"), ("s", rep, 90_000 + i, t + 60, "reply")]
+    doc = _doc({0: (w0, (0, 200_000)), 1: (w1, (0, 200_000))})
+    t0 = time.process_time()
+    s = summary.summarize(doc)
+    took = time.process_time() - t0
+    assert took < 4, took
+    assert len(s.messages) == 4000 and s.path[-1][2] > s.path[0][1]

@@ -43,8 +43,10 @@ class _Worker:
 
     def __init__(self, spans: Iterable[tuple]) -> None:
         self.threads: dict[int, tuple[list[float], list[tuple]]] = {}
+        self.all_items = sorted(spans, key=lambda s: s[0])  # (start, end, name, cat, tid, key)
+        self.all_starts = [s[0] for s in self.all_items]
         busy = []
-        for s in sorted(spans, key=lambda s: s[0]):  # (start, end, name, cat, tid, key)
+        for s in self.all_items:
             starts, items = self.threads.setdefault(s[4], ([], []))
             starts.append(s[0])
             items.append(s)
@@ -65,27 +67,27 @@ class _Worker:
         return self.stretches[i] if i >= 0 else None
 
     def at(self, x: float, cats: set | None, tid: int | None = None, only: bool = False) -> tuple | None:
-        """The innermost span (of ``cats``; of thread ``tid`` first, or only) that contains ``x``."""
-        if only:
-            order = [tid] if tid in self.threads else []
-        else:
-            order = list(self.threads)
-            if tid in self.threads:
-                order.remove(tid)
-                order.insert(0, tid)
-        best = None
-        for t in order:
-            starts, items = self.threads[t]
-            i = bisect_right(starts, x) - 1
-            for j in range(i, max(-1, i - _SCAN), -1):
-                s = items[j]
-                if s[1] >= x and (cats is None or s[3] in cats):
-                    if best is None or s[0] > best[0]:
-                        best = s
-                    break
-            if best is not None and t == tid:
-                return best
-        return best
+        """The innermost span (of ``cats``) that contains ``x``: on thread ``tid`` (only
+        there with ``only``), else among the worker's spans that started last before it.
+        Each look goes back a bounded number of spans: linear in the trace."""
+        if tid in self.threads:
+            found = _inner(*self.threads[tid], x, cats)
+            if found is not None or only:
+                return found
+        elif only:
+            return None
+        return _inner(self.all_starts, self.all_items, x, cats, 4 * _SCAN)
+
+
+def _inner(starts: list[float], items: list[tuple], x: float, cats: set | None,
+           scan: int = _SCAN) -> tuple | None:
+    """Going back from ``x`` by start, the first span that contains it started last: the innermost."""
+    i = bisect_right(starts, x) - 1
+    for j in range(i, max(-1, i - scan), -1):
+        s = items[j]
+        if s[1] >= x and (cats is None or s[3] in cats):
+            return s
+    return None
 
 
 def critical_path(spans: dict[str, list[tuple]], messages: list[tuple], tracer: str | None,
