@@ -142,9 +142,9 @@ def _phases(ax, s: Summary, w: str, y: float, ms, width: float) -> None:
     for band, cats in ((y - 0.5, ("user", "user.wait")), (y - 0.37, ("backward.call", "optim.call"))):
         spans = sorted((sp for sp in s.spans.get(w, ()) if sp[3] in cats and sp[1] > s.window[0]
                         and sp[0] < s.window[1]), key=lambda sp: (sp[0], -sp[1]))
-        for a, b, _, cat, *_ in spans:
-            ax.broken_barh([(ms(a), (b - a) / 1e3)], (band, 0.11), facecolors=_PHASES[cat], edgecolor="white",
-                           linewidth=0.3)
+        for colour in {_PHASES[sp[3]] for sp in spans}:  # one artist per colour, not one per span
+            ax.broken_barh([(ms(a), (b - a) / 1e3) for a, b, _, cat, *_ in spans if _PHASES[cat] == colour],
+                           (band, 0.11), facecolors=colour, edgecolor="white", linewidth=0.3)
         last = -1e300
         for a, b, name, *_ in spans:
             if b - a >= _LABEL_SHARE * width and a >= last:
