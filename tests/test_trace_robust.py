@@ -72,7 +72,7 @@ def _robust(rank, world_size, where):
     import distgrad
     import distgrad.rpc as rpc
     if rank != 0:
-        return None
+        return _member_profiles()
     out = {}
     one = torch.ones(2)
 
@@ -139,16 +139,47 @@ def _robust(rank, world_size, where):
             opened = count()
         out["python_calls"] = (closed, opened)
 
+    def member_profiled(out):  # worker1 profiles itself while worker0 traces with profile_ops
+        _both()                 # worker1 starts its profiler ...
+        _both()                 # ... and it is on
+        try:
+            with distgrad.trace(os.path.join(where, "member-ops.json"), profile_ops=True):
+                rpc.rpc_sync("worker1", torch.add, args=(one, 1))
+        finally:
+            _both()             # worker1 stops its profiler
+        with open(os.path.join(where, "member-ops.json")) as f:
+            meta = json.load(f)["otherData"]["distgrad"]
+        out["member_ops"] = (meta["ops"].get("worker1"), meta["missing"], meta["ops"].get("worker0"))
+
     for name, fn in (("cost", cost), ("bad_path", bad_path), ("values", values), ("bounded", bounded),
-                     ("collections", collections), ("profiled", profiled)):
+                     ("collections", collections), ("profiled", profiled),
+                     ("member_profiled", member_profiled)):
         _stage(out, name, fn)
     return out
+
+
+def _both():
+    import distgrad.rpc as rpc
+    rpc.api._barrier(["worker0", "worker1"])
+
+
+def _member_profiles():
+    """worker1's side of ``member_profiled``: its own torch.profiler around worker0's trace."""
+    _both()
+    with torch.profiler.profile() as prof:
+        torch.sub(torch.ones(2), 1)
+        _both()
+        _both()
+        torch.div(torch.ones(2), 2)
+    return sorted({e.name for e in prof.events() if e.name in ("aten::sub", "aten::div")})
 
 
 @pytest.fixture(scope="module")
 def robust():
     where = os.path.dirname(tmp_path_for("x"))
-    return where, run_workers(_robust, world_size=2, timeout=150, args=(where,))[0]
+    out, member = run_workers(_robust, world_size=2, timeout=150, args=(where,))
+    out["member_user_ops"] = member
+    return where, out
 
 
 def _workers(doc):
@@ -214,6 +245,16 @@ def test_profile_ops_never_ends_the_users_profiler(robust):
     assert out["user_ops"] == ["aten::add", "aten::mul"], out
     assert not os.path.exists(os.path.join(where, "ops.json"))
     assert out["open_at_end"] is False
+
+
+def test_a_member_that_profiles_itself_is_traced_without_ops_and_keeps_its_profile(robust):
+    _, out = robust
+    assert "member_profiled_error" not in out, out
+    ops1, missing, ops0 = out["member_ops"]
+    assert missing == {} and "not recorded" in ops1["error"] and "profiler" in ops1["error"], out
+    assert ops0["ops"] > 0, ops0
+    # its ops before and after the trace are still there (its profiler sees its own thread only)
+    assert out["member_user_ops"] == ["aten::div", "aten::sub"], out
 
 
 # -- the tracing worker is lost ---------------------------------------------------------------

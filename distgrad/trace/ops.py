@@ -92,7 +92,11 @@ def active_profiler() -> str | None:
     profiler, a distgrad trace's own), or None: a second one would end it."""
     try:
         import torch
-        if torch._C._autograd._profiler_enabled():
+        import torch.autograd.profiler as autograd_profiler
+        # torch's own flag is per thread (a profiler started on the main thread is not
+        # seen from a pool thread); the module's is the process's
+        if getattr(autograd_profiler, "_is_profiler_enabled", False) or \
+                torch._C._autograd._profiler_enabled():
             return "a torch profiler is already active in this process"
     except (AttributeError, ImportError):
         pass
