@@ -264,3 +264,23 @@ def test_a_trace_with_a_thread_per_span_is_summarized_in_linear_time():
     took = time.process_time() - t0
     assert took < 4, took
     assert len(s.messages) == 4000 and s.path[-1][2] > s.path[0][1]
+
+
+def test_control_messages_get_flows_so_the_path_follows_the_end_of_a_backward():
+    # worker1 reports the end of its backward run twice; worker0 (the tracer) started
+    # recording after the first left, so only the second pairs with worker0's receive
+    def send(t):
+        return ("X", "send control ag_report → worker0", "rpc.send", 8, t, t + 5,
+                {"to": "worker0", "kind": "control", "function": "control ag_report", "bytes": 50, "rid": 0})
+    doc = _doc({0: ([("X", "dist_autograd.backward", "backward.call", 7, 100, 400, {}),
+                     ("X", "recv control ag_report ← worker1", "rpc.recv", 7, 380, 390,
+                      {"from": "worker1", "kind": "control", "bytes": 50})], (100, 400)),
+                1: ([send(50), ("X", "backward run", "backward", 8, 200, 330, {}), send(320)], (0, 400))})
+    flows = [e for e in doc["traceEvents"] if e["ph"] in ("s", "f") and e["name"] == "control"]
+    # (the file's time axis starts at the first event, worker1's send at 50)
+    assert sorted((e["ph"], e["ts"]) for e in flows) == [("f", 330.0), ("s", 270.0)], flows
+    from distgrad.trace import summary
+    s = summary.summarize(doc)
+    labels = [(w, label) for w, _, _, label, _ in s.path]
+    assert ("worker0", "message worker1 → worker0") in labels, labels
+    assert ("worker1", "backward run") in labels, labels

@@ -92,6 +92,7 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
     for r, off in causal.items():
         offsets[r].shift_ns = off - offsets[r].offset_ns
     align = {r: causal[r] for r in payloads}   # worker clock - tracer clock
+    ends.update(_control_flows(payloads, align))
     payloads = _clip_ops(tracer, payloads, align)
     origin = min((_first(p) - align[r] for r, p in payloads.items() if _first(p) is not None),
                  default=0)
@@ -133,6 +134,42 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
         "unmatched_flow_ends": unmatched,
     }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"distgrad": meta}}
+
+
+_CONTROL_FLOWS = 1 << 52   # ids of control messages' flows (request flows stay below: rank < 2047)
+
+
+def _control_flows(payloads: dict[int, dict], align: dict[int, int]) -> dict[int, list]:
+    """Flows for control messages (the end-of-backward reports, RRef forks), which carry
+    no request id: one connection delivers them in order, so the k-th ``op`` a worker
+    received from another is the k-th it sent there, counting the sends from when the
+    receiver started recording (on the tracer's clock); a pair that would arrive before
+    it left is not drawn."""
+    names = {p["name"]: r for r, p in payloads.items()}
+    sent: dict[tuple, list] = {}
+    got: dict[tuple, list] = {}
+    for r, p in payloads.items():
+        for e in p["events"]:
+            if e[0] != "X" or e[2] not in ("rpc.send", "rpc.recv") or e[6].get("kind") != "control":
+                continue
+            _, name, cat, tid, start, _, args = e
+            if cat == "rpc.send" and args.get("to") in names:
+                op = str(args.get("function", "")).removeprefix("control ")
+                sent.setdefault((r, names[args["to"]], op), []).append((start - align[r], r, tid, start))
+            elif cat == "rpc.recv" and args.get("from") in names:
+                op = name.removeprefix("recv control ").rsplit(" ← ", 1)[0]
+                got.setdefault((names[args["from"]], r, op), []).append((start - align[r], r, tid, start))
+    out: dict[int, list] = {}
+    for key, recvs in sorted(got.items()):
+        sends = sorted(sent.get(key, ()))
+        recvs.sort()
+        first = payloads[key[1]]["started_ns"] - align[key[1]]
+        skip = sum(1 for s in sends if s[0] < first)  # left before the receiver recorded
+        for s, f in zip(sends[skip:], recvs):
+            if f[0] >= s[0]:
+                out[_CONTROL_FLOWS | len(out)] = [(s[1], s[2], s[3], "control"),
+                                                  (f[1], f[2], f[3], "control")]
+    return out
 
 
 def _clip_ops(tracer: int, payloads: dict[int, dict], align: dict[int, int]) -> dict[int, dict]:
