@@ -286,7 +286,8 @@ def test_user_spans(pipeline):
     user = {e["name"]: e for e in _spans(doc, "user", "worker0")}
     assert set(user) == {"step", "forward"}
     step, fwd = user["step"], user["forward"]
-    assert step["args"] == {"number": 1}
+    assert step["args"]["number"] == 1 and set(step["args"]) == {"number", "cpu_us"}, step["args"]
+    assert 0 <= step["args"]["cpu_us"] <= step["dur"] + 1000, step
     assert step["ts"] <= fwd["ts"] and fwd["ts"] + fwd["dur"] <= step["ts"] + step["dur"]
     calls = [e for e in _spans(doc, "rpc.call", "worker0") if fwd["ts"] <= e["ts"] <= fwd["ts"] + fwd["dur"]]
     assert len(calls) == 2
@@ -310,6 +311,10 @@ def test_trace_plot_draws_the_step_and_prints_the_summary(pipeline):
         assert abs(sum(shares) - 100) < 0.5, line
     serving = float(next(ln for ln in text.splitlines() if ln.startswith("worker1 ")).split()[2].rstrip("%"))
     assert serving > 0
+    # the critical path covers the step (issue 36): every stretch on it, none left out
+    line = next(ln for ln in text.splitlines() if ln.startswith("critical path:"))
+    covered = float(line.split("% of the step")[0].rsplit(" ", 1)[1])
+    assert covered >= 95, line
 
 
 def test_profile_ops_puts_a_remote_matmul_inside_its_served_span():
@@ -326,6 +331,8 @@ def test_profile_ops_puts_a_remote_matmul_inside_its_served_span():
               and m["ts"] + m["dur"] <= serve["ts"] + serve["dur"]]
     assert inside, (serve, mms)
     assert doc["otherData"]["distgrad"]["ops"]["worker1"]["marker_error_us"] < 50
+    for w in ("worker0", "worker1"):  # what starting torch's profiler cost, said in the file
+        assert 0 < doc["otherData"]["distgrad"]["ops"][w]["start_s"] < 60, doc["otherData"]["distgrad"]["ops"]
 
 
 def test_a_worker_dying_mid_trace_does_not_hang_the_close():

@@ -23,7 +23,9 @@ on the agent only while one is (:mod:`.recorder`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -34,14 +36,21 @@ from .clock import local_ns
 __all__ = ["start", "stop", "span", "is_tracing"]
 
 
-def start(path: str, profile_ops: bool = False, timeout: float = 30.0) -> None:
+def start(path: str, profile_ops: bool = False, timeout: float = 30.0,
+          max_events: int = recorder.DEFAULT_MAX_EVENTS) -> None:
     """Start recording a trace on every worker of the group, to be written to ``path``
     by :func:`stop` on this worker.
 
-    ``profile_ops=True`` also runs ``torch.profiler.profile`` on each worker for the
-    window (every thread), its events merged on the same clock. ``timeout`` (s)
-    bounds each worker's answer to start and stop: one that does not answer is left
-    out and named in the file's metadata (``otherData.distgrad.missing``).
+    ``path`` is checked now (its directory must exist and be writable); the file is
+    written atomically at the close. ``profile_ops=True`` also runs
+    ``torch.profiler.profile`` on each worker for the window (every thread), its
+    events merged on the same clock; it is refused while a torch profiler is active
+    here (a worker whose user profiles itself records without torch's ops: a
+    profiler of someone else's is never ended). ``timeout`` (s) bounds each worker's
+    answer to start and stop: one that does not answer is left out and named in the
+    file's metadata (``otherData.distgrad.missing``). Each worker keeps its last
+    ``max_events`` events (the older ones are counted in ``otherData.distgrad.dropped``);
+    a member whose tracing worker is lost stops recording.
 
     Example::
 
@@ -51,7 +60,7 @@ def start(path: str, profile_ops: bool = False, timeout: float = 30.0) -> None:
         'trace.json'
     """
     from .session import open_trace
-    open_trace(path, profile_ops, timeout)
+    open_trace(path, profile_ops, timeout, max_events)
 
 
 def stop() -> str:
@@ -68,12 +77,19 @@ def stop() -> str:
 
 
 @contextlib.contextmanager
-def _traced(path: str, profile_ops: bool = False, timeout: float = 30.0) -> Iterator[str]:
-    start(path, profile_ops, timeout)
+def _traced(path: str, profile_ops: bool = False, timeout: float = 30.0,
+            max_events: int = recorder.DEFAULT_MAX_EVENTS) -> Iterator[str]:
+    start(path, profile_ops, timeout, max_events)
     try:
         yield path
-    finally:
-        stop()
+    except BaseException:
+        try:  # the block's own error is the one the user sees; the trace is still written
+            stop()
+        except Exception as e:  # noqa: BLE001 - reported, never instead of the block's error
+            logging.getLogger(__name__).warning("distgrad.trace: the trace to %s was not written: "
+                                                "%s: %s", path, type(e).__name__, e)
+        raise
+    stop()
 
 
 class _NullSpan:
@@ -88,22 +104,27 @@ _NULL = _NullSpan()
 
 
 class _Span:
-    __slots__ = ("rec", "name", "args", "t0")
+    __slots__ = ("rec", "name", "args", "t0", "cpu0")
 
     def __init__(self, rec: Any, name: str, args: dict) -> None:
         self.rec, self.name, self.args = rec, name, args
 
     def __enter__(self) -> None:
+        self.cpu0 = time.thread_time_ns()
         self.t0 = local_ns()
 
     def __exit__(self, *exc: Any) -> bool:
+        # the thread's CPU time in the span: the summary counts it as computing only
+        # where the thread mostly ran (a span around a sleep or an untraced wait is not)
+        self.args["cpu_us"] = round((time.thread_time_ns() - self.cpu0) / 1e3, 1)
         self.rec.span(self.name, "user", self.t0, self.args)
         return False
 
 
 def span(name: str, **args: Any) -> Any:
     """A span of the calling thread in the open trace (nothing when none is open);
-    keyword arguments show in the span's details.
+    keyword arguments (any values) show in the span's details, with ``cpu_us``, the
+    CPU time the thread spent in it.
 
     Example::
 
@@ -120,10 +141,12 @@ def is_tracing() -> bool:
 
 
 class _CallableModule(types.ModuleType):
-    def __call__(self, path: str, profile_ops: bool = False, timeout: float = 30.0) -> Any:
+    def __call__(self, path: str, profile_ops: bool = False, timeout: float = 30.0,
+                 max_events: int = recorder.DEFAULT_MAX_EVENTS) -> Any:
         """``with distgrad.trace(path, profile_ops=False):`` records one trace (see
-        :func:`start`); the file is written when the block ends."""
-        return _traced(path, profile_ops, timeout)
+        :func:`start`); the file is written when the block ends (also when it raised:
+        its error is the one that propagates)."""
+        return _traced(path, profile_ops, timeout, max_events)
 
 
 sys.modules[__name__].__class__ = _CallableModule

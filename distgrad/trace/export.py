@@ -4,18 +4,26 @@ Layout of the file::
 
     {"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {"distgrad": {...}}}
 
-* a process per worker (``pid`` its OS pid; ``process_name`` its worker name,
-  ``process_sort_index`` its rank), a thread track per thread (``thread_name``);
+* a process per worker, identified by its rank (``pid`` = rank + 1: workers in
+  containers may all be OS pid 1; ``process_name`` its worker name,
+  ``process_sort_index`` its rank, ``process_labels`` its host and OS pid), a
+  thread track per thread (``thread_name``);
 * ``X`` spans (``ts``/``dur`` in microseconds from the trace's first event, on the
   tracing worker's clock), ``i`` instants;
 * ``s``/``f`` flow pairs sharing an ``id`` (``f`` with ``"bp": "e"``: it binds to
   the span that encloses it, the one that read the message): request -> arrival,
   reply -> arrival; only pairs whose two ends were both recorded;
 * per worker, a "backward passes" track with one span per pass that reached it
-  (first to last run of its share there);
+  (first to last run of its share there); passes that overlap in time get a track
+  each ("backward passes (2)", ...);
 * ``otherData.distgrad``: the tracing worker, the members, the ``missing`` ones and
   why, each clock's offset and estimated error (:mod:`.clock`), torch's profiler's
-  clock error where ``profile_ops``.
+  clock error, the seconds its start took and the ops left out as outside the tracing
+  worker's window where ``profile_ops``, each worker's recording window and the
+  tracer's (``window_us``), the events each worker dropped past ``max_events``.
+
+The file is written atomically (a new file beside ``path``, then renamed over it):
+a close that fails leaves no truncated file.
 
 Example::
 
@@ -26,12 +34,14 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from ..safe_files import new_file
 from .clock import Offset, keep_causal
+from .records import value
 
-# the synthetic track a worker's backward passes are drawn on (not an OS thread id)
+# the synthetic tracks a worker's backward passes are drawn on (not OS thread ids): + lane
 PASSES_TID = 10_000_000
 
 
@@ -40,7 +50,28 @@ def write(path: str, tracer: int, payloads: dict[int, dict], offsets: dict[int, 
     """Merge every worker's events onto ``tracer``'s clock and write them to ``path``."""
     doc = build(tracer, payloads, offsets, session)
     with new_file(path, binary=False) as f:   # never through a link (see safe_files)
-        json.dump(doc, f, separators=(",", ":"))
+        json.dump(doc, f, separators=(",", ":"), default=value)
+
+
+def check_path(path: str) -> None:
+    """Raise now (before anything is recorded) where the trace could not be written to ``path``."""
+    p = os.fspath(path)
+    if not p:
+        raise ValueError("distgrad.trace: the trace's path is empty")
+    if os.path.isdir(p):
+        raise IsADirectoryError(f"distgrad.trace: cannot write the trace to {p}: it is a directory")
+    where = os.path.dirname(os.path.abspath(p))
+    if not os.path.isdir(where):
+        raise FileNotFoundError(f"distgrad.trace: cannot write the trace to {p}: "
+                                f"directory {where} does not exist")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise PermissionError(f"distgrad.trace: cannot write the trace to {p}: "
+                              f"directory {where} is not writable")
+
+
+def track(rank: int) -> int:
+    """The trace-event ``pid`` of worker ``rank``'s process track."""
+    return rank + 1
 
 
 def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], session: Any) -> dict:
@@ -51,6 +82,8 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
     for r, off in causal.items():
         offsets[r].shift_ns = off - offsets[r].offset_ns
     align = {r: causal[r] for r in payloads}   # worker clock - tracer clock
+    ends.update(_control_flows(payloads, align))
+    payloads = _clip_ops(tracer, payloads, align)
     origin = min((_first(p) - align[r] for r, p in payloads.items() if _first(p) is not None),
                  default=0)
 
@@ -67,13 +100,19 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
             continue
         for (rank, tid, ns, name), ph in ((s, "s"), (f, "f")):
             ev = {"ph": ph, "id": fid, "cat": "rpc.flow", "name": name,
-                  "pid": payloads[rank]["pid"], "tid": tid, "ts": us(rank, ns)}
+                  "pid": track(rank), "tid": tid, "ts": us(rank, ns)}
             if ph == "f":
                 ev["bp"] = "e"
             events.append(ev)
     meta = {
         "tracer": payloads[tracer]["name"],
-        "workers": {p["name"]: {"rank": r, "pid": p["pid"]} for r, p in sorted(payloads.items())},
+        "workers": {p["name"]: {"rank": r, "pid": p["pid"], "host": p.get("host", "?"), "track": track(r)}
+                    for r, p in sorted(payloads.items())},
+        "window_us": _window(payloads[tracer], tracer, us),
+        "windows_us": {p["name"]: _window(p, r, us) for r, p in sorted(payloads.items())},
+        "max_events": getattr(session, "max_events", None),
+        "recorded": {p["name"]: p.get("recorded", len(p["events"])) for p in payloads.values()},
+        "dropped": {p["name"]: p.get("dropped", 0) for p in payloads.values()},
         "missing": dict(session.missing),
         "clock": {payloads[r]["name"]: offsets[r].as_meta() for r in sorted(payloads)},
         "clock_method": "perf_counter_ns per worker; offsets to the tracer's clock by NTP-style pings "
@@ -85,6 +124,62 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
         "unmatched_flow_ends": unmatched,
     }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"distgrad": meta}}
+
+
+_CONTROL_FLOWS = 1 << 52   # ids of control messages' flows (request flows stay below: rank < 2047)
+
+
+def _control_flows(payloads: dict[int, dict], align: dict[int, int]) -> dict[int, list]:
+    """Flows for control messages (the end-of-backward reports, RRef forks), which carry
+    no request id: one connection delivers them in order, so the k-th ``op`` a worker
+    received from another is the k-th it sent there, counting the sends from when the
+    receiver started recording (on the tracer's clock); a pair that would arrive before
+    it left is not drawn."""
+    names = {p["name"]: r for r, p in payloads.items()}
+    sent: dict[tuple, list] = {}
+    got: dict[tuple, list] = {}
+    for r, p in payloads.items():
+        for e in p["events"]:
+            if e[0] != "X" or e[2] not in ("rpc.send", "rpc.recv") or e[6].get("kind") != "control":
+                continue
+            _, name, cat, tid, start, _, args = e
+            if cat == "rpc.send" and args.get("to") in names:
+                op = str(args.get("function", "")).removeprefix("control ")
+                sent.setdefault((r, names[args["to"]], op), []).append((start - align[r], r, tid, start))
+            elif cat == "rpc.recv" and args.get("from") in names:
+                op = name.removeprefix("recv control ").rsplit(" ← ", 1)[0]
+                got.setdefault((names[args["from"]], r, op), []).append((start - align[r], r, tid, start))
+    out: dict[int, list] = {}
+    for key, recvs in sorted(got.items()):
+        sends = sorted(sent.get(key, ()))
+        recvs.sort()
+        first = payloads[key[1]]["started_ns"] - align[key[1]]
+        skip = sum(1 for s in sends if s[0] < first)  # left before the receiver recorded
+        for s, f in zip(sends[skip:], recvs):
+            if f[0] >= s[0]:
+                out[_CONTROL_FLOWS | len(out)] = [(s[1], s[2], s[3], "control"),
+                                                  (f[1], f[2], f[3], "control")]
+    return out
+
+
+def _clip_ops(tracer: int, payloads: dict[int, dict], align: dict[int, int]) -> dict[int, dict]:
+    """torch's ops outside the tracing worker's window left out (a member's profiler starts
+    before the tracer's, and its first start can take seconds), counted in its ``ops``."""
+    lo, hi = payloads[tracer]["started_ns"], payloads[tracer]["stopped_ns"] or float("inf")
+    out = {}
+    for r, p in payloads.items():
+        keep = [e for e in p["events"] if not (e[0] == "X" and e[2] == "op"
+                                               and (e[5] - align[r] < lo or e[4] - align[r] > hi))]
+        if len(keep) != len(p["events"]):
+            ops = dict(p.get("ops") or {}, outside_window=len(p["events"]) - len(keep))
+            p = dict(p, events=keep, ops=ops)
+        out[r] = p
+    return out
+
+
+def _window(p: dict, rank: int, us: Any) -> list[float]:
+    """A worker's recording window (its start and stop) on the trace's time axis (µs)."""
+    return [max(0.0, us(rank, p["started_ns"])), us(rank, p["stopped_ns"] or p["started_ns"])]
 
 
 def _first(p: dict) -> int | None:
@@ -103,12 +198,12 @@ def _flow_ends(payloads: dict[int, dict]) -> dict[int, list]:
 
 
 def _worker_events(rank: int, p: dict, us: Any) -> list[dict]:
-    pid, out = p["pid"], []
+    pid, out = track(rank), []
     out.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": p["name"]}})
     out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                 "args": {"sort_index": rank}})
     out.append({"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
-                "args": {"labels": f"rank {rank}, pid {pid}"}})
+                "args": {"labels": f"rank {rank}, host {p.get('host', '?')}, pid {p['pid']}"}})
     threads = dict(p["threads"])
     passes: dict[Any, list[int]] = {}
     for e in p["events"]:
@@ -126,12 +221,17 @@ def _worker_events(rank: int, p: dict, us: Any) -> list[dict]:
             _, name, cat, tid, ns, args = e
             out.append({"ph": "i", "s": "t", "name": name, "cat": cat, "pid": pid, "tid": tid,
                         "ts": us(rank, ns), "args": args})
+    lanes: list[int] = []  # the end of the last pass on each track
     for key, (start, end) in sorted(passes.items(), key=lambda kv: kv[1][0]):
+        # concurrent passes get a track each (Perfetto cannot draw partly overlapping spans)
+        lane = next((i for i, busy_until in enumerate(lanes) if busy_until <= start), len(lanes))
+        if lane == len(lanes):
+            lanes.append(end)
+            threads[PASSES_TID + lane] = "backward passes" + (f" ({lane + 1})" if lane else "")
+        lanes[lane] = end
         out.append({"ph": "X", "name": f"backward pass {key} on {p['name']}", "cat": "backward.pass",
-                    "pid": pid, "tid": PASSES_TID, "ts": us(rank, start),
+                    "pid": pid, "tid": PASSES_TID + lane, "ts": us(rank, start),
                     "dur": round((end - start) / 1e3, 3), "args": {"pass": key}})
-    if passes:
-        threads[PASSES_TID] = "backward passes"
     for tid, name in threads.items():
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
     return out

@@ -43,8 +43,12 @@ class OpsProfiler:
         self.prof: Any = None
         self.marks: list[tuple[int, int]] = []
         self.all_threads = False
+        self.start_s = 0.0  # what starting torch's profiler took (the first start in a process: seconds)
 
     def start(self) -> None:
+        """Start torch's profiler (timed: ``start_s``) and record the first clock markers."""
+        import time
+        t0 = time.perf_counter()
         import torch
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU]
@@ -55,6 +59,7 @@ class OpsProfiler:
         self.prof = profile(activities=activities, experimental_config=config) if config is not None \
             else profile(activities=activities)
         self.prof.start()
+        self.start_s = time.perf_counter() - t0
         self._mark()
 
     def _mark(self) -> None:
@@ -77,7 +82,25 @@ class OpsProfiler:
                 raw = json.load(f)
         finally:
             os.unlink(path)
-        return convert(raw, self.marks, self.all_threads)
+        events, meta = convert(raw, self.marks, self.all_threads)
+        meta["start_s"] = round(self.start_s, 3)
+        return events, meta
+
+
+def active_profiler() -> str | None:
+    """What profiler already runs in this process (torch.profiler, the autograd
+    profiler, a distgrad trace's own), or None: a second one would end it."""
+    try:
+        import torch
+        import torch.autograd.profiler as autograd_profiler
+        # torch's own flag is per thread (a profiler started on the main thread is not
+        # seen from a pool thread); the module's is the process's
+        if getattr(autograd_profiler, "_is_profiler_enabled", False) or \
+                torch._C._autograd._profiler_enabled():
+            return "a torch profiler is already active in this process"
+    except (AttributeError, ImportError):
+        pass
+    return None
 
 
 def _all_threads_config() -> Any:

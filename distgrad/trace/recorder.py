@@ -3,117 +3,150 @@
 Tracing off costs the message path nothing: no flag is checked per message. While
 a trace is open, the recorder puts pass-through wrappers on the running agent's
 instance (``send_request``, ``notify``, ``send_control``, ``on_message``,
-``_serve``, ``wait``, ``read_reply``, the control handlers) and on its transport's
-``send``; :meth:`Recorder.uninstall` takes them off, and the classes' own methods
-run again. The layers above (the distributed backward, the optimizer, RRef forks,
-user spans) check :data:`ACTIVE` where they start a span: once per backward run,
-optimizer step or fork, never per message.
+``_serve``, ``wait``, ``read_reply``, ``on_peer_lost``, the control handlers) and on
+its transport's ``send``; :meth:`Recorder.uninstall` takes them off, and the
+classes' own methods run again. The layers above (the distributed backward, the
+optimizer, RRef forks, user spans) check :data:`ACTIVE` where they start a span:
+once per backward run, optimizer step or fork, never per message.
 
-Events are kept raw, on this worker's clock (:func:`.clock.local_ns`), as tuples:
-``("X", name, cat, tid, start_ns, end_ns, args)`` spans, ``("s"|"f", flow_id, tid,
-ns, name)`` flow ends, ``("i", name, cat, tid, ns, args)`` instants;
-:mod:`.export` turns them into trace events on the tracing worker's clock.
+Storage is flat and bounded: every event is :data:`WIDTH` atomic values (ints,
+strings, None) appended to one ``deque`` whose ``maxlen`` keeps the last
+``max_events`` events (the older ones are dropped and counted). ``deque.extend``
+of a tuple runs no Python code, so a record is never interleaved with another
+thread's. A message's event
+allocates no container that outlives the call, so an open trace triggers no
+garbage collections of its own; names and details are made only when the trace
+closes (:mod:`.records`). While the trace is open, every collection is recorded (a
+``gc pause`` instant on the thread it stopped), so a pause is never read as the
+network.
 
 Flows: a request ``rid`` sent by rank ``r`` has flow id :func:`flow_id`\\ ``(r, rid,
 0)`` on both sides; its reply ``flow_id(r, rid, 1)``. The ``s`` end is stamped just
-before the bytes leave (inside the send span), the ``f`` end inside the span of the
-thread that read it.
+before the bytes leave, the ``f`` end when the reading thread starts on it.
 
 Example (what :func:`distgrad.trace` does on each worker)::
 
     >>> rec = Recorder(current_agent(), session=(0, 1))
     >>> rec.install(); ...; rec.uninstall()
-    >>> rec.events[0][:3]
+    >>> rec.payload()["events"][0][:3]
     ('X', 'rpc_sync add → worker1', 'rpc.call')
 """
 from __future__ import annotations
 
+import collections
+import gc
+import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ..wire import Kind
+from ..wire.fast_header import FAST, FAST_MAGIC
 from ..wire.messages import peek_header
+from . import clock, records
 from .clock import local_ns
+from .records import CALL, GC, INSTANT, RECV, SEND, SERVE, SPAN, WAIT, flow_id, plain, short
+
+__all__ = ["ACTIVE", "Recorder", "flow_id", "short", "DEFAULT_MAX_EVENTS"]
 
 #: the recorder of the trace open on this worker, or None (read by the layers above RPC)
 ACTIVE: Recorder | None = None
 
+#: events kept per worker unless ``distgrad.trace.start(max_events=...)`` says otherwise
+#: (about 200-260 bytes each: at most ~130 MB per worker)
+DEFAULT_MAX_EVENTS = 500_000
+
 # the tracing session's own RPCs (start, stop, pings) are never recorded
 _OWN = "distgrad.trace."
-_REQUESTS = (Kind.CALL, Kind.REMOTE, Kind.NOTIFY)
-_REPLIES = (Kind.REPLY, Kind.ERROR)
-# friendlier names for distgrad's own functions in span names
-_NAMES = {
-    "distgrad.autograd.engine._propagate": "gradients",
-    "distgrad.autograd.engine._resume": "backward resume",
-    "distgrad.autograd.engine._flush": "backward DDP flush",
-    "distgrad.autograd.engine._discover": "backward discovery",
-}
+_WRAPPED = ("send_request", "notify", "send_control", "on_message", "_serve", "wait", "read_reply",
+            "on_peer_lost")
 
 
-def flow_id(rank: int, rid: int, reply: int) -> int:
-    """The id both ends of a message's flow share (unique in a trace; < 2**53)."""
-    return ((rank + 1) << 41) | (rid << 1) | reply
+_CONTROL = int(Kind.CONTROL)
 
 
-def short(what: str) -> str:
-    """A function's name as spans show it (``torch.add`` -> ``add``)."""
-    if what in _NAMES:
-        return _NAMES[what]
-    return what.rsplit(".", 1)[-1] or what
+class _Local(threading.local):
+    """What a thread is doing, as the wrappers tell each other (defaults: nothing)."""
+
+    skip = False            # the session's own RPC: not recorded
+    what: str | None = None  # the function of the request being sent
+    control: str | None = None  # the control message being handled
+
+
+def _head(frames: Any) -> tuple[int, int]:
+    """(kind, request id) of a message, for its record only (the agent checks it)."""
+    env = frames[0]
+    if type(env) is bytes or type(env) is bytearray:
+        if env[:2] == FAST_MAGIC and len(env) >= FAST.size:
+            h = FAST.unpack_from(env)
+            return h[2], h[4]
+    kind, rid, _ = peek_header(frames)
+    return kind, rid
 
 
 def _nbytes(frames: Any) -> int:
     n = 0
     for f in frames:
-        n += memoryview(f).nbytes
+        n += f.nbytes if type(f) is memoryview else len(f)
     return n
+
+
+def _value(counter: Any) -> int:
+    """The next value of an ``itertools.count`` without taking it."""
+    return counter.__reduce__()[1][0]
 
 
 class Recorder:
     """The events one worker records for one trace (see the module's docstring)."""
 
-    def __init__(self, agent: Any, session: tuple) -> None:
+    def __init__(self, agent: Any, session: tuple, max_events: int = DEFAULT_MAX_EVENTS) -> None:
         self.agent, self.session = agent, session
         self.rank, self.name = agent.rank, agent.name
-        self.events: list[tuple] = []
-        self.threads: dict[int, str] = {}
+        self.max_events = max(1, int(max_events))
+        self._buf: collections.deque = collections.deque(maxlen=self.max_events * records.WIDTH)
+        self._add = self._buf.extend
+        self._count = itertools.count()      # events recorded (kept or dropped)
+        self._tick = self._count.__next__
         self.started_ns = local_ns()
         self.stopped_ns = 0
-        self._tls = threading.local()
-        self._arrived: dict[tuple[int, int], tuple] = {}  # (peer, rid) -> arrival, until served
-        self._calls: dict[int, tuple[str, str]] = {}      # rid -> (function, peer) awaiting a reply
-        self._served: dict[tuple[int, int], str] = {}     # (peer, rid) -> function, until replied
+        # the clock: perf_counter_ns itself unless a test shifted this process's
+        self._now = local_ns if clock._SKEW[0] else time.perf_counter_ns
+        self.stopped_why: str | None = None  # set when recording stopped without the tracer
+        self.on_tracer_lost: Callable[[], None] | None = None
+        self._tls = _Local()
         self._saved: dict[str, Any] = {}
-        self._serving = 0  # requests being served now (their span still to come)
-        self._count = threading.Lock()
+        self._served_in = itertools.count()  # requests whose serving began / ended:
+        self._served_out = itertools.count()  # settle() waits for the two to agree
         self._handlers: dict[str, tuple[Callable, Callable]] = {}
+        self._gc_t0 = 0
 
     # -- recording ------------------------------------------------------------
-    def tid(self) -> int:
-        tid = threading.get_native_id()
-        if tid not in self.threads:
-            self.threads[tid] = threading.current_thread().name
-        return tid
-
     def span(self, name: str, cat: str, start_ns: int, args: dict | None = None) -> None:
-        """A span of this thread from ``start_ns`` to now."""
-        self.events.append(("X", name, cat, self.tid(), start_ns, local_ns(), args or {}))
+        """A span of this thread from ``start_ns`` to now (``args``: its details, any values)."""
+        self._tick()
+        self._add((SPAN, threading.get_native_id(), start_ns, self._now(), name, cat, 0, 0,
+                   plain(args) if args else None))
 
     def instant(self, name: str, cat: str, args: dict | None = None) -> None:
-        self.events.append(("i", name, cat, self.tid(), local_ns(), args or {}))
+        """An instant of this thread, now."""
+        now = self._now()
+        self._tick()
+        self._add((INSTANT, threading.get_native_id(), now, now, name, cat, 0, 0,
+                   plain(args) if args else None))
+
+    @property
+    def recorded(self) -> int:
+        """Events recorded so far (kept and dropped)."""
+        return _value(self._count)
 
     # -- the wrappers ------------------------------------------------------------
     def install(self) -> None:
         """Put the wrappers on the agent (and its transport): recording starts."""
         agent, transport = self.agent, self.agent.transport
-        wrappers = {"send_request": self._send_request, "notify": self._notify,
-                    "send_control": self._send_control, "on_message": self._on_message,
-                    "_serve": self._serve, "wait": self._wait, "read_reply": self._read_reply}
-        for attr, wrapper in wrappers.items():
+        for attr in _WRAPPED:
             self._saved[attr] = getattr(agent, attr)
-            setattr(agent, attr, wrapper)
+            setattr(agent, attr, getattr(self, "_" + attr.lstrip("_")))
         self._saved["transport.send"] = transport.__dict__.get("send")
         self._send = transport.send
         transport.send = self._transport_send
@@ -121,14 +154,13 @@ class Recorder:
             wrapped = self._control(op, fn)
             self._handlers[op] = (fn, wrapped)
             agent.control_handlers[op] = wrapped
+        gc.callbacks.append(self._on_gc)
 
     def uninstall(self) -> None:
         """Take the wrappers off: the agent's own methods run again."""
         agent, transport = self.agent, self.agent.transport
-        for attr in ("send_request", "notify", "send_control", "on_message", "_serve", "wait",
-                     "read_reply"):
-            if attr in agent.__dict__:
-                del agent.__dict__[attr]
+        for attr in _WRAPPED:
+            agent.__dict__.pop(attr, None)
         if self._saved.get("transport.send") is not None:
             transport.send = self._saved["transport.send"]
         else:
@@ -136,7 +168,18 @@ class Recorder:
         for op, (fn, wrapped) in self._handlers.items():
             if agent.control_handlers.get(op) is wrapped:
                 agent.control_handlers[op] = fn
-        self.stopped_ns = local_ns()
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        self.stopped_ns = self._now()
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = self._now()
+        elif self._gc_t0:
+            self._tick()
+            self._add((GC, threading.get_native_id(), self._gc_t0, self._now(), None, 0, 0,
+                       info.get("generation", -1), info.get("collected", 0)))
+            self._gc_t0 = 0
 
     def _send_request(self, dest: Any, kind: Kind, payload_obj: Any, what: str, timeout: float,
                       sync: bool = False, extra: Any = None) -> Any:
@@ -147,20 +190,19 @@ class Recorder:
                 return orig(dest, kind, payload_obj, what, timeout, sync, extra)
             finally:
                 tls.skip = False
-        verb = "remote" if kind == Kind.REMOTE else "rpc_sync" if sync else "rpc_async"
-        t0 = local_ns()
+        t0 = self._now()
         tls.what = what
         try:
             return orig(dest, kind, payload_obj, what, timeout, sync, extra)
         finally:
             tls.what = None
-            self.span(f"{verb} {short(what)} → {dest.name}", "rpc.call", t0,
-                      {"to": dest.name, "function": what})
+            self._tick()
+            self._add((CALL, threading.get_native_id(), t0, self._now(), what, dest.id, 0,
+                       2 if kind == Kind.REMOTE else 1 if sync else 0, None))
 
     def _notify(self, to: Any, func: Callable, args: tuple = (), kwargs: dict | None = None) -> bool:
         from ..rpc.agent import _qualname
-        what = _qualname(func)
-        self._tls.what = what
+        self._tls.what = _qualname(func)
         try:
             return self._saved["notify"](to, func, args, kwargs)
         finally:
@@ -175,77 +217,36 @@ class Recorder:
 
     def _transport_send(self, peer: int, frames: Any) -> Any:
         tls = self._tls
-        if getattr(tls, "skip", False):
+        if tls.skip:
             return self._send(peer, frames)
-        t0 = local_ns()
         try:
-            kind, rid, _ = peek_header(frames)
+            kind, rid = _head(frames)
         except Exception:  # noqa: BLE001 - not an agent message: not ours to record
             return self._send(peer, frames)
-        what = getattr(tls, "what", None)
         nbytes = _nbytes(frames)
-        to = self._peer_name(peer)
-        flow = None
-        if kind in _REQUESTS:
-            flow = flow_id(self.rank, rid, 0)
-            what = what or "?"
-            if kind != Kind.NOTIFY:
-                self._calls[rid] = (what, to)
-            name = f"send {short(what)} → {to}"
-        elif kind in _REPLIES:
-            served = self._served.pop((peer, rid), None)
-            if served is None:  # the reply to a request served before the trace (or its own)
-                return self._send(peer, frames)
-            flow = flow_id(peer, rid, 1)
-            word = "error" if kind == Kind.ERROR else "reply"
-            name = f"send {word} {short(served)} → {to}"
-        else:
-            name = f"send {what or 'control'} → {to}"
-        tid = self.tid()
-        ts = local_ns()
+        what = tls.what
+        t0 = self._now()
         try:
             return self._send(peer, frames)
         finally:
-            end = local_ns()
-            args = {"to": to, "bytes": nbytes, "kind": Kind(kind).name.lower(), "rid": rid}
-            if what:
-                args["function"] = what
-            self.events.append(("X", name, "rpc.send", tid, t0, end, args))
-            if flow is not None:
-                self.events.append(("s", flow, tid, ts, "request" if kind in _REQUESTS else "reply"))
+            self._tick()
+            self._add((SEND, threading.get_native_id(), t0, self._now(), what, peer, rid, nbytes, kind))
 
     def _on_message(self, peer: int, frames: list) -> Any:
-        t0 = local_ns()
+        t0 = self._now()
         try:
-            kind, rid, _ = peek_header(frames)
+            kind, rid = _head(frames)
         except Exception:  # noqa: BLE001 - the agent reports it
             return self._saved["on_message"](peer, frames)
-        tid = self.tid()
-        ta = local_ns()  # the flow's end: inside the span, which starts at t0
-        work = None
+        tls = self._tls
+        if kind == _CONTROL:
+            tls.control = None
         try:
-            work = self._saved["on_message"](peer, frames)
-            return work
+            return self._saved["on_message"](peer, frames)
         finally:
-            end = local_ns()
-            frm = self._peer_name(peer)
-            if kind in _REPLIES:
-                call = self._calls.pop(rid, None)
-                if call is not None:  # a reply to a call made while tracing
-                    what = call[0]
-                    word = "error" if kind == Kind.ERROR else "reply"
-                    self.events.append(("X", f"recv {word} {short(what)} ← {frm}", "rpc.recv", tid, t0,
-                                        end, {"from": frm, "bytes": _nbytes(frames), "function": what,
-                                              "kind": word, "rid": rid}))
-                    self.events.append(("f", flow_id(self.rank, rid, 1), tid, ta, "reply"))
-            elif kind in _REQUESTS:
-                if work is not None:  # named when served (its function is known then)
-                    self._arrived[(peer, rid)] = (tid, t0, ta, end, _nbytes(frames), kind)
-            else:
-                op = getattr(self._tls, "control", None)
-                self._tls.control = None
-                self.events.append(("X", f"recv control {op or '?'} ← {frm}", "rpc.recv", tid, t0, end,
-                                    {"from": frm, "bytes": _nbytes(frames), "kind": "control"}))
+            self._tick()
+            self._add((RECV, threading.get_native_id(), t0, self._now(),
+                       tls.control if kind == _CONTROL else None, peer, rid, _nbytes(frames), kind))
 
     def _control(self, op: str, fn: Callable) -> Callable:
         def handler(peer: int, *args: Any) -> Any:
@@ -256,56 +257,55 @@ class Recorder:
     def _serve(self, peer: int, msg: Any) -> None:
         orig, tls = self._saved["_serve"], self._tls
         meta = msg.meta
-        what = meta[0] if isinstance(meta, tuple) and meta and isinstance(meta[0], str) else "?"
-        arrived = self._arrived.pop((peer, msg.rid), None)
+        what = meta[0] if type(meta) is tuple and meta and type(meta[0]) is str else "?"
         if what.startswith(_OWN):
             tls.skip = True
             try:
                 return orig(peer, msg)
             finally:
                 tls.skip = False
-        frm = self._peer_name(peer)
-        if arrived is not None:
-            tid, t0, ta, end, nbytes, kind = arrived
-            self.events.append(("X", f"recv {short(what)} ← {frm}", "rpc.recv", tid, t0, end,
-                                {"from": frm, "bytes": nbytes, "function": what,
-                                 "kind": Kind(kind).name.lower(), "rid": msg.rid}))
-            self.events.append(("f", flow_id(peer, msg.rid, 0), tid, ta, "request"))
-        if msg.kind != Kind.NOTIFY:
-            self._served[(peer, msg.rid)] = what
-        with self._count:
-            self._serving += 1
-        t0 = local_ns()
+        next(self._served_in)
+        t0 = self._now()
         try:
             return orig(peer, msg)
         finally:
-            self.span(f"serve {short(what)} ← {frm}", "rpc.serve", t0,
-                      {"from": frm, "function": what, "rid": msg.rid})
-            with self._count:
-                self._serving -= 1
+            self._tick()
+            self._add((SERVE, threading.get_native_id(), t0, self._now(), what, peer, msg.rid,
+                       int(msg.kind), None))
+            next(self._served_out)
 
     def _wait(self, p: Any) -> Any:
-        t0 = local_ns()
+        t0 = self._now()
         try:
             return self._saved["wait"](p)
         finally:
-            self._wait_span(p, t0)
+            self._tick()
+            self._add((WAIT, threading.get_native_id(), t0, self._now(), p.what, p.peer, 0, 0, None))
 
     def _read_reply(self, p: Any) -> None:
-        t0 = local_ns()
+        t0 = self._now()
         try:
             return self._saved["read_reply"](p)
         finally:
-            self._wait_span(p, t0)
+            self._tick()
+            self._add((WAIT, threading.get_native_id(), t0, self._now(), p.what, p.peer, 0, 0, None))
 
-    def _wait_span(self, p: Any, t0: int) -> None:
-        if not p.what.startswith(_OWN):
-            frm = self._peer_name(p.peer)
-            self.span(f"wait {short(p.what)} ← {frm}", "rpc.wait", t0, {"from": frm, "function": p.what})
+    def _on_peer_lost(self, peer: int, reason: str, graceful: bool) -> None:
+        try:
+            self._saved["on_peer_lost"](peer, reason, graceful)
+        finally:
+            if peer == self.session[0] and peer != self.rank and self.on_tracer_lost is not None:
+                self.stopped_why = f"the tracing worker (rank {peer}) was lost: {reason}"
+                try:
+                    self.on_tracer_lost()
+                except Exception:  # noqa: BLE001 - shutting down: stop here, now
+                    self._stop_here()
 
-    def _peer_name(self, peer: int) -> str:
-        w = self.agent.workers.get(peer)
-        return w.name if w is not None else f"rank {peer}"
+    def _stop_here(self) -> None:
+        global ACTIVE
+        if ACTIVE is self:
+            ACTIVE = None
+        self.uninstall()
 
     # -- the result ------------------------------------------------------------
     def settle(self, timeout: float = 2.0) -> None:
@@ -314,11 +314,19 @@ class Recorder:
         in between."""
         import time
         deadline = time.monotonic() + timeout
-        while self._serving > 0 and time.monotonic() < deadline:
+        while _value(self._served_in) > _value(self._served_out) and time.monotonic() < deadline:
             time.sleep(0.001)
 
     def payload(self) -> dict:
         """What this worker sends the tracing worker when the trace closes."""
         import os
-        return {"rank": self.rank, "name": self.name, "pid": os.getpid(), "events": self.events,
-                "threads": self.threads, "started_ns": self.started_ns, "stopped_ns": self.stopped_ns}
+        import socket
+        kept = list(self._buf)
+        recorded = self.recorded
+        n_kept = len(kept) // records.WIDTH
+        names = {w.id: w.name for w in list(self.agent.workers.values())}
+        events, threads = records.decode(kept, self.rank, names)
+        return {"rank": self.rank, "name": self.name, "pid": os.getpid(), "host": socket.gethostname(),
+                "events": events, "threads": threads, "started_ns": self.started_ns,
+                "stopped_ns": self.stopped_ns, "recorded": recorded, "dropped": recorded - n_kept,
+                "max_events": self.max_events}

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import clock, recorder
-from .recorder import Recorder
+from .recorder import DEFAULT_MAX_EVENTS, Recorder
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
@@ -39,6 +39,7 @@ class Session:
     path: str
     profile_ops: bool
     timeout: float
+    max_events: int
     members: dict[int, str]                        # rank -> name: recording
     missing: dict[str, str] = field(default_factory=dict)  # name -> why not in the file
 
@@ -55,22 +56,53 @@ def _agent() -> Any:
     return agent
 
 
-def _begin(session: tuple, profile_ops: bool, by: str) -> int:
+def _begin(session: tuple, profile_ops: bool, by: str, max_events: int = DEFAULT_MAX_EVENTS) -> int:
     """On every member: start recording for ``session`` (opened by worker ``by``)."""
     agent = _agent()
     with _lock:
+        old = recorder.ACTIVE
+        if old is not None and old.session[0] in agent.lost:  # its tracer is gone: nobody will close it
+            _stop_lost(old)
         if recorder.ACTIVE is not None:
             raise RuntimeError(f"distgrad.trace: worker {agent.name} is already recording a trace "
                                f"(opened by {_by_name(agent, recorder.ACTIVE.session)}); close it first")
-        rec = Recorder(agent, session)
+        rec = Recorder(agent, session, max_events)
         rec.ops = None
+        rec.ops_note = None
         if profile_ops:
-            from .ops import OpsProfiler
-            rec.ops = OpsProfiler()
-            rec.ops.start()
+            from .ops import OpsProfiler, active_profiler
+            busy = active_profiler()
+            if busy:  # never end someone else's profiling session: record without torch's ops
+                rec.ops_note = {"error": f"not recorded: {busy}"}
+            else:
+                rec.ops = OpsProfiler()
+                rec.ops.start()
+        rec.on_tracer_lost = lambda: agent.callbacks.submit(_tracer_lost, session)
         rec.install()
         recorder.ACTIVE = rec
     return clock.local_ns()
+
+
+def _tracer_lost(session: tuple) -> None:
+    """On a member whose tracing worker was lost: stop recording (nobody will ask for it)."""
+    with _lock:
+        rec = recorder.ACTIVE
+        if rec is None or rec.session != session:
+            return
+        _stop_lost(rec)
+
+
+def _stop_lost(rec: Recorder) -> None:
+    """Stop ``rec`` for good (its tracer is lost), its events dropped; called under ``_lock``."""
+    recorder.ACTIVE = None
+    rec.uninstall()
+    log.warning("distgrad.trace: worker %s stopped recording trace %s: %s; %d events dropped",
+                rec.name, rec.session, rec.stopped_why or "the tracing worker is lost", rec.recorded)
+    if rec.ops is not None:
+        try:
+            rec.ops.prof.stop()
+        except Exception:  # noqa: BLE001 - the profiler is ours: nothing else to stop
+            pass
 
 
 def _end(session: tuple) -> dict:
@@ -84,6 +116,8 @@ def _end(session: tuple) -> dict:
         rec.uninstall()
     rec.settle()
     out = rec.payload()
+    if rec.ops_note is not None:
+        out["ops"] = rec.ops_note
     if rec.ops is not None:
         try:
             ops, meta = rec.ops.stop()
@@ -120,16 +154,30 @@ def _by_name(agent: Any, session: tuple) -> str:
     return w.name if w is not None else f"rank {session[0]}"
 
 
-def open_trace(path: str, profile_ops: bool = False, timeout: float = 30.0) -> Session:
+def open_trace(path: str, profile_ops: bool = False, timeout: float = 30.0,
+               max_events: int = DEFAULT_MAX_EVENTS) -> Session:
     """Start recording on every member of the group (see :func:`distgrad.trace.start`)."""
     from ..rpc import api
+    from .export import check_path
     agent = _agent()
     if "session" in _open:
         raise RuntimeError(f"distgrad.trace: worker {agent.name} already has a trace open "
                            f"(to {_open['session'].path}); stop it first")
+    check_path(path)
+    if int(max_events) < 1:
+        raise ValueError(f"distgrad.trace: max_events must be at least 1, not {max_events}")
+    if profile_ops:
+        from .ops import active_profiler
+        busy = active_profiler()
+        if busy:
+            raise RuntimeError(f"distgrad.trace: profile_ops=True, but {busy} on worker {agent.name}; "
+                               "distgrad never ends another profiling session: trace with "
+                               "profile_ops=False (torch's ops then go to your own profiler only), "
+                               "or stop your profiler first")
     session = (agent.rank, next(_ids))
     others = [w for w in agent.get_worker_infos() if w.id != agent.rank]
-    futs = [(w, api.rpc_async(w, _begin, args=(session, profile_ops, agent.name), timeout=timeout))
+    futs = [(w, api.rpc_async(w, _begin, args=(session, profile_ops, agent.name, max_events),
+                                        timeout=timeout))
             for w in others]
     members, missing, refused = {agent.rank: agent.name}, {}, []
     for w, fut in futs:
@@ -143,7 +191,7 @@ def open_trace(path: str, profile_ops: bool = False, timeout: float = 30.0) -> S
                 missing[w.name] = f"did not start: {type(e).__name__}: {_first_line(e)}"
     if not refused:
         try:
-            _begin(session, profile_ops, agent.name)
+            _begin(session, profile_ops, agent.name, max_events)
         except RuntimeError as e:
             refused.append(f"{agent.name}: {e}")
     if refused:
@@ -153,7 +201,7 @@ def open_trace(path: str, profile_ops: bool = False, timeout: float = 30.0) -> S
         raise RuntimeError("distgrad.trace: cannot open a trace: " + "; ".join(refused))
     for name, why in missing.items():
         log.warning("distgrad.trace: worker %s is not traced (%s)", name, why)
-    s = Session(session, str(path), profile_ops, timeout, members, missing)
+    s = Session(session, str(path), profile_ops, timeout, int(max_events), members, missing)
     _open["session"] = s
     return s
 

@@ -1,6 +1,8 @@
 """What a trace file says, in numbers: each worker's time by activity, and the
 critical path of the step (``distgrad trace-plot`` prints both).
 
+The window is the tracing worker's recording window (``otherData.distgrad.window_us``;
+the members start before it and stop after it); every share is of that window.
 Each instant of a worker's time goes to one activity, the first that applies:
 
 1. **computing**: a backward run or region, an optimizer step;
@@ -9,13 +11,13 @@ Each instant of a worker's time goes to one activity, the first that applies:
 3. **network**: sending or receiving a message (pickling, the system calls), or a
    thread waiting for a reply (also ``dist_autograd.backward`` and
    ``DistributedOptimizer.step`` while they wait for other workers);
-4. **computing** again: user spans and torch ops outside all of the above (the
-   driver's own work);
+4. **computing** again: torch ops outside all of the above, and user spans whose
+   thread was mostly on the CPU (their ``cpu_us``; a span that sleeps or waits on
+   something untraced is not computing);
 5. **idle**: nothing recorded.
 
-The critical path is walked back from the last busy moment of the tracing worker:
-through each busy stretch of a worker, jumping at the latest message that arrived
-in it to the moment its sender sent it, until the start of the trace.
+The critical path (:mod:`.critical`) covers the step from the window's start to the
+tracing worker's last busy moment, each stretch named and put in a category.
 
 Example::
 
@@ -25,15 +27,17 @@ Example::
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+from .critical import contributions, critical_path, split_gc
 
 ACTIVITIES = ("computing", "serving", "network", "idle")
 _PRIORITY = {"backward": 0, "backward.region": 0, "optim": 0, "rpc.serve": 1, "rpc.send": 2,
              "rpc.recv": 2, "rpc.call": 2, "rpc.wait": 2, "backward.call": 2, "optim.call": 2,
              "user": 3, "op": 3}
 _CLASS = {0: "computing", 1: "serving", 2: "network", 3: "computing"}
-_BUSY = {"backward", "backward.region", "optim", "rpc.serve", "rpc.send", "rpc.recv", "rpc.call", "op"}
+_CPU_BOUND = 0.5  # a user span counts as computing when its thread was on the CPU this much of it
 
 
 @dataclass
@@ -44,30 +48,45 @@ class Summary:
     window: tuple[float, float]                         # us
     segments: dict[str, list[tuple[float, float, str]]]  # worker -> (start, end, activity)
     shares: dict[str, dict[str, float]]
-    messages: list[tuple[str, float, str, float]]        # (sender, sent, receiver, arrived)
-    path: list[tuple[str, float, float, str]] = field(default_factory=list)  # worker, start, end, label
+    messages: list[tuple]  # (sender, sent, receiver, arrived, sender tid, receiver tid, flow id)
+    path: list[tuple] = field(default_factory=list)  # (worker, start, end, label, category)
     missing: dict[str, str] = field(default_factory=dict)
+    spans: dict[str, list[tuple]] = field(default_factory=dict)  # worker -> (start, end, name, cat, tid, key)
+    gc_pauses: list[tuple[str, float, float]] = field(default_factory=list)  # (worker, at, pause µs)
+    threads: dict[tuple[str, int], str] = field(default_factory=dict)  # (worker, tid) -> thread name
 
 
 def summarize(doc: dict) -> Summary:
-    """The :class:`Summary` of a trace document (``json.load`` of a distgrad trace)."""
-    events = doc["traceEvents"]
-    names, order = {}, {}
+    """The :class:`Summary` of a trace document (``json.load`` of a distgrad trace);
+    ``ValueError`` saying what is wrong with one that is not."""
+    events = _events(doc)
+    names, order, tnames = {}, {}, {}
     for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            names[e["pid"]] = e["args"]["name"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            tnames[(e.get("pid"), e.get("tid"))] = str(_get(e, "args", dict).get("name", e.get("tid")))
+        elif e.get("ph") == "M" and e.get("name") == "process_name":
+            names[e["pid"]] = str(_get(e, "args", dict).get("name", e["pid"]))
         elif e.get("ph") == "M" and e.get("name") == "process_sort_index":
-            order[e["pid"]] = e["args"]["sort_index"]
-    workers = [names[p] for p in sorted(names, key=lambda p: order.get(p, p))]
-    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in _PRIORITY]
-    if spans:
-        window = (min(e["ts"] for e in spans), max(e["ts"] + e["dur"] for e in spans))
-    else:
-        window = (0.0, 0.0)
-    by_worker: dict[str, list[dict]] = {w: [] for w in workers}
-    for e in spans:
-        by_worker.setdefault(names.get(e["pid"], str(e["pid"])), []).append(e)
-    segments = {w: _classify(evs, window) for w, evs in by_worker.items()}
+            order[e["pid"]] = _get(e, "args", dict).get("sort_index", 0)
+    workers = [names[p] for p in sorted(names, key=lambda p: (_num(order.get(p, 0)), str(p)))]
+    spans: dict[str, list[tuple]] = {w: [] for w in workers}
+    pauses = []
+    for e in events:
+        ph = e.get("ph")
+        if ph == "X" and e.get("cat") in _PRIORITY:
+            a, d = _num(e.get("ts")), _num(e.get("dur", 0))
+            w = names.get(e.get("pid"), str(e.get("pid")))
+            cat = e["cat"]
+            if cat == "user" and not _cpu_bound(e, d):
+                cat = "user.wait"
+            spans.setdefault(w, []).append((a, a + max(d, 0.0), str(e.get("name", "?")), cat,
+                                            e.get("tid", 0), _key(e)))
+        elif ph == "i" and e.get("cat") == "gc":
+            pauses.append((names.get(e.get("pid"), "?"), _num(e.get("ts")),
+                           _num(_get(e, "args", dict).get("pause_us", 0))))
+    meta = doc.get("otherData", {}).get("distgrad", {}) if isinstance(doc.get("otherData"), dict) else {}
+    window = _window(meta, spans)
+    segments = {w: _classify(evs, window) for w, evs in spans.items()}
     total = max(window[1] - window[0], 1e-9)
     shares = {}
     for w, segs in segments.items():
@@ -76,20 +95,77 @@ def summarize(doc: dict) -> Summary:
             acc[act] += b - a
         shares[w] = {k: v / total for k, v in acc.items()}
     messages = _messages(events, names)
-    meta = doc.get("otherData", {}).get("distgrad", {})
-    s = Summary(workers, window, segments, shares, messages, missing=dict(meta.get("missing", {})))
+    s = Summary(workers, window, segments, shares, messages, missing=dict(meta.get("missing", {})),
+                spans=spans, gc_pauses=pauses,
+                threads={(names[p], t): n for (p, t), n in tnames.items() if p in names})
     tracer = meta.get("tracer", workers[0] if workers else None)
-    s.path = critical_path(by_worker, messages, tracer, window)
+    ranks = {str(n): v.get("rank") for n, v in meta.get("workers", {}).items()
+             if isinstance(v, dict) and isinstance(v.get("rank"), int)}
+    s.path = split_gc(critical_path(spans, messages, tracer, window, ranks), pauses)
     return s
 
 
-def _classify(evs: list[dict], window: tuple[float, float]) -> list[tuple[float, float, str]]:
+def _events(doc: Any) -> list[dict]:
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise ValueError("not a trace: no list of traceEvents")
+    events = doc["traceEvents"]
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise ValueError(f"trace event #{i} is not an object: {str(e)[:60]}")
+    return events
+
+
+def _num(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise ValueError(f"a time that is not a number: {str(v)[:40]}")
+    return float(v)
+
+
+def _get(e: dict, key: str, kind: type) -> Any:
+    v = e.get(key, kind())
+    if not isinstance(v, kind):
+        raise ValueError(f"{e.get('name', '?')}: {key} is not a {kind.__name__}")
+    return v
+
+
+def _key(e: dict) -> tuple | None:
+    """(sender, request id) of a span that served a request or received one."""
+    args = e.get("args")
+    if not isinstance(args, dict) or not isinstance(args.get("rid"), int) or "from" not in args:
+        return None
+    if e["cat"] == "rpc.serve" or (e["cat"] == "rpc.recv" and args.get("kind") in ("call", "remote",
+                                                                                    "notify")):
+        return (str(args["from"]), args["rid"])
+    return None
+
+
+def _cpu_bound(e: dict, dur: float) -> bool:
+    cpu = e.get("args", {}).get("cpu_us") if isinstance(e.get("args"), dict) else None
+    return not isinstance(cpu, (int, float)) or cpu >= _CPU_BOUND * dur
+
+
+def _window(meta: dict, spans: dict[str, list[tuple]]) -> tuple[float, float]:
+    w = meta.get("window_us")
+    if isinstance(w, list) and len(w) == 2 and all(isinstance(x, (int, float)) for x in w) and w[1] > w[0]:
+        return (float(w[0]), float(w[1]))
+    every = [s for evs in spans.values() for s in evs]
+    if not every:
+        return (0.0, 0.0)
+    return (min(s[0] for s in every), max(s[1] for s in every))
+
+
+def _classify(evs: list[tuple], window: tuple[float, float]) -> list[tuple[float, float, str]]:
     """Cut the window into (start, end, activity) by the first activity that applies."""
     points = []
-    for e in evs:
-        p = _PRIORITY[e["cat"]]
-        points.append((e["ts"], 0, p))
-        points.append((e["ts"] + e["dur"], 1, p))
+    for a, b, _, cat, *_ in evs:
+        if cat not in _PRIORITY:
+            continue
+        a, b = max(a, window[0]), min(b, window[1])
+        if b <= a:
+            continue
+        p = _PRIORITY[cat]
+        points.append((a, 0, p))
+        points.append((b, 1, p))
     points.sort()
     active = [0, 0, 0, 0]
     out: list[tuple[float, float, str]] = []
@@ -108,100 +184,52 @@ def _classify(evs: list[dict], window: tuple[float, float]) -> list[tuple[float,
     return out
 
 
-def _messages(events: list[dict], names: dict) -> list[tuple[str, float, str, float]]:
+def _messages(events: list[dict], names: dict) -> list[tuple]:
     ends: dict = {}
     for e in events:
         if e.get("ph") in ("s", "f"):
-            ends.setdefault(e["id"], {})[e["ph"]] = e
+            ends.setdefault(e.get("id"), {})[e["ph"]] = e
     out = []
     for pair in ends.values():
         if "s" in pair and "f" in pair:
             s, f = pair["s"], pair["f"]
-            out.append((names.get(s["pid"], str(s["pid"])), s["ts"], names.get(f["pid"], str(f["pid"])),
-                        f["ts"]))
+            out.append((names.get(s.get("pid"), str(s.get("pid"))), _num(s.get("ts")),
+                        names.get(f.get("pid"), str(f.get("pid"))), _num(f.get("ts")),
+                        s.get("tid"), f.get("tid"), s.get("id")))
     return sorted(out, key=lambda m: m[3])
-
-
-def _merge(evs: Iterable[dict]) -> list[list]:
-    """Busy stretches: the union of busy spans, each with its longest span's name."""
-    out: list[list] = []
-    for e in sorted(evs, key=lambda e: e["ts"]):
-        a, b = e["ts"], e["ts"] + e["dur"]
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1][1] = b
-            if e["dur"] > out[-1][3]:
-                out[-1][2], out[-1][3] = e["name"], e["dur"]
-        else:
-            out.append([a, b, e["name"], e["dur"]])
-    return out
-
-
-def critical_path(by_worker: dict[str, list[dict]], messages: list, tracer: str | None,
-                  window: tuple[float, float]) -> list[tuple[str, float, float, str]]:
-    """(worker, start, end, label) from the start of the step to its end; a message hop
-    is ``(receiver, sent, arrived, "message sender → receiver")``."""
-    busy = {w: _merge(e for e in evs if e["cat"] in _BUSY) for w, evs in by_worker.items()}
-    arrivals: dict[str, list] = {}
-    for m in messages:
-        arrivals.setdefault(m[2], []).append(m)
-    if tracer not in busy or not busy[tracer]:
-        return []
-    w, t = tracer, busy[tracer][-1][1]
-    path: list[tuple[str, float, float, str]] = []
-    for _ in range(100000):
-        block = next((b for b in reversed(busy[w]) if b[0] < t), None)
-        if block is None or t <= window[0]:
-            break
-        start, end = block[0], min(t, block[1])
-        came = [m for m in arrivals.get(w, ()) if start <= m[3] <= end and m[1] < m[3] + 1e-9]
-        if came:
-            sender, sent, _, arrived = came[-1]
-            path.append((w, arrived, end, block[2]))
-            path.append((w, sent, arrived, f"message {sender} → {w}"))
-            if sent >= t:  # never loop: time only goes back
-                break
-            w, t = sender, sent
-            continue
-        path.append((w, start, end, block[2]))
-        t = start
-    path.reverse()
-    return [(w, a, b, label if label.startswith("message") else _label(by_worker[w], a, b, label))
-            for w, a, b, label in path if b > a or label.startswith("message")]
-
-
-def _label(evs: list[dict], a: float, b: float, default: str) -> str:
-    """The name of the busy span that covers most of [a, b] (the more specific on a tie)."""
-    best, key = default, None
-    for e in evs:
-        if e["cat"] not in _BUSY:
-            continue
-        overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
-        if overlap > 0:
-            k = (round(overlap, 3), -_PRIORITY[e["cat"]], -e["dur"])
-            if key is None or k > key:
-                best, key = e["name"], k
-    return best
 
 
 def report(s: Summary) -> str:
     """The text ``distgrad trace-plot`` prints: shares per worker, then the critical path."""
     span_ms = (s.window[1] - s.window[0]) / 1e3
-    lines = [f"trace window {span_ms:.3f} ms, {len(s.workers)} workers, {len(s.messages)} messages"]
+    lines = [f"trace window {span_ms:.3f} ms (the tracing worker's), {len(s.workers)} workers, "
+             f"{len(s.messages)} messages"]
     lines.append(f"{'worker':<14}" + "".join(f"{a:>11}" for a in ACTIVITIES))
     for w in s.workers:
         sh = s.shares.get(w, {})
         lines.append(f"{w:<14}" + "".join(f"{100 * sh.get(a, 0):>10.1f}%" for a in ACTIVITIES))
     for w, why in s.missing.items():
         lines.append(f"{w:<14} missing: {why}")
-    total = sum(b - a for _, a, b, _ in s.path)
-    lines.append(f"critical path: {total / 1e3:.3f} ms in {len(s.path)} steps")
-    on: dict[str, float] = {}
-    for w, a, b, label in s.path:
-        key = "network (messages)" if label.startswith("message") else w
-        on[key] = on.get(key, 0.0) + (b - a)
-    ranked = sorted(on.items(), key=lambda kv: -kv[1])
-    lines.append("  on it: " + ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in ranked))
-    for w, a, b, label in s.path:
-        lines.append(f"  {(a - s.window[0]) / 1e3:9.3f} ms  +{(b - a) / 1e3:7.3f} ms  {w:<10} {label}")
+    if s.gc_pauses:
+        worst = max(s.gc_pauses, key=lambda p: p[2])
+        lines.append(f"garbage collections: {len(s.gc_pauses)}, "
+                     f"{sum(p[2] for p in s.gc_pauses) / 1e3:.3f} ms in all, longest "
+                     f"{worst[2] / 1e3:.3f} ms on {worst[0]}")
+    total = sum(b - a for _, a, b, _, _ in s.path)
+    step = (s.path[-1][2] - s.window[0]) if s.path else 0.0
+    covered = 100 * total / step if step > 0 else 0.0
+    lines.append(f"critical path: {total / 1e3:.3f} ms in {len(s.path)} steps, "
+                 f"{covered:.1f}% of the step ({step / 1e3:.3f} ms)")
+    lines.append("  on it: " + ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in contributions(s.path)))
+    top = sorted(s.path, key=lambda p: p[1] - p[2])[:5]
+    lines.append("  longest: " + "; ".join(f"{label} ({w}, {(b - a) / 1e3:.3f} ms)"
+                                           for w, a, b, label, _ in top))
+    shown = s.path if len(s.path) <= 60 else s.path[:30] + [None] + s.path[-29:]
+    for step_ in shown:
+        if step_ is None:
+            lines.append(f"  ... {len(s.path) - 59} steps ...")
+            continue
+        w, a, b, label, cat = step_
+        lines.append(f"  {(a - s.window[0]) / 1e3:9.3f} ms  +{(b - a) / 1e3:7.3f} ms  {w:<10} "
+                     f"{cat:<10} {label}")
     return "\n".join(lines)

@@ -1,0 +1,286 @@
+"""What trace-plot and the summary say (issue 36): on recordings made up here, so each
+rule is checked on numbers known in advance, without workers.
+
+A made-up recording goes through the real merge (:func:`distgrad.trace.export.build`)
+and then the summary, as a file from real workers does.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import types
+
+import pytest
+from mp_utils import tmp_path_for
+
+US = 1000  # ns
+
+
+def _fid(rank, rid, reply):
+    return ((rank + 1) << 41) | (rid << 1) | reply
+
+
+def _doc(workers, tracer=0, missing=None):
+    """``workers``: rank -> (events in µs, (started, stopped) µs) -> the merged document."""
+    from distgrad.trace import export
+    from distgrad.trace.clock import Offset
+    payloads = {}
+    for rank, (events, (started, stopped)) in workers.items():
+        ns = []
+        for e in events:
+            if e[0] == "X":
+                ph, name, cat, tid, a, b, args = e
+                ns.append((ph, name, cat, tid, a * US, b * US, args))
+            elif e[0] in ("s", "f"):
+                ph, fid, tid, t, name = e
+                ns.append((ph, fid, tid, t * US, name))
+            elif e[0] == "i":
+                ph, name, cat, tid, t, args = e
+                ns.append((ph, name, cat, tid, t * US, args))
+        payloads[rank] = {"rank": rank, "name": f"worker{rank}", "pid": 100 + rank, "host": "h", "events": ns,
+                          "threads": {}, "started_ns": started * US, "stopped_ns": stopped * US}
+    session = types.SimpleNamespace(missing=dict(missing or {}), profile_ops=False, max_events=1000)
+    return export.build(tracer, payloads, {r: Offset(0, 0, 0, 1) for r in payloads}, session)
+
+
+def test_shares_are_of_the_tracing_workers_window():
+    doc = _doc({0: ([("X", "rpc_sync f → worker1", "rpc.call", 7, 100, 200, {})], (100, 200)),
+                1: ([("X", "serve early", "rpc.serve", 8, 10, 60, {}),
+                     ("X", "serve f", "rpc.serve", 8, 120, 180, {}),
+                     ("X", "serve late", "rpc.serve", 8, 250, 290, {})], (0, 300))})
+    from distgrad.trace import summary
+    s = summary.summarize(doc)
+    assert s.window[1] - s.window[0] == pytest.approx(100), s.window
+    assert s.shares["worker0"]["idle"] == pytest.approx(0), s.shares
+    assert s.shares["worker1"]["serving"] == pytest.approx(0.6), s.shares
+
+
+def test_a_user_span_counts_as_computing_only_where_its_thread_ran():
+    doc = _doc({0: ([("X", "sleepy", "user", 7, 0, 500, {"cpu_us": 5.0}),
+                     ("X", "busy", "user", 7, 500, 600, {"cpu_us": 95.0})], (0, 600))})
+    from distgrad.trace import summary
+    s = summary.summarize(doc)
+    assert s.shares["worker0"]["computing"] == pytest.approx(100 / 600), s.shares
+    assert s.shares["worker0"]["idle"] == pytest.approx(500 / 600), s.shares
+
+
+def test_a_span_records_its_threads_cpu_time(monkeypatch):
+    import distgrad
+    from distgrad.trace import recorder
+    got = []
+    fake = types.SimpleNamespace(span=lambda name, cat, t0, args: got.append((name, dict(args))))
+    monkeypatch.setattr(recorder, "ACTIVE", fake)
+    with distgrad.trace.span("sleeps", n=1):
+        time.sleep(0.05)
+    end = time.thread_time() + 0.05
+    with distgrad.trace.span("spins"):
+        while time.thread_time() < end:
+            pass
+    (_, sleeps), (_, spins) = got
+    assert sleeps["n"] == 1 and sleeps["cpu_us"] < 20_000, sleeps
+    assert spins["cpu_us"] >= 40_000, spins
+
+
+def _step():
+    """worker0 calls f on worker1 (its request queued there behind another thread's
+    serving), then runs untraced code inside its user span, then a backward run."""
+    req, rep = _fid(0, 1, 0), _fid(0, 1, 1)
+    w0 = [("X", "step", "user", 7, 0, 1000, {"cpu_us": 900.0}),
+          ("X", "rpc_sync f → worker1", "rpc.call", 7, 100, 150, {}), ("s", req, 7, 140, "request"),
+          ("X", "wait f ← worker1", "rpc.wait", 7, 150, 640, {}),
+          ("X", "recv reply f ← worker1", "rpc.recv", 7, 600, 620, {"from": "worker1", "rid": 1,
+                                                                     "kind": "reply"}),
+          ("f", rep, 7, 600, "reply"),
+          ("X", "backward run", "backward", 7, 900, 950, {})]
+    w1 = [("X", "recv f ← worker0", "rpc.recv", 8, 200, 210, {"from": "worker0", "rid": 1, "kind": "call"}),
+          ("f", req, 8, 200, "request"),
+          ("X", "serve gradients ← worker0", "rpc.serve", 10, 250, 520, {"from": "worker0", "rid": 99}),
+          ("X", "serve f ← worker0", "rpc.serve", 9, 300, 500, {"from": "worker0", "rid": 1}),
+          ("X", "send reply f → worker0", "rpc.send", 9, 480, 500, {}), ("s", rep, 9, 490, "reply")]
+    return _doc({0: (w0, (0, 1000)), 1: (w1, (0, 1000))})
+
+
+def test_the_critical_path_covers_the_step_and_names_each_stretch():
+    from distgrad.trace import summary
+    s = summary.summarize(_step())
+    path = s.path
+    assert path[0][1] == pytest.approx(s.window[0]) and path[-1][2] == pytest.approx(s.window[0] + 950)
+    for a, b in zip(path, path[1:]):  # no holes: each stretch starts where the one before ended
+        assert b[1] == pytest.approx(a[2]), (a, b)
+    got = [(w, round(b - a), label, cat) for w, a, b, label, cat in path]
+    assert got == [
+        ("worker0", 100, "step", "user span"),
+        ("worker0", 40, "rpc_sync f → worker1", "network"),
+        ("worker1", 60, "message worker0 → worker1", "network"),
+        ("worker1", 10, "recv f ← worker0", "network"),
+        ("worker1", 90, "queued before serve f ← worker0", "queueing"),
+        ("worker1", 190, "serve f ← worker0", "serve"),   # not the other thread's gradients
+        ("worker0", 110, "message worker1 → worker0", "network"),
+        ("worker0", 20, "recv reply f ← worker1", "network"),
+        ("worker0", 280, "step", "user span"),
+        ("worker0", 50, "backward run", "compute")], got
+    text = summary.report(s)
+    assert "100.0% of the step" in text, text
+    assert ("on it: user span 0.380 ms, network 0.240 ms, serve 0.190 ms, queueing 0.090 ms, "
+            "compute 0.050 ms") in text, text
+
+
+def _many_calls(n):
+    """A made-up trace of ``n`` rpc_sync calls from worker0 to workers 1 and 2, in turn."""
+    w = {0: [], 1: [], 2: []}
+    for i in range(n):
+        t, peer, rid = i * 100, 1 + i % 2, i + 1
+        req, rep = _fid(0, rid, 0), _fid(0, rid, 1)
+        w[0] += [("X", "rpc_sync add → w", "rpc.call", 7, t, t + 20, {}), ("s", req, 7, t + 15, "request"),
+                 ("X", "wait add", "rpc.wait", 7, t + 20, t + 90, {}),
+                 ("X", "recv reply add", "rpc.recv", 7, t + 80, t + 85, {"from": f"worker{peer}", "rid": rid,
+                                                                          "kind": "reply"}),
+                 ("f", rep, 7, t + 80, "reply")]
+        w[peer] += [("X", "recv add", "rpc.recv", 8, t + 30, t + 35, {"from": "worker0", "rid": rid,
+                                                                       "kind": "call"}),
+                    ("f", req, 8, t + 30, "request"),
+                    ("X", "serve add", "rpc.serve", 9, t + 40, t + 70, {"from": "worker0", "rid": rid}),
+                    ("s", rep, 9, t + 65, "reply")]
+    return _doc({r: (evs, (0, n * 100)) for r, evs in w.items()})
+
+
+def test_the_summary_is_linear_in_the_trace():
+    from distgrad.trace import summary
+    times = {}
+    for n in (1500, 6000):
+        doc = _many_calls(n)
+        t0 = time.process_time()
+        s = summary.summarize(doc)
+        summary.report(s)
+        times[n] = time.process_time() - t0
+        assert times[1500] < 4, times   # 726a179: 11-20 s (quadratic); now ~0.2 s
+        assert len(s.messages) == 2 * n
+        cover = sum(b - a for _, a, b, _, _ in s.path) / (s.path[-1][2] - s.window[0])
+        assert cover > 0.99, cover
+    assert times[6000] < 8 * times[1500] + 1, times   # 4x the calls: far from 16x
+
+
+@pytest.mark.parametrize("content", [
+    '{"traceEvents":[{"ph":"X","cat":"rpc.serve","name":"x","pid":1,"tid":1,"ts":"0","dur":1}]}',
+    '{"traceEvents": 3}', "[1, 2]", "not json at all", '{"traceEvents":[7]}'])
+def test_trace_plot_says_in_one_line_what_is_wrong_with_a_bad_file(content, capsys):
+    from distgrad.trace import plot
+    path = tmp_path_for("bad.json")
+    with open(path, "w") as f:
+        f.write(content)
+    rc = plot.main(argparse.Namespace(trace=path, output=tmp_path_for("bad.png"), title=None))
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 1 and len(out) == 1, out
+    assert out[0].startswith(f"distgrad trace-plot: cannot read {path} as a distgrad trace: "), out
+
+
+def test_concurrent_backward_passes_get_a_track_each():
+    def run(key, a, b):
+        return ("X", "backward run (roots)", "backward", 7, a, b, {"pass": key})
+    doc = _doc({0: ([run("0.1", 0, 100), run("0.2", 50, 150), run("0.1", 120, 130), run("0.3", 160, 200)],
+                    (0, 200))})
+    passes = [e for e in doc["traceEvents"] if e.get("cat") == "backward.pass"]
+    assert len(passes) == 3, passes
+    by_track: dict = {}
+    for e in passes:
+        by_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_track.values():  # on one track, spans never partly overlap
+        spans.sort()
+        assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:])), spans
+    assert len(by_track) == 2
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    assert sorted(names[t] for _, t in by_track) == ["backward passes", "backward passes (2)"], names
+
+
+def test_a_garbage_collection_on_the_path_is_named_a_pause_not_a_wait():
+    doc = _doc({0: ([("X", "rpc_sync f → worker1", "rpc.call", 7, 0, 10, {}),
+                     ("X", "wait f ← worker1", "rpc.wait", 7, 10, 300, {}),
+                     ("i", "gc pause (gen 2)", "gc", 7, 20, {"generation": 2, "pause_us": 250.0}),
+                     ("X", "backward run", "backward", 7, 300, 310, {})], (0, 310))})
+    from distgrad.trace import summary
+    s = summary.summarize(doc)
+    got = [(round(a), round(b), label, cat) for _, a, b, label, cat in s.path]
+    assert (20, 270, "gc pause during wait f ← worker1", "gc pause") in got, got
+    assert "garbage collections: 1, 0.250 ms in all" in summary.report(s)
+
+
+def test_the_picture_shows_phases_threads_span_names_failures_and_a_missing_worker(monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from distgrad.trace import plot, summary
+    doc = _doc({0: ([("X", "step", "user", 7, 0, 1000, {"cpu_us": 900.0}),
+                     ("X", "dist_autograd.backward", "backward.call", 7, 100, 400, {}),
+                     ("X", "DistributedOptimizer.step", "optim.call", 7, 500, 900, {}),
+                     ("X", "recv error f ← worker1", "rpc.recv", 7, 950, 960, {"kind": "error"})], (0, 1000)),
+                1: ([("X", "serve gradients ← worker0", "rpc.serve", 8, 100, 400, {}),
+                     ("X", "serve step ← worker0", "rpc.serve", 9, 200, 800, {})], (0, 1000))},
+               missing={"worker2": "no events gathered: WorkerLostError"})
+    s = summary.summarize(doc)
+    figs = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figs.append(self))
+    monkeypatch.setattr("matplotlib.pyplot.close", lambda fig=None: None)
+    plot.draw(s, "unused.png", "t")
+    ax = figs[0].axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    for name in ("step", "dist_autograd.backward", "DistributedOptimizer.step", "serve gradients ← worker0",
+                 "serve step ← worker0"):
+        assert name in texts, (name, texts)
+    assert any(t.startswith("worker2 missing: no events gathered") for t in texts), texts
+    rows = [t.get_text().strip() for t in ax.get_yticklabels()]
+    assert [r.split("\n")[0] for r in rows] == ["worker0", "thread 7", "worker1", "thread 9", "thread 8",
+                                                "worker2"], rows
+    assert plot.failures(s) == [("worker0", s.window[0] + 950)]
+
+
+def test_torch_ops_outside_the_tracing_workers_window_are_left_out_and_counted():
+    def op(name, a, b):
+        return ("X", name, "op", 20, a, b, {"torch_cat": "cpu_op"})
+    doc = _doc({0: ([("X", "rpc_sync f → worker1", "rpc.call", 7, 1000, 1100, {})], (1000, 1200)),
+                1: ([op("aten::before", 10, 20), op("aten::inside", 1050, 1060),
+                     op("aten::across", 990, 1010), op("aten::after", 1300, 1310)], (0, 1400))})
+    ops = sorted(e["name"] for e in doc["traceEvents"] if e.get("cat") == "op")
+    assert ops == ["aten::across", "aten::inside"], ops
+    assert doc["otherData"]["distgrad"]["ops"]["worker1"]["outside_window"] == 2
+
+
+def test_a_trace_with_a_thread_per_span_is_summarized_in_linear_time():
+    # a crafted file: 2,000 calls, every span on a thread of its own (a look-up per thread
+    # per step would be quadratic)
+    from distgrad.trace import summary
+    w0, w1 = [], []
+    for i in range(2000):
+        t, rid = i * 100, i + 1
+        req, rep = _fid(0, rid, 0), _fid(0, rid, 1)
+        w0 += [("X", "rpc_sync f → worker1", "rpc.call", 10_000 + i, t, t + 20, {}),
+               ("s", req, 10_000 + i, t + 10, "request"), ("f", rep, 50_000 + i, t + 90, "reply"),
+               ("X", "recv reply f", "rpc.recv", 50_000 + i, t + 90, t + 95, {})]
+        w1 += [("X", "serve f", "rpc.serve", 90_000 + i, t + 40, t + 70, {"from": "worker0", "rid": rid}),
+               ("f", req, 90_000 + i, t + 30, "request"), ("s", rep, 90_000 + i, t + 60, "reply")]
+    doc = _doc({0: (w0, (0, 200_000)), 1: (w1, (0, 200_000))})
+    t0 = time.process_time()
+    s = summary.summarize(doc)
+    took = time.process_time() - t0
+    assert took < 4, took
+    assert len(s.messages) == 4000 and s.path[-1][2] > s.path[0][1]
+
+
+def test_control_messages_get_flows_so_the_path_follows_the_end_of_a_backward():
+    # worker1 reports the end of its backward run twice; worker0 (the tracer) started
+    # recording after the first left, so only the second pairs with worker0's receive
+    def send(t):
+        return ("X", "send control ag_report → worker0", "rpc.send", 8, t, t + 5,
+                {"to": "worker0", "kind": "control", "function": "control ag_report", "bytes": 50, "rid": 0})
+    doc = _doc({0: ([("X", "dist_autograd.backward", "backward.call", 7, 100, 400, {}),
+                     ("X", "recv control ag_report ← worker1", "rpc.recv", 7, 380, 390,
+                      {"from": "worker1", "kind": "control", "bytes": 50})], (100, 400)),
+                1: ([send(50), ("X", "backward run", "backward", 8, 200, 330, {}), send(320)], (0, 400))})
+    flows = [e for e in doc["traceEvents"] if e["ph"] in ("s", "f") and e["name"] == "control"]
+    # (the file's time axis starts at the first event, worker1's send at 50)
+    assert sorted((e["ph"], e["ts"]) for e in flows) == [("f", 330.0), ("s", 270.0)], flows
+    from distgrad.trace import summary
+    s = summary.summarize(doc)
+    labels = [(w, label) for w, _, _, label, _ in s.path]
+    assert ("worker0", "message worker1 → worker0") in labels, labels
+    assert ("worker1", "backward run") in labels, labels
