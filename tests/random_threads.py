@@ -75,6 +75,8 @@ def mutate_kept(kept: list) -> int:
                     g.mul_(3.0)
                 elif op == "zero":
                     g.zero_()
+                elif g.is_sparse:   # (a sparse tensor adds no scalar: its values do)
+                    g._values().add_(1.0)
                 else:
                     g.add_(1.0)
                 n += 1
