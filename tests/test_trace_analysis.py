@@ -204,7 +204,7 @@ def test_a_garbage_collection_on_the_path_is_named_a_pause_not_a_wait():
     assert "garbage collections: 1, 0.250 ms in all" in summary.report(s)
 
 
-def test_the_picture_shows_phases_threads_span_names_failures_and_a_missing_worker(monkeypatch):
+def test_the_picture_shows_phases_threads_span_names_failures_and_a_missing_worker(monkeypatch, tmp_path):
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
@@ -221,7 +221,7 @@ def test_the_picture_shows_phases_threads_span_names_failures_and_a_missing_work
     figs = []
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figs.append(self))
     monkeypatch.setattr("matplotlib.pyplot.close", lambda fig=None: None)
-    plot.draw(s, "unused.png", "t")
+    plot.draw(s, str(tmp_path / "unused.png"), "t")
     ax = figs[0].axes[0]
     texts = [t.get_text() for t in ax.texts]
     for name in ("step", "dist_autograd.backward", "DistributedOptimizer.step", "serve gradients ← worker0",
