@@ -37,7 +37,7 @@ import json
 import os
 from typing import Any
 
-from ..safe_files import new_file
+from ..safe_files import check_dirs, new_file
 from .clock import Offset, keep_causal
 from .records import value
 
@@ -67,6 +67,7 @@ def check_path(path: str) -> None:
     if not os.access(where, os.W_OK | os.X_OK):
         raise PermissionError(f"distgrad.trace: cannot write the trace to {p}: "
                               f"directory {where} is not writable")
+    check_dirs(where, f"writing the trace {p}")   # refused now, not at the close (safe_files)
 
 
 def track(rank: int) -> int:

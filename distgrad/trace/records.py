@@ -61,11 +61,20 @@ def short(what: str) -> str:
 
 def plain(args: dict) -> dict:
     """``args`` with every key a string and every value one JSON can write."""
-    return {str(k): value(v) for k, v in dict(args).items()}
+    return {_text(k): value(v) for k, v in dict(args).items()}
 
 
 def value(v: Any, depth: int = 0) -> Any:
-    """``v`` as JSON can write it: numbers, strings, lists, dicts (see the module's docstring)."""
+    """``v`` as JSON can write it: numbers, strings, lists, dicts (see the module's docstring).
+    Never raises: a value that cannot be read (a meta tensor, a dict whose ``items``
+    fails) is shown as text."""
+    try:
+        return _value(v, depth)
+    except Exception:  # noqa: BLE001 - a span's detail must never cost the user's block
+        return _text(v)
+
+
+def _value(v: Any, depth: int) -> Any:
     t = type(v)
     if v is None or t is bool or t is str or t is int:
         return v
@@ -102,7 +111,7 @@ def value(v: Any, depth: int = 0) -> Any:
     if isinstance(v, str):
         return str(v)
     if isinstance(v, dict):
-        return {str(k): value(x, depth + 1) for k, x in list(v.items())[:_TEXT]}
+        return {_text(k): value(x, depth + 1) for k, x in list(v.items())[:_TEXT]}
     if isinstance(v, (list, tuple, set, frozenset)):
         return [value(x, depth + 1) for x in list(v)[:_TEXT]]
     return _text(v)
