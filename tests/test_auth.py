@@ -425,3 +425,12 @@ def test_no_secret_warning_once_per_cluster():
     assert [level for level, _ in out[0]] == ["WARNING"], out
     assert "worker0" in out[0][0][1] and "2 workers" in out[0][0][1] and "not authenticated" in out[0][0][1]
     assert [level for level, _ in out[1]] == ["INFO"], out     # still in the log, below WARNING
+
+
+def test_a_secret_that_is_not_utf8_is_read_as_its_bytes(monkeypatch):
+    """DISTGRAD_SECRET holding bytes that are not UTF-8 (the audit of issue 35): read
+    as the bytes the environment holds, not a UnicodeEncodeError inside init_rpc."""
+    from distgrad.transport import auth
+    monkeypatch.setattr(auth, "_from_env", [None])
+    monkeypatch.setenv("DISTGRAD_SECRET", os.fsdecode(b"ab\xffcd-" + b"7" * 40))
+    assert auth.secret_from_env() == b"ab\xffcd-" + b"7" * 40

@@ -137,7 +137,7 @@ def launch(args: argparse.Namespace) -> int:
               "cannot make one up for all of them; export the same secret on every node (else "
               f"messages are not authenticated). Make one with: {GOOD_SECRET_HINT}",
               file=sys.stderr, flush=True)
-    elif secret_bits(os.environ["DISTGRAD_SECRET"].encode()) < 128:
+    elif secret_bits(os.fsencode(os.environ["DISTGRAD_SECRET"])) < 128:
         print("distgrad launch: warning: DISTGRAD_SECRET looks weaker than 128 bits: anyone who "
               f"reaches a worker can try guesses at it. Make a good one with: {GOOD_SECRET_HINT}",
               file=sys.stderr, flush=True)

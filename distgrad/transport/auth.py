@@ -59,7 +59,7 @@ def secret_from_env() -> bytes | None:
     remembers it for a later init_rpc (a new value set in between replaces it)."""
     value = os.environ.pop("DISTGRAD_SECRET", None)
     if value is not None:
-        _from_env[0] = value.encode() or None
+        _from_env[0] = os.fsencode(value) or None  # the bytes as given, even not UTF-8
     return _from_env[0]
 
 
