@@ -101,8 +101,9 @@ class Authenticator:
         self._recv_seq.pop(peer, None)
 
     @staticmethod
-    def _tag(key: bytes, head: bytes, full: int, frames) -> bytes:
-        """The tag of ``frames`` (the first ``full`` in full, the rest by length)."""
+    def _head(key: bytes, head: bytes, full: int, frames) -> tuple:
+        """(the BLAKE2b over ``head``, the frame count and sizes and the first ``full``
+        frames; the frames' sizes): what both kinds of tag begin with."""
         n = len(frames)
         sizes = []
         for f in frames:
@@ -111,7 +112,12 @@ class Authenticator:
         mac.update(struct.pack(f"!I{n}Q", n, *sizes))
         for f in frames[:full]:
             mac.update(f)
-        return mac.digest()
+        return mac, sizes
+
+    @staticmethod
+    def _tag(key: bytes, head: bytes, full: int, frames) -> bytes:
+        """The tag of ``frames`` (the first ``full`` in full, the rest by length)."""
+        return Authenticator._head(key, head, full, frames)[0].digest()
 
     @staticmethod
     def _tag_every(key: bytes, head: bytes, full: int, frames) -> bytes:
@@ -119,14 +125,7 @@ class Authenticator:
         BLAKE2b, the rest by Poly1305 (one-time key from ``key`` and ``head``,
         which holds the sequence number) when they are large."""
         from cryptography.hazmat.primitives.poly1305 import Poly1305
-        n = len(frames)
-        sizes = []
-        for f in frames:
-            sizes.append(memoryview(f).nbytes)
-        mac = hashlib.blake2b(head, key=key[:32], digest_size=TAG_BYTES)
-        mac.update(struct.pack(f"!I{n}Q", n, *sizes))
-        for f in frames[:full]:
-            mac.update(f)
+        mac, sizes = Authenticator._head(key, head, full, frames)
         if sum(sizes[full:]) >= BULK_POLY:
             one_time = hashlib.blake2b(head, key=key[:32], digest_size=32,
                                        person=b"dg-poly1305-otk").digest()
