@@ -221,13 +221,18 @@ def test_ledger_left_before_the_shutdown_barrier():
 
 
 _CHILD = r'''
-import os, sys, torch
+import os, sys, threading, torch
 rank, port = int(sys.argv[1]), sys.argv[2]
+DONE = threading.Event()
+def ready():  # the other worker's calls are all done
+    DONE.set()
 import distgrad.rpc as rpc
 opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
 rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
 assert torch.equal(rpc.rpc_sync(f"worker{1 - rank}", torch.add, args=(torch.ones(2), 1)),
                    torch.full((2,), 2.0))
+rpc.rpc_sync(f"worker{1 - rank}", ready)
+assert DONE.wait(60)  # (without the barrier of a graceful shutdown, nobody leaves early)
 rpc.shutdown(graceful=sys.argv[3] == "1")
 os._exit(0)  # as a script that ends: rank 0's store goes with it at once
 '''

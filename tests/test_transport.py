@@ -730,6 +730,7 @@ def test_liveness_credit_of_a_long_message_is_withdrawn_when_it_fails_authentica
                         secret=b"s" * 32)
     try:
         b._heartbeat = lambda now: None  # b sends nothing of its own from now on
+        time.sleep(0.2)  # a heartbeat b had on its way lands now, not among the parts
         frames = [b"\x00" * AUTH_FRAME_BYTES, b"x" * (64 << 10)]
         raw = b"".join(bytes(v) for v in framing._views(frames))
         sock = b._conns[0].sock
