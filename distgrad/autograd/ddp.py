@@ -156,13 +156,18 @@ def held(leaves: Sequence[Any], grads: Sequence) -> list[int]:
     return [i for i, g in enumerate(grads) if g is not None and _is_ddp(leaves[i].variable)]
 
 
+def _owner_of(v: Any) -> Any:
+    """The DDP instance that syncs parameter ``v`` (None when none does, or it is gone)."""
+    ref = _owner.get(id(v))
+    return ref() if ref is not None else None
+
+
 def _search_unused(variables: list) -> None:
     """Run the unused-parameter search that DDP's forward deferred (see above), with
     the parameters that got a gradient in this pass as what the outputs reached."""
     owners: dict[int, list] = {}
     for v in variables:
-        ref = _owner.get(id(v))
-        module = ref() if ref is not None else None
+        module = _owner_of(v)
         if module is not None and id(module.reducer) in _deferred:
             owners.setdefault(id(module.reducer), []).append(v)
     for key, vs in owners.items():
@@ -218,8 +223,7 @@ def _refuse_static_graph(variables: list) -> None:
     engine call that runs DDP's output node, which in a distributed backward ends
     before the gradients reach DDP: it would average nothing. Refused, not wrong."""
     for v in variables:
-        ref = _owner.get(id(v))
-        module = ref() if ref is not None else None
+        module = _owner_of(v)
         if module is not None and getattr(module, "static_graph", False):
             raise RuntimeError(
                 "DistributedDataParallel(static_graph=True) is not supported inside a "
@@ -239,8 +243,7 @@ def _reach_all(variables: list) -> list:
     unused: list = []
     seen: set = set()
     for v in variables:
-        ref = _owner.get(id(v))
-        module = ref() if ref is not None else None
+        module = _owner_of(v)
         if module is None or id(module) in seen:
             continue
         seen.add(id(module))
