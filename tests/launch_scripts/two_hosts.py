@@ -30,6 +30,13 @@ WORLD = int(os.environ["WORLD_SIZE"])
 LOCAL = int(os.environ["LOCAL_WORLD_SIZE"])
 NODE = RANK // LOCAL
 BIG = 1 << 17  # float32 elements: 512 KiB, over the shared-memory threshold (256 KiB)
+
+def say(line: str) -> None:
+    """One line in one write: the workers of a node share torchrun's stdout pipe,
+    and print()'s text and newline can be two writes another worker's line splits."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
 RANK_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
              "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK"]
 
@@ -98,7 +105,7 @@ def train() -> None:
     for k, now in (("w0", w0), ("w2", w2.to_here()), ("w1", w1.to_here())):
         torch.testing.assert_close(now.detach(), ref[k].detach() - 0.05 * ref[k].grad,
                                    msg=f"{k} after the optimizer step")
-    print(f"GRADS OK loss={loss.item():.6f}", flush=True)
+    say(f"GRADS OK loss={loss.item():.6f}")
 
 
 def check_links() -> None:
@@ -122,7 +129,7 @@ def check_links() -> None:
             assert link["link"] == "tcp" and not link["shm"], (peer, link)
             assert link["shm_messages_sent"] == link["shm_messages_received"] == 0, (peer, link)
             assert host == ADDRS[peer // LOCAL], (peer, link)
-    print(f"LINKS OK rank={RANK}", flush=True)
+    say(f"LINKS OK rank={RANK}")
 
 
 def traced_clocks() -> None:
@@ -140,7 +147,7 @@ def traced_clocks() -> None:
             rpc.rpc_sync(f"worker{peer}", torch.add, args=(torch.ones(2), 1))
     with open(path) as f:
         clock = json.load(f)["otherData"]["distgrad"]["clock"]
-    print("TRACE CLOCKS " + json.dumps(clock), flush=True)
+    say("TRACE CLOCKS " + json.dumps(clock))
 
 
 def lose(out_dir: str) -> None:
@@ -153,14 +160,14 @@ def lose(out_dir: str) -> None:
     try:
         rpc.rpc_sync(target, time.sleep, args=(60,))  # the default timeout: 60 s
     except WorkerLostError as e:
-        print(f"LOST rank={RANK} worker={e.worker_name} at={time.time():.3f} ({e})", flush=True)
+        say(f"LOST rank={RANK} worker={e.worker_name} at={time.time():.3f} ({e})")
         rpc.shutdown()
         sys.exit(17)
-    print(f"NOT LOST rank={RANK}", flush=True)
+    say(f"NOT LOST rank={RANK}")
     sys.exit(1)
 
 
-print("ENV " + json.dumps({k: os.environ.get(k) for k in RANK_VARS}), flush=True)
+say("ENV " + json.dumps({k: os.environ.get(k) for k in RANK_VARS}))
 rpc.init_rpc(f"worker{RANK}", rank=RANK, world_size=WORLD)  # default heartbeats (4 s)
 train()
 check_links()
