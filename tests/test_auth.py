@@ -42,10 +42,12 @@ def test_seal_open_roundtrip_and_rejections():
     tampered[1] = b"good envelope"  # the envelope is covered in full
     with pytest.raises(AuthError, match="bad authentication tag"):
         b.open(0, tampered)
+    a.rewind(1, a.send_mark(1) - 1)  # (a refused message closes the connection: as never sent)
     truncated = a.seal(1, [b"hdr", big])
     truncated[2] = big[:-1]  # bulk frames are bound by length
     with pytest.raises(AuthError):
         b.open(0, truncated)
+    a.rewind(1, a.send_mark(1) - 1)
     # bulk bytes of the same length are not hashed (raw tensor data, never parsed)...
     swapped = a.seal(1, [b"hdr", b"aaaa"])
     swapped[2] = b"bbbb"
@@ -60,6 +62,7 @@ def test_seal_open_roundtrip_and_rejections():
     both[2] = b"envelopf"
     with pytest.raises(AuthError, match="bad authentication tag"):
         b.open(0, both)
+    a.rewind(1, a.send_mark(1) - 1)
     # a receiver that parses two frames refuses a message covering one in full
     with pytest.raises(AuthError, match="covers 1 of 3"):
         b.open(0, a.seal(1, [b"descriptor", b"envelope", b"bulk"]), min_full=2)
@@ -73,6 +76,33 @@ def test_seal_open_roundtrip_and_rejections():
     with pytest.raises(AuthError):
         old.open(0, a.seal(1, [b"x"]))
 
+
+
+def test_a_deleted_message_is_a_gap_and_an_unsent_seal_is_not():
+    """Issue 35's audit: sequence numbers must follow each other, so a message deleted
+    on the path is noticed at the next one (SequenceGap, which closes the connection)."""
+    from distgrad.transport.auth import SequenceGap
+    a, b = Authenticator(b"k", 0), Authenticator(b"k", 1)
+    a.set_peer_nonce(1, b.nonce)
+    b.set_peer_nonce(0, a.nonce)
+    m1, m2, m3 = (a.seal(1, [b"m%d" % i]) for i in (1, 2, 3))
+    assert b.open(0, m1) == [b"m1"]
+    with pytest.raises(SequenceGap, match="1 message"):  # m2 deleted
+        b.open(0, m3)
+    assert b.open(0, m2) == [b"m2"] and b.open(0, m3) == [b"m3"]
+    forged = a.seal(1, [b"m4"])
+    forged[1] = b"m5"
+    with pytest.raises(AuthError, match="bad authentication tag"):
+        b.open(0, forged)      # refused before its sequence number counts
+    with pytest.raises(SequenceGap):
+        b.open(0, a.seal(1, [b"m5"]))   # (so the next real one shows the refused one missing)
+    a.rewind(1, a.send_mark(1) - 2)
+    with pytest.raises(TypeError):
+        a.seal(1, [object()])  # a seal that raised uses no number
+    mark = a.send_mark(1)      # sealed, never sent (a batch that failed): rewound
+    a.seal(1, [b"lost"])
+    a.rewind(1, mark)
+    assert b.open(0, a.seal(1, [b"m4"])) == [b"m4"]
 
 # -- the handshake ----------------------------------------------------------------
 def _handshake(client_kw, server_kw, client_rank=0, server_rank=1, expect=None, target=None):

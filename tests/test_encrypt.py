@@ -59,11 +59,23 @@ def test_cipher_rejects_tampering_swaps_and_replays():
     assert [bytes(f) for f in b.open(sealed)] == [b"envelope", b"bulk bytes"]
     with pytest.raises(crypto.AuthError, match="replayed"):  # accepted once only
         b.open(sealed)
-    # an older message of this connection after a newer one: a replay too
+    assert b.open(same) == [bytearray(b"aaaa"), bytearray(b"bbbb")]  # as sealed: next in line
+    # a message deleted on the path: the next one is refused as a gap (the transport
+    # then closes the connection); an older one after a newer one is a replay
     first, second = a.seal([b"1"]), a.seal([b"2"])
+    with pytest.raises(crypto.SequenceGap, match="1 message"):
+        b.open(second)
+    assert b.open(first) == [bytearray(b"1")]
     assert b.open(second) == [bytearray(b"2")]
     with pytest.raises(crypto.AuthError, match="replayed"):
         b.open(first)
+    # a seal that raised uses no number; rewind forgets messages sealed and never sent
+    with pytest.raises(TypeError):
+        a.seal([object()])
+    mark = a.send_mark()
+    a.seal([b"never sent"])
+    a.rewind(mark)
+    assert b.open(a.seal([b"3"])) == [bytearray(b"3")]
     # messages from the other direction, another connection or another secret never open
     with pytest.raises(crypto.AuthError):
         a.open(a.seal([b"mine"]))

@@ -3,8 +3,10 @@
 Two workers (spawn) on the cross-host path (``DISTGRAD_SAME_HOST=0``: TCP, no
 shared memory). An attacker on the path, a proxy in the test process that the
 receiver's published address leads through, flips one byte deep inside a 4 MiB
-tensor on its way from worker0 to worker1. By default worker1 drops the message
-(the call times out) and its function never sees the changed tensor; with
+tensor on its way from worker0 to worker1. By default worker1 refuses the message
+and closes the connection (the stream is not what worker0 sent): its function
+never sees the changed tensor and the call fails at once as a lost worker, not
+at its timeout; with
 ``DISTGRAD_MAC_TENSORS=0`` (the documented switch for trusted fabrics) the
 change goes through, as it did for every TCP link before.
 """
@@ -60,13 +62,13 @@ def _worker(rank: int, world_size: int, cfg: dict):
                                             timeout=8))
         except Exception as e:  # noqa: BLE001 - what happened is the result
             out = ("error", f"{type(e).__name__}: {e}")
-        out = (*out, rpc.rpc_sync("worker1", _seen, timeout=20))
         with open(cfg["done_file"], "w"):
             pass
     else:
         deadline = time.monotonic() + 60
         while not os.path.exists(cfg["done_file"]) and time.monotonic() < deadline:
             time.sleep(0.05)
+        out = _seen()
     rpc.shutdown(graceful=False)
     return out
 
@@ -130,14 +132,15 @@ def test_a_tensor_changed_on_the_path_is_refused_on_tcp(tmp_path, mac_tensors):
         env["DISTGRAD_MAC_TENSORS"] = mac_tensors
     flipper = _Flipper(proxy, cfg["port_file"])
     try:
-        out = run_workers(_worker, world_size=2, init=False, timeout=120, args=(cfg,),
-                          env_per_rank={0: env, 1: env})[0]
+        out, seen = run_workers(_worker, world_size=2, init=False, timeout=120, args=(cfg,),
+                                env_per_rank={0: env, 1: env})
     finally:
         flipper.close()
     assert flipper.flipped == 1, out
-    what, value, seen = out
-    if mac_tensors == "default":   # dropped: never handed to the function
-        assert what == "error" and seen == [], out
+    what, value = out
+    if mac_tensors == "default":   # refused: never handed to the function; the call fails
+        assert what == "error" and seen == [], (out, seen)   # as a lost worker, not a timeout
+        assert value.startswith("WorkerLostError"), out
     else:                          # the documented switch: the change goes through
         assert what == "returned" and value == 1 and seen == [1], out
 
@@ -161,3 +164,37 @@ def test_every_byte_seal_refuses_any_change_and_the_other_mode(bulk):
         b.open(0, a.seal(1, list(frames), 1), every=True)
     with pytest.raises(AuthError, match="where the link does not ask it"):
         b.open(0, a.seal(1, list(frames), 1, True))
+
+
+def _seal_fails_once(rank: int, world_size: int):
+    import torch
+
+    import distgrad.rpc as rpc
+    from distgrad.transport import auth
+
+    real = auth.Authenticator.seal
+
+    def seal(self, peer, frames, *a, **k):
+        out = real(self, peer, frames, *a, **k)   # sealed (its number taken), then fails
+        if any(b"FAIL-THIS-SEAL" in bytes(memoryview(f)) for f in frames[:2]):
+            raise RuntimeError("seal failed")
+        return out
+
+    auth.Authenticator.seal = seal
+    out = None
+    if rank == 0:
+        try:
+            rpc.rpc_sync("worker1", len, args=("FAIL-THIS-SEAL",), timeout=10)
+            out = ["sent"]
+        except Exception as e:  # noqa: BLE001 - the call fails: its message was never sent
+            out = [type(e).__name__]
+        out.append(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1), timeout=10).tolist())
+    return out
+
+
+def test_a_message_that_failed_to_seal_leaves_no_gap():
+    """A batch whose sealing raised is never sent: its sequence numbers are given back,
+    or the receiver would take the next message for one after a deletion (a gap) and
+    close the connection."""
+    out = run_workers(_seal_fails_once, world_size=2, timeout=60)[0]
+    assert out[0] != "sent" and out[1] == [2.0, 2.0], out

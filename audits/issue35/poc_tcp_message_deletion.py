@@ -72,7 +72,11 @@ def worker(rank, cfg, q):
                 res.append(("ok", f.wait()))
             except Exception as e:  # noqa: BLE001
                 res.append(("error", type(e).__name__))
-        out = {"calls": res, "log_on_worker1": rpc.rpc_sync("worker1", _log, timeout=20)}
+        try:
+            seen = rpc.rpc_sync("worker1", _log, timeout=20)
+        except Exception as e:  # noqa: BLE001 - the connection closed on the gap
+            seen = f"error: {type(e).__name__}: {e}"
+        out = {"calls": res, "log_on_worker1": seen}
         open(cfg["dir"] + "/done", "w").close()
     else:
         end = time.monotonic() + 60

@@ -19,8 +19,9 @@ bytes of tensors, BLAKE2b covers them directly). A receiver built with
 S->R is derived from the secret, both ranks and the nonces R and S chose at start-up and keep in
 memory, so messages recorded in an earlier session, or sealed by or for an
 earlier process under one of the ranks (a dynamic group's member replaced),
-never verify again, and sequence numbers must grow, so a message is never
-accepted twice.
+never verify again, and each message must carry the sequence number after the
+last one accepted, so a message is never accepted twice and none can be deleted
+from the stream unnoticed (:class:`SequenceGap`).
 
 Example::
 
@@ -46,6 +47,12 @@ _ALL = 0x80000000      # in ``full``: every frame covered, tensors by Poly1305 (
 
 class AuthError(Exception):
     """A message failed authentication (wrong secret, replay, tampering)."""
+
+
+class SequenceGap(AuthError):
+    """An authenticated message whose sequence number skips one or more: a message
+    sent on this connection never arrived (deleted on the path). Nothing later
+    from that sender can be trusted to be whole, so the transport loses the peer."""
 
 
 _from_env: list[bytes | None] = [None]
@@ -144,17 +151,28 @@ class Authenticator:
         them with ``mac_bulk``; with ``every``, the rest too, by Poly1305 when
         large: for TCP, see the module docstring)."""
         seq = self._send_seq.get(peer, 0) + 1
-        self._send_seq[peer] = seq
         full = len(frames) if self.mac_bulk else min(full, len(frames))
         if every:
             head = _HEAD.pack(seq, full | _ALL)
-            return [head + self._tag_every(self._send_keys[peer], head, full, frames), *frames]
-        head = _HEAD.pack(seq, full)
-        return [head + self._tag(self._send_keys[peer], head, full, frames), *frames]
+            out = [head + self._tag_every(self._send_keys[peer], head, full, frames), *frames]
+        else:
+            head = _HEAD.pack(seq, full)
+            out = [head + self._tag(self._send_keys[peer], head, full, frames), *frames]
+        self._send_seq[peer] = seq  # (only once sealed: a seal that raised uses no number)
+        return out
+
+    def send_mark(self, peer: int) -> int:
+        """The last sequence number sealed for ``peer``: :meth:`rewind` to it when the
+        messages sealed after it are never sent (the receiver expects no gap)."""
+        return self._send_seq.get(peer, 0)
+
+    def rewind(self, peer: int, mark: int) -> None:
+        """Forget the messages sealed for ``peer`` after :meth:`send_mark` gave ``mark``."""
+        self._send_seq[peer] = mark
 
     def open(self, peer: int, frames: list, min_full: int = 1, every: bool = False) -> list:
         """The frames without the authentication frame; raises AuthError when forged,
-        replayed, from a worker this one has no key for, or covering fewer than
+        replayed (SequenceGap when one before it is missing), from a worker this one has no key for, or covering fewer than
         ``min_full`` frames (all with ``mac_bulk``) in full, or (``every``: a TCP
         connection) not covering every byte."""
         key = self._recv_keys.get(peer)
@@ -179,7 +197,11 @@ class Authenticator:
         need = len(body) if self.mac_bulk else min(min_full, len(body))
         if full < need and not every:   # (with every, Poly1305 covered the rest)
             raise AuthError(f"message covers {full} of {len(body)} frames in full")
-        if seq <= self._recv_seq.get(peer, 0):
+        last = self._recv_seq.get(peer, 0)
+        if seq <= last:
             raise AuthError(f"replayed message (sequence {seq})")
+        if seq != last + 1:
+            raise SequenceGap(f"{seq - last - 1} message(s) missing before sequence {seq}: "
+                              "deleted on the path")
         self._recv_seq[peer] = seq
         return body

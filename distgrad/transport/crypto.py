@@ -7,8 +7,9 @@ is ever sent, and keys differ per connection and per start-up. A message gets
 a first frame holding its sequence number; frame ``i`` is encrypted under the
 nonce (sequence number, ``i``), with the sequence number and every frame's
 length as associated data, so frames cannot be swapped, cut, replayed or
-reordered. Sequence numbers must grow, as with the MAC of :mod:`.auth`, which
-encryption replaces (GCM's tag authenticates every byte of every frame).
+reordered. Each message must carry the sequence number after the last one
+accepted (:class:`~.auth.SequenceGap` otherwise: a message was deleted), as with
+the MAC of :mod:`.auth`, which encryption replaces (GCM's tag authenticates every byte of every frame).
 
 Example::
 
@@ -26,7 +27,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from . import framing
-from .auth import AuthError
+from .auth import AuthError, SequenceGap
 
 _INTO = hasattr(AESGCM, "decrypt_into")  # cryptography >= 45
 _SEQ = struct.Struct("!Q")
@@ -62,15 +63,26 @@ class FrameCipher:
 
     def seal(self, frames: list) -> list:
         """``frames`` encrypted, behind a sequence-number frame (callers serialize seals)."""
-        self._send_seq += 1
-        head = _SEQ.pack(self._send_seq)
+        seq = self._send_seq + 1
+        head = _SEQ.pack(seq)
         aad = self._aad(head, [memoryview(f).nbytes for f in frames])
         enc = self._send.encrypt
-        return [head, *[enc(_NONCE.pack(self._send_seq, i), _flat(f), aad)
-                        for i, f in enumerate(frames)]]
+        out = [head, *[enc(_NONCE.pack(seq, i), _flat(f), aad) for i, f in enumerate(frames)]]
+        self._send_seq = seq  # (only once sealed: a seal that raised uses no number)
+        return out
+
+    def send_mark(self) -> int:
+        """The last sequence number sealed: :meth:`rewind` to it when the messages
+        sealed after it are never sent."""
+        return self._send_seq
+
+    def rewind(self, mark: int) -> None:
+        """Forget the messages sealed after :meth:`send_mark` gave ``mark``."""
+        self._send_seq = mark
 
     def open(self, frames: list) -> list:
-        """The plaintext frames; raises AuthError when anything was forged or replayed."""
+        """The plaintext frames; raises AuthError when anything was forged or replayed, SequenceGap
+        when a message before it is missing."""
         if len(frames) < 2 or memoryview(frames[0]).nbytes != _SEQ.size:
             raise AuthError("missing sequence frame")
         head = bytes(frames[0])
@@ -93,5 +105,8 @@ class FrameCipher:
                 out.append(buf)
         except InvalidTag:
             raise AuthError("bad authentication tag") from None
+        if seq != self._recv_seq + 1:
+            raise SequenceGap(f"{seq - self._recv_seq - 1} message(s) missing before "
+                              f"sequence {seq}: deleted on the path")
         self._recv_seq = seq
         return out

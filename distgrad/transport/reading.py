@@ -191,9 +191,15 @@ class Reading:
                                        if type(f1) is bytearray else shm.parsed_frames(body[1:]),
                                        conn.mac_all)
         except AuthError as e:
-            # liveness counts only authenticated bytes: the credit its parts earned goes
+            # the stream is not what the peer sent: a message changed, replayed or
+            # deleted on the path (SequenceGap). Nothing later on it can be trusted
+            # to be whole, and a call whose message or reply went missing would wait
+            # for its timeout: the connection closes and every call to it fails now.
+            # (Liveness counts only authenticated bytes: the credit its parts earned goes.)
             self._last_partial.pop(peer, None)
-            self._reject(peer, str(e))
+            log.warning("worker %d: a message from worker %d failed authentication (%s): the "
+                        "connection is closed", self.rank, peer, e)
+            self._lose(peer, f"a message from it failed authentication ({e})", graceful=False)
             return
         self._last_recv[peer] = time.monotonic()  # liveness: only what authenticated
         first = body[0]

@@ -158,19 +158,30 @@ class Sending:
         deferred, cipher, auth, peer = conn.deferred, conn.cipher, self._auth, conn.peer
         views: list = []
         n = 0
-        while deferred:  # a send nested in coalesce (an RRef's delete) joins this batch
-            frames = deferred.popleft()
-            popped.append(frames)
+        mark = (cipher.send_mark() if cipher is not None else
+                auth.send_mark(peer) if auth is not None else 0)
+        try:
+            while deferred:  # a send nested in coalesce (an RRef's delete) joins this batch
+                frames = deferred.popleft()
+                popped.append(frames)
+                if cipher is not None:
+                    frames = cipher.seal(list(frames))
+                elif auth is not None:
+                    f0 = frames[0]  # shm.parsed_frames, inlined for the common bytes envelope
+                    full = ((2 if f0[:4] == shm.MARK else 1) if type(f0) is bytes
+                            else shm.parsed_frames(frames))
+                    frames = (auth.seal(peer, list(frames), full, True) if conn.mac_all
+                              else auth.seal(peer, list(frames), full))
+                views += framing.coalesce(frames)
+                n += 1
+        except BaseException:
+            # none of the batch is sent: its sequence numbers are not used (the
+            # receiver takes a gap for a message deleted on the path)
             if cipher is not None:
-                frames = cipher.seal(list(frames))
+                cipher.rewind(mark)
             elif auth is not None:
-                f0 = frames[0]  # shm.parsed_frames, inlined for the common bytes envelope
-                full = ((2 if f0[:4] == shm.MARK else 1) if type(f0) is bytes
-                        else shm.parsed_frames(frames))
-                frames = (auth.seal(peer, list(frames), full, True) if conn.mac_all
-                          else auth.seal(peer, list(frames), full))
-            views += framing.coalesce(frames)
-            n += 1
+                auth.rewind(peer, mark)
+            raise
         popped.clear()
         self.batches[0] += 1
         self.batches[1] += n
