@@ -172,9 +172,9 @@ class Authenticator:
 
     def open(self, peer: int, frames: list, min_full: int = 1, every: bool = False) -> list:
         """The frames without the authentication frame; raises AuthError when forged,
-        replayed (SequenceGap when one before it is missing), from a worker this one has no key for, or covering fewer than
-        ``min_full`` frames (all with ``mac_bulk``) in full, or (``every``: a TCP
-        connection) not covering every byte."""
+        replayed (SequenceGap when one before it is missing), from a worker this
+        one has no key for, or covering fewer than ``min_full`` frames (all with
+        ``mac_bulk``) in full, or (``every``: a TCP connection) not covering every byte."""
         key = self._recv_keys.get(peer)
         if key is None:
             raise AuthError(f"no key for worker {peer}")
