@@ -8,7 +8,10 @@ Two rules, used by everything in distgrad that writes a file or keeps one:
 - :func:`check_dirs`: a directory, and every directory above it up to ``/``,
   belongs to this user or root, and no one else can write it, unless it has the
   sticky bit (``/tmp``: others may add entries there but not rename or remove
-  ours). This is OpenSSH's rule for ``~/.ssh``, with the sticky exception.
+  ours). This is OpenSSH's rule for ``~/.ssh``, with the sticky exception. The
+  path is walked as the kernel walks it (``lstat``, component by component):
+  every symbolic link on the way belongs to this user or root, and the
+  directories it leads through pass the same rule (:func:`resolve_dir`).
 - :func:`write_file` / :func:`new_file`: a file is written, in a directory that
   passes :func:`check_dirs`, as a new file beside its path (``O_CREAT | O_EXCL |
   O_NOFOLLOW``: never through a link, never into a file someone else made), then
@@ -33,54 +36,98 @@ from typing import IO
 
 from .errors import DistgradError
 
-
-def _ancestors(path: str) -> list[str]:
-    out, cur = [], path
-    while True:
-        out.append(cur)
-        up = os.path.dirname(cur)
-        if up == cur:
-            return out
-        cur = up
+_MAX_LINKS = 40   # as the kernel's ELOOP limit
 
 
-def dir_problem(path: str) -> str | None:
-    """What makes directory ``path`` (or one above it) unsafe to hold this user's
-    files, or None: see :func:`check_dirs`."""
-    me = os.geteuid()
-    real, literal = os.path.realpath(path), os.path.abspath(path)
-    seen: set[str] = set()
-    for d in _ancestors(real) + _ancestors(literal):
-        if d in seen:
-            continue
-        seen.add(d)
-        try:
-            st = os.stat(d)
-        except OSError as e:
-            return f"cannot check {d}: {e}"
-        if not stat.S_ISDIR(st.st_mode):
-            return f"{d} is not a directory"
-        if st.st_uid not in (me, 0):
-            return (f"{d} belongs to another user (uid {st.st_uid}), who could replace what is in "
-                    "it")
-        if st.st_mode & stat.S_ISVTX:
-            continue   # others may add entries, not rename or remove ours
-        if st.st_mode & stat.S_IWOTH:
-            return f"{d} is writable by anyone and has no sticky bit"
-        if st.st_mode & stat.S_IWGRP:
-            return f"{d} is writable by its group (gid {st.st_gid}), not only by its owner"
+def _dir_check(d: str, st: os.stat_result, me: int) -> str | None:
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{d} is not a directory"
+    if st.st_uid not in (me, 0):
+        return f"{d} belongs to another user (uid {st.st_uid}), who could replace what is in it"
+    if st.st_mode & stat.S_ISVTX:
+        return None   # others may add entries, not rename or remove ours
+    if st.st_mode & stat.S_IWOTH:
+        return f"{d} is writable by anyone and has no sticky bit"
+    if st.st_mode & stat.S_IWGRP:
+        return f"{d} is writable by its group (gid {st.st_gid}), not only by its owner"
     return None
 
 
-def check_dirs(path: str, what: str) -> None:
+def resolve_dir(path: str) -> tuple[str | None, str]:
+    """(what makes directory ``path`` unsafe to hold this user's files, or None;
+    the directory it names with every link resolved).
+
+    Walks the path as the kernel does, one component at a time with ``lstat``:
+    every directory met (above ``path``, ``path`` itself and every directory a
+    link leads through) passes :func:`check_dirs`'s rule, and every symbolic link
+    on the way belongs to this user or root: another user's link (one planted in
+    a shared sticky directory) could be pointed elsewhere after the check. Hand
+    the resolved directory, not ``path``, to whatever reopens files there later.
+
+    Example::
+
+        >>> resolve_dir("/tmp")
+        (None, '/tmp')
+    """
+    me = os.geteuid()
+    parts = os.path.join(os.getcwd(), path).split("/")[::-1]   # a stack: next on top
+    cur, links = "/", 0
+    try:
+        problem = _dir_check(cur, os.lstat(cur), me)
+    except OSError as e:
+        return f"cannot check {cur}: {e}", cur
+    while parts and problem is None:
+        name = parts.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":   # the parent of where the walk is (links already resolved)
+            cur = os.path.dirname(cur)
+            continue
+        nxt = os.path.join(cur, name)
+        try:
+            st = os.lstat(nxt)
+        except OSError as e:
+            return f"cannot check {nxt}: {e}", nxt
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (me, 0):
+                return (f"{nxt} is a symbolic link of another user (uid {st.st_uid}), who could "
+                        "point it elsewhere"), nxt
+            links += 1
+            if links > _MAX_LINKS:
+                return f"too many symbolic links in {path}", nxt
+            try:
+                target = os.readlink(nxt)
+            except OSError as e:
+                return f"cannot read the link {nxt}: {e}", nxt
+            if target.startswith("/"):
+                cur = "/"
+                problem = _dir_check(cur, os.lstat(cur), me)
+            parts.extend(target.split("/")[::-1])
+            continue
+        problem = _dir_check(nxt, st, me)
+        cur = nxt
+    return problem, cur
+
+
+def dir_problem(path: str) -> str | None:
+    """What makes directory ``path`` (or one above it, or a link on the way)
+    unsafe to hold this user's files, or None: see :func:`check_dirs` and
+    :func:`resolve_dir`."""
+    return resolve_dir(path)[0]
+
+
+def check_dirs(path: str, what: str) -> str:
     """Raise DistgradError (``what``: the use, for the message) unless directory
     ``path`` and every directory above it belong to this user or root and nobody
-    else can write them (a directory with the sticky bit excepted)."""
-    problem = dir_problem(path)
+    else can write them (a directory with the sticky bit excepted), and every
+    link on the way is this user's or root's; returns the directory with its links
+    resolved (:func:`resolve_dir`)."""
+    problem, real = resolve_dir(path)
     if problem is not None:
         raise DistgradError(f"{what}: refusing the directory {os.path.abspath(path)}: {problem}, "
                             "so another user could plant or swap files there. Use a directory "
                             "only you can write (e.g. mkdir -m 700 ~/distgrad-out)")
+    return real
 
 
 def out_dir(path: str, what: str = "output directory") -> str:
@@ -96,8 +143,7 @@ def new_file(path: str, mode: int = 0o644, binary: bool = True) -> Iterator[IO]:
     """A file object on a new file beside ``path``; when the block ends without an
     error the file takes ``path``'s place (a link there is replaced, not
     followed), else it is removed. ``mode`` (less the umask) is the file's."""
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    check_dirs(parent, f"writing {path}")
+    parent = check_dirs(os.path.dirname(os.path.abspath(path)) or ".", f"writing {path}")
     base = os.path.basename(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | \
         getattr(os, "O_CLOEXEC", 0)
@@ -115,7 +161,7 @@ def new_file(path: str, mode: int = 0o644, binary: bool = True) -> Iterator[IO]:
             umask = os.umask(0)
             os.umask(umask)
             os.fchmod(f.fileno(), mode & ~umask)
-        os.replace(tmp, path)
+        os.replace(tmp, os.path.join(parent, base))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -62,18 +62,34 @@ def test_a_file_store_is_refused_where_another_user_could_swap_it(tmp_path):
     paths = {"group writable": _dir(tmp_path / "group", 0o770) / "store",
              "world writable": _dir(tmp_path / "world", 0o777) / "store",
              "ours, private": _dir(tmp_path / "good", 0o700) / "store"}
+    linked = _dir(tmp_path / "linked", 0o700)   # a store path hard-linked to another file
+    (linked / "precious").write_bytes(b"keep")
+    os.chmod(linked / "precious", 0o640)
+    os.link(linked / "precious", linked / "store")
+    paths["hard-linked to another file"] = linked / "store"
     if AS_ROOT:   # another user's directories (root can make them)
         paths["another user's, 0755"] = _dir(tmp_path / "theirs", 0o755, NOBODY) / "store"
         outer = _dir(tmp_path / "outer", 0o755)
         inner = _dir(outer / "inner", 0o700)
         os.chown(outer, NOBODY, NOBODY)   # they may rename our inner directory away
         paths["ours, inside another user's"] = inner / "store"
+        # another user's link in a shared sticky directory, to a private one of ours:
+        # its owner could point it elsewhere after the check (torch reopens the path)
+        team = _dir(tmp_path / "team", 0o1777)
+        (team / "run").symlink_to(_dir(tmp_path / "private", 0o700))
+        os.lchown(team / "run", NOBODY, NOBODY)
+        paths["through another user's link"] = team / "run" / "store"
     got = run_workers(_try_stores, world_size=1, init=False, timeout=120,
                       args=({k: str(v) for k, v in paths.items()},))[0]
     assert got.pop("ours, private") == "started"
+    assert "has 2 hard links" in got.pop("hard-linked to another file")
+    assert (linked / "precious").read_bytes() == b"keep"
+    assert os.stat(linked / "precious").st_mode & 0o777 == 0o640   # its mode untouched
     for case, what in got.items():
         assert what.startswith("DistgradError: file:// store"), (case, what)
         assert "another user" in what or "writable by" in what, (case, what)
+        if case == "through another user's link":
+            assert "symbolic link of another user" in what, what
         assert not Path(paths[case]).exists(), (case, "created the store anyway")
 
 
@@ -133,3 +149,18 @@ def test_write_file_replaces_a_planted_link_and_leaves_nothing_on_failure(tmp_pa
     with pytest.raises(DistgradError, match="writable by anyone"):
         write_file(str(shared / "x"), b"")
     assert out_dir(str(tmp_path / "a" / "b")) == str(tmp_path / "a" / "b")
+
+
+def test_resolve_dir_walks_links_as_the_kernel_does(tmp_path):
+    """Links of this user are followed (the resolved directory is what torch gets),
+    '..' after a link is the target's parent, and a loop is named."""
+    from distgrad.safe_files import resolve_dir
+    real = _dir(_dir(tmp_path / "a", 0o700) / "b", 0o700)
+    (tmp_path / "to_b").symlink_to(real)
+    (tmp_path / "rel").symlink_to("a/b/../b")
+    assert resolve_dir(str(tmp_path / "to_b")) == (None, str(real))
+    assert resolve_dir(str(tmp_path / "rel")) == (None, str(real))
+    assert resolve_dir(str(tmp_path / "to_b" / "..")) == (None, str(tmp_path / "a"))
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    problem, _ = resolve_dir(str(tmp_path / "loop"))
+    assert problem is not None and "too many symbolic links" in problem

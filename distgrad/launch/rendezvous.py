@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from ..errors import DistgradError
-from ..safe_files import dir_problem
+from ..safe_files import resolve_dir
 from ..transport.auth import secret_from_env
 from .listen import host_store
 from .sealed import StoreSeal, expect
@@ -132,17 +132,21 @@ def make_store(init_method: str, rank: int | None, world_size: int | None, timeo
 def own_store_file(path: str) -> str:
     """``path`` once it is safe to use as a ``file://`` store: a regular file of
     this user that no one else can write (created here 0600, never through a
-    link; one of ours that others could only read is made 0600), in a directory
+    link; one of ours that others could only read is made 0600; never one with
+    another hard link), in a directory
     where others cannot swap it: it and every directory above it belong to this
     user or root and no one else can write them, unless sticky (as OpenSSH checks
-    ``~/.ssh``: :func:`distgrad.safe_files.dir_problem`). Raises DistgradError
-    saying what is wrong."""
+    ``~/.ssh``), every link on the way this user's or root's
+    (:func:`distgrad.safe_files.resolve_dir`; the path returned has them resolved,
+    so torch, which reopens it at every operation, follows none). Raises
+    DistgradError saying what is wrong."""
     path = os.path.abspath(path)
-    problem = dir_problem(os.path.dirname(path))
+    problem, real = resolve_dir(os.path.dirname(path))
     if problem is not None:   # torch reopens the path at every operation: no one may swap it
         raise DistgradError(f"file:// store {path}: {problem} (another user could plant or swap "
                             "the file); use a directory that only you (or root) can write, all "
                             "the way up")
+    path = os.path.join(real, os.path.basename(path))   # torch gets no link to follow later
     nofollow = getattr(os, "O_NOFOLLOW", 0)
     while True:
         try:
@@ -161,13 +165,17 @@ def own_store_file(path: str) -> str:
         try:
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022 \
-                    and st.st_mode & 0o044:
+                    and st.st_mode & 0o044 and st.st_nlink == 1:
                 os.fchmod(fd, 0o600)  # ours, but readable by others (torch makes it 0644)
                 st = os.fstat(fd)
         finally:
             os.close(fd)
         if not stat.S_ISREG(st.st_mode):
             raise DistgradError(f"file:// store {path} is not a regular file")
+        if st.st_nlink != 1:
+            raise DistgradError(f"file:// store {path} has {st.st_nlink} hard links: it is also "
+                                "another file (one a link planted here names), which the store "
+                                "would write into; remove it or use another path")
         if st.st_uid != os.geteuid():
             raise DistgradError(f"file:// store {path} belongs to another user (uid {st.st_uid}): "
                                 "refusing a store someone else planted; remove it or use another path")
