@@ -98,3 +98,18 @@ def test_secret_strength_counts_words_and_spares_random_secrets():
         assert secret_bits(secrets.token_urlsafe(32).encode()) >= 160
         assert secret_bits(secrets.token_hex(16).encode()) >= 128
     assert secret_bits(os.urandom(32)) == 256
+
+
+def test_secret_strength_sees_repetition_and_words_of_any_script():
+    """Issue 35's audit: secrets a guesser finds at once drew no warning."""
+    from distgrad.transport.strength import secret_bits
+    weak = [b"a" * 64, b"0" * 64, b"password" * 8, b"Summer2024!" * 3, b"qwertyuiop1234567890" * 3,
+            b"\0" * 40, b"\xff" * 20, b"x" * 60_000, b"strengths-twelfths-angsts-lengths",
+            "пароль-солнце-машина-собака-здравствуйте".encode(),
+            "Grüße-Bäckerei-Fußball-Öffnungszeiten".encode()]
+    for secret in weak:
+        assert secret_bits(secret) < 128, secret[:40]
+    assert secret_bits(b"") == 0
+    assert secret_bits(os.urandom(1 << 20)) > 8_000_000   # random: no repeats to take away
+    token = secrets.token_hex(32).encode()
+    assert secret_bits(token * 2) < secret_bits(token) + 20   # the copy is nearly free

@@ -6,11 +6,20 @@ Two ways to count, and the secret gets the smaller:
   it uses (lowercase, uppercase, digits, anything else);
 - as *words*: split into runs of letters (a capital starts a new run), digits
   and other characters. A run of three letters or more that reads like words
-  (enough vowels, no cluster of five consonants) costs a guesser one word of a large dictionary
+  (enough vowels, no cluster of six consonants; or, whatever its letters, one
+  between separators that recur, as in a diceware phrase) costs a guesser one word of a large dictionary
   (:data:`WORD_BITS`) per :data:`WORD_LETTERS` letters, at least one, plus a bit
   when capitalised, or its characters if that is less. Every other character
   costs what it costs counted as characters, except a separator that appears
   again (``-`` between every word is one choice, not four).
+
+- as *repetition*: read left to right, a stretch that repeats one before it (a
+  unit said again, ``password`` * 8, a keyboard walk typed three times) costs a
+  back-reference (where and how long: some 2 log2 n bits), not its characters,
+  as a compressor would count it (an LZ77 parse; bytes that are not UTF-8 too).
+
+Letters are Unicode letters: a run in another script (``пароль``, ``Grüße``)
+counts as words without the vowel test, which knows English only.
 
 The word count needs no dictionary: it errs towards calling a run words, which
 at worst draws a warning for a secret that was fine. Random secrets are hardly
@@ -30,11 +39,16 @@ from __future__ import annotations
 import math
 import re
 import string
+import zlib
 
 WORD_BITS = math.log2(100_000)   # a guesser's dictionary: some 100,000 words
 WORD_LETTERS = 6                 # letters per word, rounded: a long run is several words
-_TOKENS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+|[^A-Za-z0-9]+")
-_CONSONANTS = re.compile(r"[^aeiouy]{5,}")
+# letters (any script; a capital starts a new run), digits, everything else
+_TOKENS = re.compile(r"[^\W\d_a-z]?[^\W\d_A-Z]+|[^\W\d_a-z]+(?![^\W\d_A-Z])|[0-9]+|[\W_]+")
+_CONSONANTS = re.compile(r"[^aeiouy]{6,}")   # ("strengths", "twelfths": five are words)
+_MIN_MATCH = 3        # a repeat shorter than this is chance in a random secret
+_LZ_LIMIT = 1 << 16   # characters the parse looks at; longer secrets: deflate's count
+_CHAIN = 64           # earlier starts of a repeat tried (most recent first), as zlib bounds it
 
 
 def char_bits(text: str) -> float:
@@ -48,6 +62,8 @@ def char_bits(text: str) -> float:
 def reads_as_words(letters: str) -> bool:
     """Whether a run of ASCII letters could be one word or several run together."""
     low = letters.lower()
+    if not low.isascii():
+        return len(low) >= 3   # another script: no English vowel test
     vowels = sum(c in "aeiou" for c in low) + 0.5 * low.count("y")
     return len(low) >= 3 and vowels >= 0.28 * len(low) and not _CONSONANTS.search(low)
 
@@ -56,10 +72,15 @@ def word_bits(text: str) -> float:
     """``text`` counted as words, digits and separators (see the module docstring)."""
     per_char = char_bits(text) / len(text) if text else 0.0
     bits, seen, in_words = 0.0, set(), 0
-    for m in _TOKENS.finditer(text):
-        tok = m.group()
+    toks = [m.group() for m in _TOKENS.finditer(text)]
+    seps = [t for t in toks if not t.isalnum()]
+    # words joined by one separator said again (``strengths-twelfths-angsts``, a
+    # diceware phrase): each run of letters between them is a word, vowels or not
+    joined = {t for t in seps if seps.count(t) >= 2}
+    for i, tok in enumerate(toks):
         chars = len(tok) * per_char
-        if tok.isalpha() and tok.isascii() and reads_as_words(tok):
+        between = joined and all(t in joined for t in toks[max(i - 1, 0):i + 2:2] if t != tok)
+        if tok.isalpha() and (reads_as_words(tok) or (between and 3 <= len(tok) <= 14)):
             in_words += len(tok)
             words = max(1, round(len(tok) / WORD_LETTERS))
             bits += min(chars, words * WORD_BITS + (1.0 if tok[0].isupper() else 0.0))
@@ -72,12 +93,51 @@ def word_bits(text: str) -> float:
     return bits if 2 * in_words >= len(text) else char_bits(text)
 
 
+def repeat_bits(text: str, per_char: float) -> float:
+    """``text`` read left to right, each character costing ``per_char`` bits unless it
+    starts a stretch of :data:`_MIN_MATCH` or more repeating one before it, which costs
+    a back-reference instead (see the module docstring)."""
+    n = len(text)
+    if n > _LZ_LIMIT:   # what raw deflate makes of it (a 1 MiB secret in well under a second)
+        z = zlib.compressobj(9, zlib.DEFLATED, -15)
+        return 8.0 * len(z.compress(text.encode("utf-8", "surrogatepass")) + z.flush())
+    bits, i = 0.0, 0
+    ref = 2 * math.log2(max(n, 2)) + 1   # where, how long, and that it is a reference
+    starts: dict[str, list[int]] = {}    # where each _MIN_MATCH characters began before
+    done = 0                             # positions below this are in ``starts``
+
+    def index(upto: int) -> None:
+        nonlocal done
+        for j in range(done, upto):
+            starts.setdefault(text[j:j + _MIN_MATCH], []).append(j)
+        done = max(done, upto)
+
+    while i < n:
+        index(i)
+        best = 0
+        for j in starts.get(text[i:i + _MIN_MATCH], ())[-_CHAIN:]:
+            k = 0
+            while i + k < n and text[j + k] == text[i + k]:
+                k += 1
+            best = max(best, k)
+        if best >= _MIN_MATCH and best * per_char > ref:
+            bits += ref
+            i += best
+        else:
+            bits += per_char
+            i += 1
+    return bits
+
+
 def secret_bits(secret: bytes) -> float:
-    """A rough upper bound on the entropy of ``secret``: the smaller of its count as
-    characters and as words (see the module docstring); bytes that are not UTF-8
-    count 8 bits each."""
+    """A rough upper bound on the entropy of ``secret``: the smallest of its count as
+    characters, as words and as repetition (see the module docstring); bytes that
+    are not UTF-8 count 8 bits each, less what repeats."""
     try:
         text = secret.decode()
     except UnicodeDecodeError:
-        return 8.0 * len(secret)
-    return min(char_bits(text), word_bits(text))
+        return min(8.0 * len(secret), repeat_bits(secret.decode("latin-1"), 8.0))
+    if not text:
+        return 0.0
+    chars = char_bits(text)
+    return min(chars, word_bits(text), repeat_bits(text, chars / len(text)))
