@@ -13,7 +13,7 @@ Example (on worker0; the other workers only run RPC as usual)::
     >>> open_trace("trace.json")
     >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
     >>> close_trace()
-    'trace.json'
+    '/home/me/trace.json'
 """
 from __future__ import annotations
 
