@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -139,6 +140,13 @@ def _tracer_shutdown(where, port):
     distgrad.trace.start("rel.json")          # relative: resolved at start
     os.chdir(os.path.dirname(where))
     rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+
+    def load():
+        with distgrad.trace.span("load"):
+            rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 2))
+    t = threading.Thread(target=load, name="loader")   # exits before the close
+    t.start()
+    t.join()
     member = rpc.rpc_sync("worker1", distgrad.trace.is_tracing)
     rpc.shutdown()
     from distgrad.trace import recorder, session
@@ -185,3 +193,29 @@ def test_a_relative_trace_path_is_resolved_at_start(shutdown_open):
     where, _ = shutdown_open
     assert os.path.exists(os.path.join(where, "rel.json"))
     assert not os.path.exists(os.path.join(os.path.dirname(where), "rel.json"))
+
+
+def test_an_exited_threads_track_keeps_its_name(shutdown_open):
+    where, _ = shutdown_open
+    with open(os.path.join(where, "rel.json")) as f:
+        doc = json.load(f)
+    span = next(e for e in doc["traceEvents"] if e.get("name") == "load")
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names[(span["pid"], span["tid"])] == "loader", names
+
+
+def test_trace_plot_says_it_cannot_write_the_output(capsys):
+    import argparse
+
+    from test_trace_analysis import _step
+
+    from distgrad.trace import plot
+    path = tmp_path_for("ok.json")
+    with open(path, "w") as f:
+        json.dump(_step(), f)
+    out = os.path.join(os.path.dirname(path), "no-such-dir", "step.png")
+    rc = plot.main(argparse.Namespace(trace=path, output=out, title=None))
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert rc == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"distgrad trace-plot: cannot write {out}: "), lines

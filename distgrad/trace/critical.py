@@ -229,10 +229,18 @@ def _named(w: str, a: float, b: float, spans: list[tuple], name_of: Callable,
     """[a, b] cut where the innermost of ``spans`` changes, each piece named by
     ``name_of(span)`` (``default`` where none covers it); latest first."""
     cuts = sorted({a, b, *(x[0] for x in spans if a < x[0] < b), *(x[1] for x in spans if a < x[1] < b)})
+    order = sorted(spans, key=lambda x: (x[0], -x[1]))
     out: list[tuple] = []
+    stack: list[tuple] = []   # the spans begun so far, the latest on top (a sweep: linear)
+    k = 0
     for lo, hi in zip(cuts, cuts[1:]):
         mid = (lo + hi) / 2
-        inner = max((x for x in spans if x[0] <= mid <= x[1]), key=lambda x: (x[0], -x[1]), default=None)
+        while k < len(order) and order[k][0] <= mid:
+            stack.append(order[k])
+            k += 1
+        while stack and stack[-1][1] < mid:   # ended: never the innermost again (mid grows)
+            stack.pop()
+        inner = stack[-1] if stack else None
         name, cat = default if inner is None else name_of(inner)
         if out and out[-1][3] == name and out[-1][4] == cat and out[-1][2] == lo:
             out[-1] = (w, out[-1][1], hi, name, cat)
