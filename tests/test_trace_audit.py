@@ -195,6 +195,52 @@ def test_a_relative_trace_path_is_resolved_at_start(shutdown_open):
     assert not os.path.exists(os.path.join(os.path.dirname(where), "rel.json"))
 
 
+def _abrupt(rank, world_size, where, port):
+    """worker1 shuts down (graceful=False) while recording worker0's trace; then worker0
+    shuts down (graceful=False) with its trace open."""
+    import logging
+
+    import distgrad
+    import distgrad.rpc as rpc
+    from distgrad.rpc.pending import agent_or_none
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    agent = agent_or_none()
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda r: said.append(r.getMessage())
+    logging.getLogger("distgrad.trace.session").addHandler(handler)
+    if rank == 0:
+        distgrad.trace.start(os.path.join(where, "abrupt.json"))
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+    _both()
+    was = distgrad.trace.is_tracing()
+    if rank == 0:
+        deadline = time.monotonic() + 20
+        while 1 not in agent.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+    rpc.shutdown(graceful=False)
+    from distgrad.trace import recorder, session
+    return {"was": was, "recording": distgrad.trace.is_tracing(), "active": recorder.ACTIVE is not None,
+            "session": "session" in session._open, "gc_hooks": _gc_hooks(),
+            "wrappers": sorted(k for k in ("send_request", "wait", "_serve") if k in agent.__dict__),
+            "said": [m for m in said if "rpc.shutdown()" in m]}
+
+
+def test_an_abrupt_shutdown_drops_the_recording_and_names_the_trace_not_written():
+    where = os.path.dirname(tmp_path_for("x"))
+    tracer, member = run_workers(_abrupt, world_size=2, timeout=90, args=(where, free_port()),
+                                 init=False)
+    for out in (tracer, member):
+        assert out["was"] is True, out
+        assert (out["recording"], out["active"], out["session"]) == (False, False, False), out
+        assert out["gc_hooks"] == 0 and out["wrappers"] == [], out
+    path = os.path.join(where, "abrupt.json")
+    assert any(path in m and "not written" in m for m in tracer["said"]), tracer["said"]
+    assert any("worker1" in m and "dropped" in m for m in member["said"]), member["said"]
+    assert not os.path.exists(path)
+
+
 def test_an_exited_threads_track_keeps_its_name(shutdown_open):
     where, _ = shutdown_open
     with open(os.path.join(where, "rel.json")) as f:
