@@ -4,10 +4,12 @@ Walked back from the tracing worker's last busy moment: inside a busy stretch of
 worker (the union of its spans that do work: computing, serving, sending,
 receiving), the path jumps at the latest message that arrived in it to the moment
 its sender sent it (a **network** stretch); where the worker did nothing traced, the
-gap is on the path too, named by what covers it: **queueing** (between a request's
-arrival and the start of its serving), **waiting** (an ``rpc.wait``, a backward or an
-optimizer step waiting for others), a **user span** (the user's own untraced work),
-or **untraced**. So the stretches add up to the whole step, and the summary can say
+gap is on the path too, named by what covers it and cut where that changes:
+**queueing** (between a request's arrival and the start of its serving), **waiting**
+(an ``rpc.wait``, a backward or an optimizer step waiting for others), the innermost
+**user span** (the user's own untraced work), or **untraced**. A thread's spans nest:
+each has a parent pointer, so the span around a moment is found however many spans
+came before it on its thread. So the stretches add up to the whole step, and the summary can say
 where its time went (:func:`contributions`).
 
 A served request is followed exactly, thread by thread: from its serving span (on the
@@ -35,7 +37,7 @@ BUSY = {"backward", "backward.region", "optim", "rpc.serve", "rpc.send", "rpc.re
 _CATEGORY = {"backward": "compute", "backward.region": "compute", "optim": "compute", "op": "compute",
              "rpc.serve": "serve", "rpc.send": "network", "rpc.recv": "network", "rpc.call": "network"}
 _WAITS = {"rpc.wait", "backward.call", "optim.call"}
-_SCAN = 64  # spans looked at back from a point (spans of one thread nest: the innermost is near)
+_SCAN = 64  # spans of any thread looked at back from a point, where its thread is not known
 
 
 class _Worker:
