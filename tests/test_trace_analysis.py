@@ -117,12 +117,37 @@ def test_the_critical_path_covers_the_step_and_names_each_stretch():
         ("worker1", 190, "serve f ← worker0", "serve"),   # not the other thread's gradients
         ("worker0", 110, "message worker1 → worker0", "network"),
         ("worker0", 20, "recv reply f ← worker1", "network"),
-        ("worker0", 280, "step", "user span"),
+        ("worker0", 20, "wait f ← worker1", "waiting"),   # the wait ends after the reply's read
+        ("worker0", 260, "step", "user span"),
         ("worker0", 50, "backward run", "compute")], got
     text = summary.report(s)
     assert "100.0% of the step" in text, text
-    assert ("on it: user span 0.380 ms, network 0.240 ms, serve 0.190 ms, queueing 0.090 ms, "
-            "compute 0.050 ms") in text, text
+    assert ("on it: user span 0.360 ms, network 0.240 ms, serve 0.190 ms, queueing 0.090 ms, "
+            "compute 0.050 ms, waiting 0.020 ms") in text, text
+
+
+def test_a_gap_across_two_user_spans_is_named_after_each():
+    # audit of issue 36 (coverage.py): the whole gap was named after the span at its middle
+    from distgrad.trace import summary
+    w0 = [("X", "prep (sleeps)", "user", 7, 0, 200, {"cpu_us": 1.0}),
+          ("X", "cpu work", "user", 7, 200, 300, {"cpu_us": 99.0}),
+          ("X", "backward run", "backward", 7, 300, 350, {})]
+    s = summary.summarize(_doc({0: (w0, (0, 350))}))
+    got = [(round(b - a), label, cat) for _, a, b, label, cat in s.path]
+    assert got == [(200, "prep (sleeps)", "user span"), (100, "cpu work", "user span"),
+                   (50, "backward run", "compute")], got
+
+
+def test_a_sleep_in_a_span_after_many_spans_is_named_after_it():
+    # audit of issue 36 (coverage.py): a span more than 64 spans back was not found
+    from distgrad.trace import summary
+    w0 = [("X", "epoch", "user", 7, 0, 100_000, {"cpu_us": 1.0})]
+    w0 += [("X", f"region {i}", "backward.region", 7, i * 50, i * 50 + 10, {}) for i in range(600)]
+    w0 += [("X", "backward run", "backward", 7, 90_000, 90_050, {})]
+    s = summary.summarize(_doc({0: (w0, (0, 100_000))}))
+    sleep = [st for st in s.path if st[1] <= s.window[0] + 60_000 <= st[2]]
+    assert [(round(b - a), label, cat) for _, a, b, label, cat in sleep] == \
+        [(90_000 - 29_960, "epoch", "user span")], sleep
 
 
 def _many_calls(n):

@@ -1,7 +1,7 @@
 """Shared by the audit programs: strict JSON + trace-event checks, and the worker runner."""
 import json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))  # the repository's tests/
 from mp_utils import run_workers  # noqa: E402,F401
 
 

@@ -9,7 +9,7 @@ from _common import perfetto_problems, run_workers, strict_load
 from distgrad.trace.critical import CATEGORIES
 from distgrad.trace.summary import report, summarize
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 res = []
 
 

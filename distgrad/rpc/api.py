@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -165,6 +166,9 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     if agent is None:
         return
     try:
+        trace = sys.modules.get("distgrad.trace.session")
+        if trace is not None:  # a trace this worker left open: written now, while the members serve
+            trace.close_at_shutdown(graceful)
         if agent.dynamic:  # leave the group; the others go on (see rpc/dynamic.py)
             if graceful:
                 limit = timeout if timeout and timeout > 0 else _DEFAULT_SHUTDOWN_TIMEOUT

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -180,6 +181,12 @@ def rref_leak(agent: RpcAgent, deadline: float) -> str | None:
 def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
     try:
         agent.shutting_down = True
+        trace = sys.modules.get("distgrad.trace.session")
+        if trace is not None:  # a trace still recorded here stops: nobody can close it now
+            try:
+                trace.drop_at_shutdown()
+            except Exception:
+                log.exception("worker %s: the open trace not dropped at shutdown", agent.name)
         for ext in agent.extensions:
             try:
                 ext.on_shutdown()

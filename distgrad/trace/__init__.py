@@ -41,23 +41,26 @@ def start(path: str, profile_ops: bool = False, timeout: float = 30.0,
     """Start recording a trace on every worker of the group, to be written to ``path``
     by :func:`stop` on this worker.
 
-    ``path`` is checked now (its directory must exist and be writable); the file is
-    written atomically at the close. ``profile_ops=True`` also runs
-    ``torch.profiler.profile`` on each worker for the window (every thread), its
+    ``path`` is checked now (its directory must exist and be writable) and made
+    absolute; the file is written atomically at the close. ``profile_ops=True`` also
+    runs ``torch.profiler.profile`` on each worker for the window (every thread), its
     events merged on the same clock; it is refused while a torch profiler is active
-    here (a worker whose user profiles itself records without torch's ops: a
-    profiler of someone else's is never ended). ``timeout`` (s) bounds each worker's
-    answer to start and stop: one that does not answer is left out and named in the
-    file's metadata (``otherData.distgrad.missing``). Each worker keeps its last
-    ``max_events`` events (the older ones are counted in ``otherData.distgrad.dropped``);
-    a member whose tracing worker is lost stops recording.
+    here, or a ``torch.profiler.profile`` with a schedule is started and not stopped
+    (in any phase: a worker whose user profiles itself records without torch's ops;
+    a profiler of someone else's is never ended). An exception while this waits on
+    the members (Ctrl-C included) leaves none of them recording. ``rpc.shutdown()``
+    with the trace still open closes it and writes the file, with a warning.
+    ``timeout`` (s) bounds each worker's answer to start and stop: one that does not
+    answer is left out and named in the file's metadata (``otherData.distgrad.missing``).
+    Each worker keeps its last ``max_events`` events (the older ones are counted in
+    ``otherData.distgrad.dropped``); a member whose tracing worker is lost stops recording.
 
     Example::
 
         >>> distgrad.trace.start("trace.json")
         >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
         >>> distgrad.trace.stop()
-        'trace.json'
+        '/home/me/trace.json'
     """
     from .session import open_trace
     open_trace(path, profile_ops, timeout, max_events)
@@ -65,12 +68,12 @@ def start(path: str, profile_ops: bool = False, timeout: float = 30.0,
 
 def stop() -> str:
     """Stop the trace this worker started: gather every worker's events (each within
-    the start's ``timeout``), align clocks, write the file; returns its path.
+    the start's ``timeout``), align clocks, write the file; returns its (absolute) path.
 
     Example::
 
         >>> distgrad.trace.stop()
-        'trace.json'
+        '/home/me/trace.json'
     """
     from .session import close_trace
     return close_trace()

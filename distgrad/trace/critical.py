@@ -4,10 +4,12 @@ Walked back from the tracing worker's last busy moment: inside a busy stretch of
 worker (the union of its spans that do work: computing, serving, sending,
 receiving), the path jumps at the latest message that arrived in it to the moment
 its sender sent it (a **network** stretch); where the worker did nothing traced, the
-gap is on the path too, named by what covers it: **queueing** (between a request's
-arrival and the start of its serving), **waiting** (an ``rpc.wait``, a backward or an
-optimizer step waiting for others), a **user span** (the user's own untraced work),
-or **untraced**. So the stretches add up to the whole step, and the summary can say
+gap is on the path too, named by what covers it and cut where that changes:
+**queueing** (between a request's arrival and the start of its serving), **waiting**
+(an ``rpc.wait``, a backward or an optimizer step waiting for others), the innermost
+**user span** (the user's own untraced work), or **untraced**. A thread's spans nest:
+each has a parent pointer, so the span around a moment is found however many spans
+came before it on its thread. So the stretches add up to the whole step, and the summary can say
 where its time went (:func:`contributions`).
 
 A served request is followed exactly, thread by thread: from its serving span (on the
@@ -26,7 +28,7 @@ Example::
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .records import flow_id
 
@@ -35,19 +37,26 @@ BUSY = {"backward", "backward.region", "optim", "rpc.serve", "rpc.send", "rpc.re
 _CATEGORY = {"backward": "compute", "backward.region": "compute", "optim": "compute", "op": "compute",
              "rpc.serve": "serve", "rpc.send": "network", "rpc.recv": "network", "rpc.call": "network"}
 _WAITS = {"rpc.wait", "backward.call", "optim.call"}
-_SCAN = 64  # spans looked at back from a point (spans of one thread nest: the innermost is near)
+_SCAN = 64  # spans of any thread looked at back from a point, where its thread is not known
 
 
 class _Worker:
-    """One worker's spans, indexed for the walk: per thread by start, and the busy stretches."""
+    """One worker's spans, indexed for the walk: per thread by start, each with its
+    parent (the innermost span of its thread that encloses it), and the busy stretches."""
 
     def __init__(self, spans: Iterable[tuple]) -> None:
-        self.threads: dict[int, tuple[list[float], list[tuple]]] = {}
-        self.all_items = sorted(spans, key=lambda s: s[0])  # (start, end, name, cat, tid, key)
+        self.threads: dict[int, tuple[list[float], list[tuple], list[int]]] = {}
+        self.all_items = sorted(spans, key=lambda s: (s[0], -s[1]))  # (start, end, name, cat, tid, key)
         self.all_starts = [s[0] for s in self.all_items]
         busy = []
+        stacks: dict[int, list[int]] = {}
         for s in self.all_items:
-            starts, items = self.threads.setdefault(s[4], ([], []))
+            starts, items, parents = self.threads.setdefault(s[4], ([], [], []))
+            stack = stacks.setdefault(s[4], [])
+            while stack and items[stack[-1]][1] <= s[0]:  # spans of one thread nest
+                stack.pop()
+            parents.append(stack[-1] if stack else -1)
+            stack.append(len(items))
             starts.append(s[0])
             items.append(s)
             if s[3] in BUSY:
@@ -68,20 +77,50 @@ class _Worker:
 
     def at(self, x: float, cats: set | None, tid: int | None = None, only: bool = False) -> tuple | None:
         """The innermost span (of ``cats``) that contains ``x``: on thread ``tid`` (only
-        there with ``only``), else among the worker's spans that started last before it.
-        Each look goes back a bounded number of spans: linear in the trace."""
+        there with ``only``; found through the parents, however many spans came before),
+        else among the worker's spans that started last before it (a bounded look back)."""
         if tid in self.threads:
             found = _inner(*self.threads[tid], x, cats)
             if found is not None or only:
                 return found
         elif only:
             return None
-        return _inner(self.all_starts, self.all_items, x, cats, 4 * _SCAN)
+        return _scan(self.all_starts, self.all_items, x, cats, 4 * _SCAN)
+
+    def covering(self, tid: int, a: float, b: float, cats: set) -> list[tuple]:
+        """The spans of thread ``tid`` (of ``cats``) that overlap ``[a, b]``: those around
+        ``a`` (its enclosing chain) and those that start inside."""
+        starts, items, parents = self.threads[tid]
+        i = bisect_right(starts, a) - 1
+        out = []
+        j = i
+        while j >= 0:
+            if items[j][1] > a and items[j][3] in cats:
+                out.append(items[j])
+            j = parents[j]
+        for k in range(i + 1, bisect_left(starts, b)):
+            if items[k][3] in cats and items[k][1] > items[k][0]:
+                out.append(items[k])
+        return out
 
 
-def _inner(starts: list[float], items: list[tuple], x: float, cats: set | None,
-           scan: int = _SCAN) -> tuple | None:
-    """Going back from ``x`` by start, the first span that contains it started last: the innermost."""
+def _inner(starts: list[float], items: list[tuple], parents: list[int], x: float,
+           cats: set | None) -> tuple | None:
+    """The innermost span of one thread (of ``cats``) that contains ``x``: the last to
+    start before it, or one of its enclosing spans (spans of a thread nest)."""
+    j = bisect_right(starts, x) - 1
+    while j >= 0:
+        s = items[j]
+        if s[1] >= x and (cats is None or s[3] in cats):
+            return s
+        j = parents[j]
+    return None
+
+
+def _scan(starts: list[float], items: list[tuple], x: float, cats: set | None,
+          scan: int = _SCAN) -> tuple | None:
+    """Going back from ``x`` by start (at most ``scan`` spans, of any thread), the first
+    span that contains it."""
     i = bisect_right(starts, x) - 1
     for j in range(i, max(-1, i - scan), -1):
         s = items[j]
@@ -125,10 +164,10 @@ def critical_path(spans: dict[str, list[tuple]], messages: list[tuple], tracer: 
                 continue
         block = wk.stretch_before(t)
         if block is None:  # nothing of this worker's before: the rest of the step is a gap
-            path.append(_gap(wk, w, lo, t, tid))
+            path.extend(_gap(wk, w, lo, t, tid))
             break
         if block[1] < t:  # a gap after the stretch
-            path.append(_gap(wk, w, max(block[1], lo), t, tid))
+            path.extend(_gap(wk, w, max(block[1], lo), t, tid))
             t = block[1]
             continue
         a = max(block[0], lo)
@@ -182,34 +221,69 @@ def _busy(wk: _Worker, w: str, a: float, b: float, tid: int | None) -> list[tupl
     s = wk.at((a + b) / 2, BUSY, tid)
     if s is None:
         return [(w, a, b, "busy", "compute")]
-    starts, items = wk.threads[s[4]]
-    i = bisect_left(starts, b)
-    spans = [x for x in items[max(0, i - _SCAN):i] if x[1] > a and x[3] in BUSY]
+    spans = wk.covering(s[4], a, b, BUSY)
+    return _named(w, a, b, spans, lambda x: (x[2], _CATEGORY.get(x[3], "compute")),
+                  (s[2], _CATEGORY.get(s[3], "compute")))
+
+
+def _named(w: str, a: float, b: float, spans: list[tuple], name_of: Callable,
+           default: tuple[str, str]) -> list[tuple]:
+    """[a, b] cut where the innermost of ``spans`` changes, each piece named by
+    ``name_of(span)`` (``default`` where none covers it); latest first."""
     cuts = sorted({a, b, *(x[0] for x in spans if a < x[0] < b), *(x[1] for x in spans if a < x[1] < b)})
+    order = sorted(spans, key=lambda x: (x[0], -x[1]))
     out: list[tuple] = []
+    stack: list[tuple] = []   # the spans begun so far, the latest on top (a sweep: linear)
+    k = 0
     for lo, hi in zip(cuts, cuts[1:]):
         mid = (lo + hi) / 2
-        inner = max((x for x in spans if x[0] <= mid <= x[1]), key=lambda x: x[0], default=s)
-        name, cat = inner[2], _CATEGORY.get(inner[3], "compute")
-        if out and out[-1][3] == name and out[-1][2] == lo:
+        while k < len(order) and order[k][0] <= mid:
+            stack.append(order[k])
+            k += 1
+        while stack and stack[-1][1] < mid:   # ended: never the innermost again (mid grows)
+            stack.pop()
+        inner = stack[-1] if stack else None
+        name, cat = default if inner is None else name_of(inner)
+        if out and out[-1][3] == name and out[-1][4] == cat and out[-1][2] == lo:
             out[-1] = (w, out[-1][1], hi, name, cat)
         else:
             out.append((w, lo, hi, name, cat))
     return out[::-1]
 
 
-def _gap(wk: _Worker, w: str, a: float, b: float, tid: int | None) -> tuple:
+_NAMING = _WAITS | {"user", "user.wait"}
+
+
+def _gap(wk: _Worker, w: str, a: float, b: float, tid: int | None) -> list[tuple]:
+    """The gap [a, b] of ``w`` (no busy span) as steps, latest first: queueing before a
+    serve that starts at ``b``; else each stretch named by what covers it on its thread
+    (a wait, else the innermost user span, else untraced)."""
     i = bisect_left(wk.serve_starts, b - 1e-3)
     if i < len(wk.serve_starts) and abs(wk.serve_starts[i] - b) <= 1e-3:
-        return (w, a, b, f"queued on {w} before serving", "queueing")
+        return [(w, a, b, f"queued on {w} before serving", "queueing")]
+    if tid not in wk.threads:  # the thread of the work that follows the gap
+        nxt = wk.at(b + 1e-3, BUSY, None)
+        tid = nxt[4] if nxt is not None else None
+    untraced = (f"untraced on {w}", "untraced")
+    if tid in wk.threads:
+        spans = wk.covering(tid, a, b, _NAMING)
+        waits = [x for x in spans if x[3] in _WAITS]
+        users = [x for x in spans if x[3] not in _WAITS]
+        if spans:
+            # a wait names what it covers, whatever user span is around it
+            steps = _named(w, a, b, users, lambda x: (x[2], "user span"), untraced)[::-1]
+            out: list[tuple] = []
+            for st in steps:
+                out.extend(_named(w, st[1], st[2], waits, lambda x: (x[2], "waiting"), (st[3], st[4]))[::-1])
+            return out[::-1]
     mid = (a + b) / 2
     s = wk.at(mid, _WAITS, tid)
     if s is not None:
-        return (w, a, b, s[2], "waiting")
+        return [(w, a, b, s[2], "waiting")]
     s = wk.at(mid, {"user", "user.wait"}, tid)
     if s is not None:
-        return (w, a, b, s[2], "user span")
-    return (w, a, b, f"untraced on {w}", "untraced")
+        return [(w, a, b, s[2], "user span")]
+    return [(w, a, b, *untraced)]
 
 
 def split_gc(path: list[tuple], pauses: list[tuple[str, float, float]]) -> list[tuple]:

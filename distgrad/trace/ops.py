@@ -46,9 +46,15 @@ class OpsProfiler:
         self.start_s = 0.0  # what starting torch's profiler took (the first start in a process: seconds)
 
     def start(self) -> None:
-        """Start torch's profiler (timed: ``start_s``) and record the first clock markers."""
+        """Start torch's profiler (timed: ``start_s``) and record the first clock markers.
+
+        Raises ``RuntimeError`` (naming it) where another profiler is found in this
+        process (:func:`active_profiler`): starting ours would end it, or crash."""
         import time
         t0 = time.perf_counter()
+        busy = active_profiler()
+        if busy:
+            raise RuntimeError(f"distgrad.trace: torch's profiler not started: {busy}")
         import torch
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU]
@@ -88,8 +94,16 @@ class OpsProfiler:
 
 
 def active_profiler() -> str | None:
-    """What profiler already runs in this process (torch.profiler, the autograd
-    profiler, a distgrad trace's own), or None: a second one would end it."""
+    """What profiler already runs in this process, in any phase and on any thread, or
+    None: a second one would end it (or, under a schedule, crash the process).
+
+    Found: a profiling session torch has open (``torch.profiler.profile``, the
+    autograd profiler, a distgrad trace's own), and a ``torch.profiler.profile`` with a
+    ``schedule`` that was started and not stopped, even in its wait or warmup phase,
+    where torch has no session open yet: its next ``step()`` would start one under
+    ours, and torch 2.x ends that process with SIGSEGV. Those are found by a scan of
+    the objects the garbage collector tracks (about 0.1 s per million objects), done
+    only where ``profile_ops=True`` asks for a profiler."""
     try:
         import torch
         import torch.autograd.profiler as autograd_profiler
@@ -100,6 +114,29 @@ def active_profiler() -> str | None:
             return "a torch profiler is already active in this process"
     except (AttributeError, ImportError):
         pass
+    return _scheduled_profiler()
+
+
+def _scheduled_profiler() -> str | None:
+    """A started, not stopped, ``torch.profiler.profile`` with a schedule (see
+    :func:`active_profiler`), described, or None."""
+    try:
+        from torch.profiler import profile
+    except ImportError:
+        return None
+    import gc
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), profile):
+            continue
+        d = getattr(obj, "__dict__", {})
+        # profile.start() enters a "ProfilerStep#n" record_function when it has a
+        # schedule; stop() exits it and sets it to None
+        if d.get("record_steps") and d.get("step_rec_fn") is not None:
+            action = d.get("current_action")
+            phase = {"NONE": "wait", "WARMUP": "warmup", "RECORD": "active",
+                     "RECORD_AND_SAVE": "active"}.get(getattr(action, "name", ""), str(action))
+            return (f"a torch.profiler.profile with a schedule is started and not stopped in this "
+                    f"process (step {d.get('step_num', '?')}, {phase} phase)")
     return None
 
 

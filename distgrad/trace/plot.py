@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 
+from ..errors import DistgradError
 from ..safe_files import new_file
 from .summary import Summary, report, summarize
 
@@ -125,9 +126,13 @@ def draw(s: Summary, out: str, title: str) -> None:
     handles.append(plt.Line2D([], [], color="#c0392b", lw=0, marker="x", label="failed call"))
     fig.legend(handles=handles, loc="lower center", ncol=6, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.09, 1, 1))
-    with new_file(out) as f:   # never through a link (see safe_files)
-        fig.savefig(f, dpi=110, format=os.path.splitext(out)[1].lstrip(".").lower() or "png")
-    plt.close(fig)
+    try:
+        with new_file(out) as f:   # never through a link (see safe_files)
+            fig.savefig(f, dpi=110, format=os.path.splitext(out)[1].lstrip(".").lower() or "png")
+    except (OSError, DistgradError, ValueError) as e:  # the output (directory, file, format), not the trace
+        raise _WriteError(str(e)) from e
+    finally:
+        plt.close(fig)
 
 
 def _row_label(s: Summary, kind: str, w: str, tid: int | None) -> str:
@@ -185,17 +190,33 @@ def _failures(ax, s: Summary, ys: dict, ms) -> None:
                    zorder=4)
 
 
+class _WriteError(Exception):
+    """The image could not be written (its directory, its file)."""
+
+
 def main(args) -> int:
-    """The ``trace-plot`` subcommand."""
+    """The ``trace-plot`` subcommand: one line saying what is wrong, the trace (cannot
+    read it) or the output (cannot write it), instead of a traceback."""
     try:
-        text = plot(args.trace, args.output, args.title)
+        with open(args.trace) as f:
+            doc = json.load(f)
+        s = summarize(doc)
+        text = report(s)
+        draw(s, args.output, args.title or f"distgrad trace: {args.trace}")
     except ImportError:
         print("distgrad trace-plot needs matplotlib: pip install 'distgrad[demo]'")
         return 1
+    except _WriteError as e:
+        print(f"distgrad trace-plot: cannot write {args.output}: {_first(e.__cause__ or e)}")
+        return 1
     except Exception as e:  # noqa: BLE001 - one line on what is wrong with the file, no traceback
-        what = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"distgrad trace-plot: cannot read {args.trace} as a distgrad trace: {what}")
+        print(f"distgrad trace-plot: cannot read {args.trace} as a distgrad trace: {_first(e)}")
         return 1
     print(text)
     print(f"wrote {args.output}")
     return 0
+
+
+def _first(e: BaseException) -> str:
+    """The first line of an error's message (its type where it has none)."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -120,20 +120,27 @@ class Recorder:
         self._served_out = itertools.count()  # settle() waits for the two to agree
         self._handlers: dict[str, tuple[Callable, Callable]] = {}
         self._gc_t0 = 0
+        # native id -> name of each thread that made a span or a call (one entry per
+        # thread, set at its first): a thread that exits before the close keeps its name
+        self.thread_names: dict[int, str] = {}
 
     # -- recording ------------------------------------------------------------
     def span(self, name: str, cat: str, start_ns: int, args: dict | None = None) -> None:
         """A span of this thread from ``start_ns`` to now (``args``: its details, any values)."""
+        tid = threading.get_native_id()
+        if tid not in self.thread_names:
+            self.thread_names[tid] = threading.current_thread().name
         self._tick()
-        self._add((SPAN, threading.get_native_id(), start_ns, self._now(), name, cat, 0, 0,
-                   plain(args) if args else None))
+        self._add((SPAN, tid, start_ns, self._now(), name, cat, 0, 0, plain(args) if args else None))
 
     def instant(self, name: str, cat: str, args: dict | None = None) -> None:
         """An instant of this thread, now."""
         now = self._now()
+        tid = threading.get_native_id()
+        if tid not in self.thread_names:
+            self.thread_names[tid] = threading.current_thread().name
         self._tick()
-        self._add((INSTANT, threading.get_native_id(), now, now, name, cat, 0, 0,
-                   plain(args) if args else None))
+        self._add((INSTANT, tid, now, now, name, cat, 0, 0, plain(args) if args else None))
 
     @property
     def recorded(self) -> int:
@@ -196,8 +203,11 @@ class Recorder:
             return orig(dest, kind, payload_obj, what, timeout, sync, extra)
         finally:
             tls.what = None
+            tid = threading.get_native_id()
+            if tid not in self.thread_names:
+                self.thread_names[tid] = threading.current_thread().name
             self._tick()
-            self._add((CALL, threading.get_native_id(), t0, self._now(), what, dest.id, 0,
+            self._add((CALL, tid, t0, self._now(), what, dest.id, 0,
                        2 if kind == Kind.REMOTE else 1 if sync else 0, None))
 
     def _notify(self, to: Any, func: Callable, args: tuple = (), kwargs: dict | None = None) -> bool:
@@ -325,7 +335,7 @@ class Recorder:
         recorded = self.recorded
         n_kept = len(kept) // records.WIDTH
         names = {w.id: w.name for w in list(self.agent.workers.values())}
-        events, threads = records.decode(kept, self.rank, names)
+        events, threads = records.decode(kept, self.rank, names, self.thread_names)
         return {"rank": self.rank, "name": self.name, "pid": os.getpid(), "host": socket.gethostname(),
                 "events": events, "threads": threads, "started_ns": self.started_ns,
                 "stopped_ns": self.stopped_ns, "recorded": recorded, "dropped": recorded - n_kept,

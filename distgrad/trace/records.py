@@ -132,9 +132,11 @@ def _kind(kind: int) -> str:
         return f"kind {kind}"
 
 
-def decode(flat: list, rank: int, names: dict[int, str]) -> tuple[list[tuple], dict[int, str]]:
+def decode(flat: list, rank: int, names: dict[int, str],
+           thread_names: dict[int, str] | None = None) -> tuple[list[tuple], dict[int, str]]:
     """(events, thread names) of the records ``flat`` made on worker ``rank``;
-    ``names``: rank -> worker name."""
+    ``names``: rank -> worker name; ``thread_names``: native id -> the name a thread
+    had while recording (kept for threads that exited before the close)."""
     recs = [flat[i:i + WIDTH] for i in range(0, len(flat) - WIDTH + 1, WIDTH)]
     served: dict[tuple[int, int], str] = {}
     called: dict[int, str] = {}
@@ -173,7 +175,7 @@ def decode(flat: list, rank: int, names: dict[int, str]) -> tuple[list[tuple], d
             out.extend(_send(rank, tid, t0, t1, text, who(peer), peer, rid, n, extra, served))
         elif code == RECV:
             out.extend(_recv(rank, tid, t0, t1, text, who(peer), peer, rid, n, extra, served, called))
-    return out, _thread_names({r[1] for r in recs})
+    return out, _thread_names({r[1] for r in recs}, thread_names or {})
 
 
 def _send(rank, tid, t0, t1, what, to, peer, rid, nbytes, kind, served) -> list[tuple]:
@@ -216,6 +218,7 @@ def _recv(rank, tid, t0, t1, op, frm, peer, rid, nbytes, kind, served, called) -
              {"from": frm, "bytes": nbytes, "kind": "control"})]
 
 
-def _thread_names(tids: set) -> dict[int, str]:
+def _thread_names(tids: set, seen: dict[int, str]) -> dict[int, str]:
+    """Each thread's name: now (alive), else as seen while recording, else its id."""
     alive = {t.native_id: t.name for t in threading.enumerate()}
-    return {tid: alive.get(tid, f"thread {tid}") for tid in tids}
+    return {tid: alive.get(tid) or seen.get(tid) or f"thread {tid}" for tid in tids}

@@ -13,12 +13,14 @@ Example (on worker0; the other workers only run RPC as usual)::
     >>> open_trace("trace.json")
     >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
     >>> close_trace()
-    'trace.json'
+    '/home/me/trace.json'
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +47,9 @@ class Session:
 
 
 _open: dict[str, Session] = {}   # "session" -> the trace this worker opened (one at a time)
+# sessions whose open was abandoned (an interrupted start()): a _begin that arrives after
+# its _abort must not start recording a trace nobody will close (the last few kept)
+_aborted: collections.deque = collections.deque(maxlen=64)
 
 
 def _agent() -> Any:
@@ -60,6 +65,9 @@ def _begin(session: tuple, profile_ops: bool, by: str, max_events: int = DEFAULT
     """On every member: start recording for ``session`` (opened by worker ``by``)."""
     agent = _agent()
     with _lock:
+        if session in _aborted:
+            raise RuntimeError(f"distgrad.trace: worker {agent.name} was asked to start trace {session} "
+                               f"after its start was abandoned by {by}")
         old = recorder.ACTIVE
         if old is not None and old.session[0] in agent.lost:  # its tracer is gone: nobody will close it
             _stop_lost(old)
@@ -70,13 +78,13 @@ def _begin(session: tuple, profile_ops: bool, by: str, max_events: int = DEFAULT
         rec.ops = None
         rec.ops_note = None
         if profile_ops:
-            from .ops import OpsProfiler, active_profiler
-            busy = active_profiler()
-            if busy:  # never end someone else's profiling session: record without torch's ops
-                rec.ops_note = {"error": f"not recorded: {busy}"}
-            else:
-                rec.ops = OpsProfiler()
-                rec.ops.start()
+            from .ops import OpsProfiler
+            ops = OpsProfiler()
+            try:  # refused where a profiler of someone else's is found, in any phase
+                ops.start()
+                rec.ops = ops
+            except RuntimeError as e:  # never end or crash someone else's profiler: no ops
+                rec.ops_note = {"error": f"not recorded: {str(e).replace('distgrad.trace: ', '')}"}
         rec.on_tracer_lost = lambda: agent.callbacks.submit(_tracer_lost, session)
         rec.install()
         recorder.ACTIVE = rec
@@ -98,11 +106,7 @@ def _stop_lost(rec: Recorder) -> None:
     rec.uninstall()
     log.warning("distgrad.trace: worker %s stopped recording trace %s: %s; %d events dropped",
                 rec.name, rec.session, rec.stopped_why or "the tracing worker is lost", rec.recorded)
-    if rec.ops is not None:
-        try:
-            rec.ops.prof.stop()
-        except Exception:  # noqa: BLE001 - the profiler is ours: nothing else to stop
-            pass
+    _stop_ops(rec)
 
 
 def _end(session: tuple) -> dict:
@@ -135,17 +139,25 @@ def _now() -> int:
 
 
 def _abort(session: tuple) -> None:
-    """On a member: drop ``session``'s recording (an open that failed elsewhere)."""
+    """On a member: drop ``session``'s recording (an open that failed or was interrupted
+    elsewhere), and refuse its start if that has not arrived yet."""
     with _lock:
+        if session not in _aborted:
+            _aborted.append(session)
         rec = recorder.ACTIVE
         if rec is None or rec.session != session:
             return
         recorder.ACTIVE = None
         rec.uninstall()
+    _stop_ops(rec)
+
+
+def _stop_ops(rec: Recorder) -> None:
+    """Stop torch's profiler that ``rec`` started (its events dropped), if any."""
     if rec.ops is not None:
         try:
             rec.ops.prof.stop()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the profiler is ours: nothing else to stop
             pass
 
 
@@ -157,7 +169,6 @@ def _by_name(agent: Any, session: tuple) -> str:
 def open_trace(path: str, profile_ops: bool = False, timeout: float = 30.0,
                max_events: int = DEFAULT_MAX_EVENTS) -> Session:
     """Start recording on every member of the group (see :func:`distgrad.trace.start`)."""
-    from ..rpc import api
     from .export import check_path
     agent = _agent()
     if "session" in _open:
@@ -174,8 +185,42 @@ def open_trace(path: str, profile_ops: bool = False, timeout: float = 30.0,
                                "distgrad never ends another profiling session: trace with "
                                "profile_ops=False (torch's ops then go to your own profiler only), "
                                "or stop your profiler first")
+    path = os.path.abspath(path)  # a later os.chdir does not move the file
     session = (agent.rank, next(_ids))
     others = [w for w in agent.get_worker_infos() if w.id != agent.rank]
+    try:
+        return _open_on(agent, session, others, path, profile_ops, timeout, max_events)
+    except BaseException:
+        # Ctrl-C (or any error) while the members start: none may go on recording a trace
+        # nobody will close; those whose start has not run yet refuse it when it does
+        _abandon(agent, session, others, timeout)
+        raise
+
+
+def _abandon(agent: Any, session: tuple, others: list, timeout: float) -> None:
+    """Drop ``session`` here and on every other member (each answer bounded by ``timeout``,
+    at most 5 s)."""
+    from ..rpc import api
+    _abort(session)
+    futs = []
+    for w in others:
+        try:
+            futs.append((w, api.rpc_async(w, _abort, args=(session,), timeout=min(timeout, 5.0))))
+        except Exception as e:  # noqa: BLE001 - named below
+            log.warning("distgrad.trace: worker %s may still record abandoned trace %s: %s",
+                        w.name, session, e)
+    for w, fut in futs:  # each bounded by its RPC's timeout
+        try:
+            fut.wait()
+        except Exception as e:  # noqa: BLE001 - it stops when it finds this worker lost
+            log.warning("distgrad.trace: worker %s did not confirm dropping abandoned trace %s: %s",
+                        w.name, session, _first_line(e))
+
+
+def _open_on(agent: Any, session: tuple, others: list, path: str, profile_ops: bool, timeout: float,
+             max_events: int) -> Session:
+    """The rest of :func:`open_trace`: start every member, then here."""
+    from ..rpc import api
     futs = [(w, api.rpc_async(w, _begin, args=(session, profile_ops, agent.name, max_events),
                                         timeout=timeout))
             for w in others]
@@ -194,13 +239,13 @@ def open_trace(path: str, profile_ops: bool = False, timeout: float = 30.0,
             _begin(session, profile_ops, agent.name, max_events)
         except RuntimeError as e:
             refused.append(f"{agent.name}: {e}")
-    if refused:
-        for rank in members:
-            if rank != agent.rank:
-                _quiet(lambda r=rank: api.rpc_sync(r, _abort, args=(session,), timeout=timeout))
+    if refused:  # open_trace drops it on the members that started (_abandon)
         raise RuntimeError("distgrad.trace: cannot open a trace: " + "; ".join(refused))
     for name, why in missing.items():
         log.warning("distgrad.trace: worker %s is not traced (%s)", name, why)
+    for w in others:  # one that answers late must not record a trace that will not ask for it
+        if w.name in missing:
+            _quiet(lambda w=w: api.rpc_async(w, _abort, args=(session,), timeout=timeout))
     s = Session(session, str(path), profile_ops, timeout, int(max_events), members, missing)
     _open["session"] = s
     return s
@@ -233,6 +278,54 @@ def close_trace() -> str:
             payloads.pop(r)
     export.write(s.path, agent.rank, payloads, offsets, s)
     return s.path
+
+
+def close_at_shutdown(graceful: bool) -> None:
+    """``rpc.shutdown()`` on this worker with its trace still open (called first thing
+    by the shutdown): a graceful one closes the trace and writes its file, as
+    :func:`close_trace` would (the members still serve until every worker reached
+    shutdown), with a warning naming the path; ``graceful=False``, or a close that
+    fails, drops it with a warning naming the path that was not written."""
+    s = _open.get("session")
+    if s is None:
+        return
+    name = agent.name if (agent := _agent_or_none()) is not None else "?"
+    if graceful:
+        try:
+            close_trace()
+            log.warning("distgrad.trace: worker %s: rpc.shutdown() with a trace open: closed it and "
+                        "wrote %s (call distgrad.trace.stop() before shutdown)", name, s.path)
+            return
+        except Exception as e:  # noqa: BLE001 - the shutdown goes on; the trace is named
+            why = f"{type(e).__name__}: {_first_line(e)}"
+    else:
+        why = "rpc.shutdown(graceful=False) does not wait for the members"
+    _open.pop("session", None)
+    _abort(s.id)
+    log.warning("distgrad.trace: worker %s: rpc.shutdown() with a trace open: the trace to %s was "
+                "not written (%s)", name, s.path, why)
+
+
+def drop_at_shutdown() -> None:
+    """The end of ``rpc.shutdown()``: whatever this worker still records (a trace opened
+    by a worker that has not closed it) stops, its wrappers, gc hook and torch's
+    profiler removed, its events dropped with a warning."""
+    _open.pop("session", None)
+    with _lock:
+        rec = recorder.ACTIVE
+        if rec is None:
+            return
+        recorder.ACTIVE = None
+        rec.uninstall()
+    _stop_ops(rec)
+    log.warning("distgrad.trace: worker %s: rpc.shutdown() while recording trace %s (opened by rank %s, "
+                "not closed): stopped, %d events dropped", rec.name, rec.session, rec.session[0],
+                rec.recorded)
+
+
+def _agent_or_none() -> Any:
+    from ..rpc.pending import agent_or_none
+    return agent_or_none()
 
 
 def _quiet(fn: Any) -> None:

@@ -1,0 +1,267 @@
+"""The defects the independent audit of issue 36 found in ``distgrad.trace``
+(``audits/issue36/``), each on real workers: a user's scheduled torch profiler under
+``profile_ops`` (SIGSEGV), Ctrl-C in ``start()`` (members left recording), and
+``rpc.shutdown()`` with a trace open (the trace lost, the recorder left installed).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from mp_utils import free_port, run_workers, tmp_path_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _both():
+    import distgrad.rpc as rpc
+    rpc.api._barrier(["worker0", "worker1"])
+
+
+def _scheduled():
+    from torch.profiler import profile, schedule
+    got = {}
+    prof = profile(schedule=schedule(wait=1, warmup=1, active=1, repeat=1),
+                   on_trace_ready=lambda p: got.setdefault(
+                       "names", sorted({e.name for e in p.events() if e.name == "aten::mm"})))
+    return prof, got
+
+
+def _scheduled_profilers(rank, world_size, path):
+    """Each worker's user runs a scheduled torch profiler, in its wait phase when a
+    profile_ops trace opens."""
+    import distgrad
+    import distgrad.rpc as rpc
+    prof, got = _scheduled()
+    if rank == 0:
+        prof.start()
+        try:
+            distgrad.trace.start(path, profile_ops=True)
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        prof.stop()
+        _both()                       # worker1's profiler is started (wait phase)
+        with distgrad.trace(path, profile_ops=True):
+            rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+            _both()                   # worker1 steps its profiler through warmup and active
+            _both()
+        return refused
+    prof.start()
+    _both()
+    _both()
+    for _ in range(3):                # the trace is open here: torch's session starts under it
+        torch.mm(torch.ones(4, 4), torch.ones(4, 4))
+        prof.step()
+    _both()
+    prof.stop()
+    return got.get("names")
+
+
+def test_profile_ops_refuses_a_scheduled_profiler_in_its_wait_phase():
+    # audits/issue36/profile_ops_schedule_min.py: SIGSEGV at the stop
+    path = tmp_path_for("scheduled.json")
+    refused, member = run_workers(_scheduled_profilers, world_size=2, timeout=150, args=(path,))
+    assert refused is not None and "schedule" in refused and "wait phase" in refused, refused
+    assert "worker0" in refused, refused
+    with open(path) as f:
+        meta = json.load(f)["otherData"]["distgrad"]
+    ops1 = meta["ops"]["worker1"]
+    assert "not recorded" in ops1["error"] and "schedule" in ops1["error"], ops1
+    assert meta["ops"]["worker0"]["ops"] > 0, meta["ops"]
+    assert member == ["aten::mm"], member   # the user's own profile is whole
+
+
+# -- Ctrl-C while start() waits on the members ----------------------------------------------------
+def _hold(seconds):
+    import threading
+
+    from distgrad.trace import session
+
+    def hold():
+        with session._lock:     # the member's start waits for this (as for a slow profiler start)
+            time.sleep(seconds)
+    threading.Thread(target=hold, daemon=True).start()
+
+
+def _interrupted(rank, world_size, where):
+    import _thread
+    import threading
+
+    import distgrad
+    import distgrad.rpc as rpc
+    if rank != 0:
+        _both()
+        return None
+    out = {}
+    rpc.rpc_sync("worker1", _hold, args=(2.0,))
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    try:
+        distgrad.trace.start(os.path.join(where, "t.json"))
+        out["interrupted"] = False
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    time.sleep(2.0)             # the member's start has run (or been refused) by now
+    out["member"] = rpc.rpc_sync("worker1", distgrad.trace.is_tracing)
+    out["here"] = distgrad.trace.is_tracing()
+    with distgrad.trace(os.path.join(where, "again.json")):
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+    _both()
+    return out
+
+
+def test_ctrl_c_in_start_leaves_no_member_recording():
+    where = os.path.dirname(tmp_path_for("x"))
+    out = run_workers(_interrupted, world_size=2, timeout=90, args=(where,))[0]
+    assert out == {"interrupted": True, "member": False, "here": False}, out
+    assert os.path.exists(os.path.join(where, "again.json"))
+
+
+# -- rpc.shutdown() with a trace open -------------------------------------------------------------
+def _gc_hooks():
+    from distgrad.trace import recorder
+    return sum(1 for cb in gc.callbacks if type(getattr(cb, "__self__", None)) is recorder.Recorder)
+
+
+def _tracer_shutdown(where, port):
+    """worker0 opens a trace (a relative path, then os.chdir) and shuts RPC down in it."""
+    import distgrad
+    import distgrad.rpc as rpc
+    from distgrad.rpc.pending import agent_or_none
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=opts)
+    agent = agent_or_none()
+    os.chdir(where)
+    distgrad.trace.start("rel.json")          # relative: resolved at start
+    os.chdir(os.path.dirname(where))
+    rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+
+    def load():
+        with distgrad.trace.span("load"):
+            rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 2))
+    t = threading.Thread(target=load, name="loader")   # exits before the close
+    t.start()
+    t.join()
+    member = rpc.rpc_sync("worker1", distgrad.trace.is_tracing)
+    rpc.shutdown()
+    from distgrad.trace import recorder, session
+    return {"recording": distgrad.trace.is_tracing(), "active": recorder.ACTIVE is not None,
+            "session": "session" in session._open, "other_was": member,
+            "wrappers": sorted(k for k in ("send_request", "wait", "_serve", "on_message")
+                               if k in agent.__dict__), "gc_hooks": _gc_hooks()}
+
+
+def _run_shutdown(rank, world_size, where, port):
+    return _member_shutdown(where, port) if rank else _tracer_shutdown(where, port)
+
+
+def _member_shutdown(where, port):
+    import distgrad
+    import distgrad.rpc as rpc
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=opts)
+    time.sleep(1.0)
+    rpc.shutdown()
+    return {"recording": distgrad.trace.is_tracing(), "gc_hooks": _gc_hooks()}
+
+
+@pytest.fixture(scope="module")
+def shutdown_open():
+    where = os.path.dirname(tmp_path_for("x"))
+    return where, run_workers(_run_shutdown, world_size=2, timeout=90, args=(where, free_port()),
+                              init=False)
+
+
+def test_shutdown_with_a_trace_open_writes_it_and_uninstalls_everything(shutdown_open):
+    where, (tracer, member) = shutdown_open
+    assert tracer["other_was"] is True, tracer
+    assert (tracer["recording"], tracer["active"], tracer["session"]) == (False, False, False), tracer
+    assert tracer["wrappers"] == [] and tracer["gc_hooks"] == 0, tracer
+    assert member["recording"] is False and member["gc_hooks"] == 0, member
+    with open(os.path.join(where, "rel.json")) as f:
+        doc = json.load(f)
+    assert any(e.get("cat") == "rpc.serve" for e in doc["traceEvents"])
+    assert doc["otherData"]["distgrad"]["missing"] == {}
+
+
+def test_a_relative_trace_path_is_resolved_at_start(shutdown_open):
+    where, _ = shutdown_open
+    assert os.path.exists(os.path.join(where, "rel.json"))
+    assert not os.path.exists(os.path.join(os.path.dirname(where), "rel.json"))
+
+
+def _abrupt(rank, world_size, where, port):
+    """worker1 shuts down (graceful=False) while recording worker0's trace; then worker0
+    shuts down (graceful=False) with its trace open."""
+    import logging
+
+    import distgrad
+    import distgrad.rpc as rpc
+    from distgrad.rpc.pending import agent_or_none
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    agent = agent_or_none()
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda r: said.append(r.getMessage())
+    logging.getLogger("distgrad.trace.session").addHandler(handler)
+    if rank == 0:
+        distgrad.trace.start(os.path.join(where, "abrupt.json"))
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+    _both()
+    was = distgrad.trace.is_tracing()
+    if rank == 0:
+        deadline = time.monotonic() + 20
+        while 1 not in agent.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+    rpc.shutdown(graceful=False)
+    from distgrad.trace import recorder, session
+    return {"was": was, "recording": distgrad.trace.is_tracing(), "active": recorder.ACTIVE is not None,
+            "session": "session" in session._open, "gc_hooks": _gc_hooks(),
+            "wrappers": sorted(k for k in ("send_request", "wait", "_serve") if k in agent.__dict__),
+            "said": [m for m in said if "rpc.shutdown()" in m]}
+
+
+def test_an_abrupt_shutdown_drops_the_recording_and_names_the_trace_not_written():
+    where = os.path.dirname(tmp_path_for("x"))
+    tracer, member = run_workers(_abrupt, world_size=2, timeout=90, args=(where, free_port()),
+                                 init=False)
+    for out in (tracer, member):
+        assert out["was"] is True, out
+        assert (out["recording"], out["active"], out["session"]) == (False, False, False), out
+        assert out["gc_hooks"] == 0 and out["wrappers"] == [], out
+    path = os.path.join(where, "abrupt.json")
+    assert any(path in m and "not written" in m for m in tracer["said"]), tracer["said"]
+    assert any("worker1" in m and "dropped" in m for m in member["said"]), member["said"]
+    assert not os.path.exists(path)
+
+
+def test_an_exited_threads_track_keeps_its_name(shutdown_open):
+    where, _ = shutdown_open
+    with open(os.path.join(where, "rel.json")) as f:
+        doc = json.load(f)
+    span = next(e for e in doc["traceEvents"] if e.get("name") == "load")
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names[(span["pid"], span["tid"])] == "loader", names
+
+
+def test_trace_plot_says_it_cannot_write_the_output(capsys):
+    import argparse
+
+    from test_trace_analysis import _step
+
+    from distgrad.trace import plot
+    path = tmp_path_for("ok.json")
+    with open(path, "w") as f:
+        json.dump(_step(), f)
+    out = os.path.join(os.path.dirname(path), "no-such-dir", "step.png")
+    rc = plot.main(argparse.Namespace(trace=path, output=out, title=None))
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert rc == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"distgrad trace-plot: cannot write {out}: "), lines
