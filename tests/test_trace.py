@@ -173,9 +173,11 @@ def test_the_file_is_valid_trace_event_json(pipeline):
     assert set(doc) >= {"traceEvents", "otherData"}
     assert doc["traceEvents"], "no events"
     for e in doc["traceEvents"]:
-        assert e["ph"] in {"M", "X", "i", "s", "f"}, e
+        assert e["ph"] in {"M", "X", "i", "s", "f", "C"}, e
         assert isinstance(e["name"], str) and e["name"], e
-        assert isinstance(e["pid"], int) and isinstance(e["tid"], int), e
+        assert isinstance(e["pid"], int) and (e["ph"] == "C" or isinstance(e["tid"], int)), e
+        if e["ph"] == "C":   # a counter: one number per series
+            assert e["args"] and all(isinstance(v, (int, float)) for v in e["args"].values()), e
         if e["ph"] != "M":
             assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0, e
         if e["ph"] == "X":
@@ -194,6 +196,28 @@ def test_the_file_is_valid_trace_event_json(pipeline):
     for e in doc["traceEvents"]:
         if e["ph"] == "X":
             assert (e["pid"], e["tid"]) in named, f"no thread_name for the track of {e}"
+
+
+def test_counters_calls_in_flight_queue_depth_and_bytes_per_peer(pipeline):
+    """Issue 36, beyond torch.profiler: counter tracks derived from the recording."""
+    _, doc, calls = pipeline
+    names = _workers(doc)
+    series: dict = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "C":
+            series.setdefault((names[e["pid"]], e["name"]), []).append((e["ts"], *e["args"].values()))
+    flight = [v for _, v in sorted(series[("worker0", "calls in flight")])]
+    assert max(flight) >= 1 and flight[-1] == 0 and min(flight) >= 0, flight
+    # one rise per call the tracer made and saw answered (its own trace calls excluded)
+    assert sum(b > a for a, b in zip([0] + flight, flight)) == sum(calls.values()), (flight, calls)
+    for w in ("worker1", "worker2"):   # every request read was then served
+        waiting = [v for _, v in sorted(series[(w, "requests waiting")])]
+        assert max(waiting) >= 1 and waiting[-1] == 0 and min(waiting) >= 0, (w, waiting)
+        sent = series[("worker0", f"sent → {w} (MB/s)")]
+        assert max(v for _, v in sent) > 0 and sorted(sent)[-1][1] == 0, sent
+    for (w, name), pts in series.items():
+        ts = [t for t, _ in pts]
+        assert ts == sorted(ts) or name.startswith("sent"), (w, name)
 
 
 def test_every_rpc_of_the_step_appears_once_on_each_side_joined_by_its_flow(pipeline):

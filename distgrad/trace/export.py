@@ -13,6 +13,8 @@ Layout of the file::
 * ``s``/``f`` flow pairs sharing an ``id`` (``f`` with ``"bp": "e"``: it binds to
   the span that encloses it, the one that read the message): request -> arrival,
   reply -> arrival; only pairs whose two ends were both recorded;
+* per worker, counter tracks (``C``, :func:`counters`): calls in flight, requests
+  waiting to be served, bytes per second sent to each peer;
 * per worker, a "backward passes" track with one span per pass that reached it
   (first to last run of its share there); passes that overlap in time get a track
   each ("backward passes (2)", ...);
@@ -235,4 +237,77 @@ def _worker_events(rank: int, p: dict, us: Any) -> list[dict]:
                     "dur": round((end - start) / 1e3, 3), "args": {"pass": key}})
     for tid, name in threads.items():
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+    out.extend(counters(rank, p["events"], us))
+    return out
+
+
+_CALLS = ("call", "remote")           # request kinds a reply answers
+_SERVED = ("call", "remote", "notify")  # request kinds a worker serves
+RATE_BUCKETS = 100                    # a worker's bytes/s counter: its events' span in this many
+
+
+def counters(rank: int, events: list, us: Any) -> list[dict]:
+    """Worker ``rank``'s counter tracks (``"ph": "C"``), derived from its recorded
+    spans at the close, so they cost nothing while recording:
+
+    * ``calls in flight``: its calls sent and not yet answered (a reply or error read);
+    * ``requests waiting``: requests it read and has not begun to serve (queue depth);
+    * ``sent → PEER (MB/s)``: bytes it sent to each peer, per slice of the recording
+      (the span of its events in :data:`RATE_BUCKETS` slices, at least 100 µs each).
+
+    Example::
+
+        >>> [e["name"] for e in counters(0, [("X", "send f → w1", "rpc.send", 1, 0, 10,
+        ...     {"to": "w1", "bytes": 64, "kind": "call", "rid": 7})], lambda r, ns: ns / 1e3)]
+        ['calls in flight', 'sent → w1 (MB/s)', 'sent → w1 (MB/s)']
+    """
+    pid = track(rank)
+    flight: list[tuple[int, int]] = []
+    waiting: list[tuple[int, int]] = []
+    sent: dict[str, list[tuple[int, int]]] = {}
+    calls, queued = set(), set()
+    for e in events:
+        if e[0] != "X" or not isinstance(e[6], dict):
+            continue
+        cat, start, args = e[2], e[4], e[6]
+        kind = args.get("kind")
+        if cat == "rpc.send":
+            if kind in _CALLS:
+                calls.add(args.get("rid"))
+                flight.append((start, 1))
+            if isinstance(args.get("bytes"), int):
+                sent.setdefault(str(args.get("to", "?")), []).append((start, args["bytes"]))
+        elif cat == "rpc.recv":
+            if kind in ("reply", "error") and args.get("rid") in calls:
+                calls.discard(args.get("rid"))
+                flight.append((start, -1))
+            elif kind in _SERVED:
+                queued.add((args.get("from"), args.get("rid")))
+                waiting.append((start, 1))
+        elif cat == "rpc.serve" and (args.get("from"), args.get("rid")) in queued:
+            queued.discard((args.get("from"), args.get("rid")))
+            waiting.append((start, -1))
+    out: list[dict] = []
+    for name, key, deltas in (("calls in flight", "calls", flight),
+                              ("requests waiting", "requests", waiting)):
+        level = 0
+        for ns, d in sorted(deltas, key=lambda x: (x[0], -x[1])):
+            level += d
+            out.append({"ph": "C", "name": name, "pid": pid, "ts": us(rank, ns), "args": {key: level}})
+    stamps = [ns for per in sent.values() for ns, _ in per]
+    if stamps:
+        first, last = min(stamps), max(stamps)
+        width = max(100_000, (last - first) // RATE_BUCKETS + 1)   # ns
+        for peer, per in sorted(sent.items()):
+            buckets: dict[int, int] = {}
+            for ns, n in per:
+                b = (ns - first) // width
+                buckets[b] = buckets.get(b, 0) + n
+            name = f"sent → {peer} (MB/s)"
+            for b in range(max(buckets) + 2):   # a zero after the last slice ends the curve
+                rate = buckets.get(b, 0) / (width / 1e9) / 1e6
+                if b and rate == 0 and not buckets.get(b - 1):
+                    continue   # (idle slices: one zero is enough)
+                out.append({"ph": "C", "name": name, "pid": pid, "ts": us(rank, first + b * width),
+                            "args": {"MB/s": round(rate, 3)}})
     return out
