@@ -17,6 +17,9 @@ Example (on worker0, with RPC initialized on every worker)::
     ...         y = rpc.rpc_sync("worker1", torch.matmul, args=(a, b))
     >>> # or: distgrad.trace.start("step.json"); ...; distgrad.trace.stop()
 
+For chosen steps of a long job, :func:`schedule` opens and closes traces as
+``torch.profiler.schedule`` does (wait, warmup, active, repeat), with a span per step.
+
 Nothing here costs anything while no trace is open: the recorder's wrappers sit
 on the agent only while one is (:mod:`.recorder`).
 """
@@ -32,8 +35,9 @@ from typing import Any
 
 from . import recorder
 from .clock import local_ns
+from .schedule import Schedule, schedule
 
-__all__ = ["start", "stop", "span", "is_tracing"]
+__all__ = ["start", "stop", "span", "is_tracing", "schedule", "Schedule"]
 
 
 def start(path: str, profile_ops: bool = False, timeout: float = 30.0,

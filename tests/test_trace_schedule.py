@@ -1,0 +1,71 @@
+"""``distgrad.trace.schedule``: traces of chosen steps of a long job, as
+``torch.profiler.schedule`` (issue 36, beyond torch.profiler). Two spawned workers;
+worker0 makes one call per step and lets the schedule open and close the traces."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from mp_utils import run_workers, tmp_path_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _steps(rank, world_size, pattern):
+    import distgrad
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    tracing, ready = [], []
+    with distgrad.trace.schedule(pattern, wait=2, warmup=1, active=2, repeat=2,
+                                 on_trace_ready=ready.append) as sched:
+        for i in range(12):
+            tracing.append(distgrad.trace.is_tracing())
+            rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), i))
+            sched.step()
+    # repeat=0 and a job that ends inside an active cycle: close() writes it
+    tail = distgrad.trace.schedule(pattern.replace("{n}", "tail"), active=5, repeat=0)
+    for i in range(2):
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), i))
+        tail.step()
+    tail.close()
+    bad = []
+    for kw in ({"active": 0}, {"wait": -1}, {"repeat": 1.5}):
+        try:
+            distgrad.trace.schedule(pattern, **kw)
+        except ValueError as e:
+            bad.append(str(e))
+    return {"tracing": tracing, "written": sched.written, "ready": ready, "tail": tail.written,
+            "bad": bad, "open_after": distgrad.trace.is_tracing()}
+
+
+def _names(path, cat):
+    with open(path) as f:
+        doc = json.load(f)
+    return [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == cat]
+
+
+def test_a_schedule_traces_the_steps_it_names_and_nothing_else():
+    pattern = tmp_path_for("sched_{n}.json")
+    out = run_workers(_steps, world_size=2, timeout=100, args=(pattern,))[0]
+    # steps 0,1 wait; 2 warmup; 3,4 active; 5,6 wait; 7 warmup; 8,9 active; then none
+    assert out["tracing"] == [False, False, True, True, True, False, False, True, True, True,
+                              False, False], out
+    assert out["written"] == [pattern.replace("{n}", "0"), pattern.replace("{n}", "1")], out
+    assert out["ready"] == out["written"] and out["open_after"] is False, out
+    for path, steps in zip(out["written"], ([2, 3, 4], [7, 8, 9])):
+        spans = sorted(_names(path, "step"), key=lambda e: e["ts"])
+        assert [e["name"] for e in spans] == [f"step {steps[0]} (warmup)", f"step {steps[1]}",
+                                              f"step {steps[2]}"], spans
+        assert [e["args"]["phase"] for e in spans] == ["warmup", "active", "active"]
+        for a, b in zip(spans, spans[1:]):   # one after the other, on the caller's thread
+            assert a["ts"] + a["dur"] <= b["ts"] + 1 and a["tid"] == b["tid"]
+        # each traced step's call is in the file, and no other step's
+        sends = [e for e in _names(path, "rpc.send") if e["args"]["kind"] == "call"
+                 and e["args"].get("function", "").endswith("add")]
+        assert len(sends) == 3, [e["name"] for e in sends]
+    # (no {n} and repeat other than 1: numbered before the extension)
+    assert out["tail"] == [pattern.replace("{n}", "tail.0")] and os.path.exists(out["tail"][0])
+    assert len(out["bad"]) == 3 and "active must be at least 1" in out["bad"][0], out["bad"]
