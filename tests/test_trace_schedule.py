@@ -69,3 +69,41 @@ def test_a_schedule_traces_the_steps_it_names_and_nothing_else():
     # (no {n} and repeat other than 1: numbered before the extension)
     assert out["tail"] == [pattern.replace("{n}", "tail.0")] and os.path.exists(out["tail"][0])
     assert len(out["bad"]) == 3 and "active must be at least 1" in out["bad"][0], out["bad"]
+
+
+def _on_signal(rank, world_size, directory):
+    import signal
+    import time
+
+    import distgrad
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    distgrad.trace.on_signal(os.path.join(directory, "job-{pid}-{time}.json"), seconds=1.0)
+    calls, end = 0, None
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30:
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        calls += 1
+        if calls == 20:
+            os.kill(os.getpid(), signal.SIGUSR1)   # as `kill -USR1 <pid>` from a shell
+            os.kill(os.getpid(), signal.SIGUSR1)   # a second one while capturing: ignored
+            end = time.monotonic() + 3
+        if end is not None and time.monotonic() > end and not distgrad.trace.is_tracing():
+            break
+    return {"files": sorted(os.listdir(directory)), "calls": calls}
+
+
+def test_a_signal_records_the_running_job_for_the_seconds_asked(tmp_path):
+    out = run_workers(_on_signal, world_size=2, timeout=100, args=(str(tmp_path),))[0]
+    assert len(out["files"]) == 1 and out["files"][0].startswith("job-"), out
+    path = os.path.join(str(tmp_path), out["files"][0])
+    with open(path) as f:
+        doc = json.load(f)
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"worker0", "worker1"}, names
+    calls = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "rpc.serve"
+             and e["args"].get("function", "").endswith("add")]
+    assert 0 < len(calls) < out["calls"], (len(calls), out)   # the window, not the whole job
+    w = doc["otherData"]["distgrad"]["window_us"]
+    assert 0.9e6 <= w[1] - w[0] <= 10e6, w

@@ -18,7 +18,8 @@ Example (on worker0, with RPC initialized on every worker)::
     >>> # or: distgrad.trace.start("step.json"); ...; distgrad.trace.stop()
 
 For chosen steps of a long job, :func:`schedule` opens and closes traces as
-``torch.profiler.schedule`` does (wait, warmup, active, repeat), with a span per step.
+``torch.profiler.schedule`` does (wait, warmup, active, repeat), with a span per step;
+:func:`on_signal` lets a running job be traced on demand (``kill -USR1 <pid>``).
 
 Nothing here costs anything while no trace is open: the recorder's wrappers sit
 on the agent only while one is (:mod:`.recorder`).
@@ -34,10 +35,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import recorder
+from .attach import on_signal
 from .clock import local_ns
 from .schedule import Schedule, schedule
 
-__all__ = ["start", "stop", "span", "is_tracing", "schedule", "Schedule"]
+__all__ = ["start", "stop", "span", "is_tracing", "schedule", "Schedule", "on_signal"]
 
 
 def start(path: str, profile_ops: bool = False, timeout: float = 30.0,
