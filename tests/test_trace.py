@@ -220,6 +220,16 @@ def test_counters_calls_in_flight_queue_depth_and_bytes_per_peer(pipeline):
         assert ts == sorted(ts) or name.startswith("sent"), (w, name)
 
 
+def test_a_served_request_names_its_tensors(pipeline):
+    """Issue 36, beyond torch.profiler: payload detail (dtype and shape per tensor)."""
+    _, doc, _ = pipeline
+    fwd = [e for e in _spans(doc, "rpc.serve", "worker1") if e["args"]["function"].endswith("_forward")]
+    assert fwd and all(e["args"]["tensors"] == ["float32[8, 4]"] for e in fwd), fwd
+    for e in _spans(doc, "rpc.serve"):
+        for t in e["args"].get("tensors", []):
+            assert "[" in t and t.split("[")[0] in {"float32", "float64", "int64", "bool"}, e
+
+
 def test_every_rpc_of_the_step_appears_once_on_each_side_joined_by_its_flow(pipeline):
     _, doc, calls = pipeline
     names = _workers(doc)

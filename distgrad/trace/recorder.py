@@ -92,6 +92,21 @@ def _nbytes(frames: Any) -> int:
     return n
 
 
+MAX_TENSORS = 8   # the tensors of a served request named in its span (the rest counted)
+
+
+def _tensors(specs: Any) -> tuple | None:
+    """``("float32[8, 4]", ...)``: the dtype and shape of each tensor a request carried
+    (its wire specs: nothing is looked at that was not already decoded)."""
+    if not specs:
+        return None
+    try:
+        out = tuple(f"{str(s[0]).removeprefix('torch.')}{list(s[1])}" for s in specs[:MAX_TENSORS])
+    except Exception:  # noqa: BLE001 - a spec this does not know: the span goes without
+        return None
+    return out + (f"+{len(specs) - MAX_TENSORS} more",) if len(specs) > MAX_TENSORS else out
+
+
 def _value(counter: Any) -> int:
     """The next value of an ``itertools.count`` without taking it."""
     return counter.__reduce__()[1][0]
@@ -281,7 +296,7 @@ class Recorder:
         finally:
             self._tick()
             self._add((SERVE, threading.get_native_id(), t0, self._now(), what, peer, msg.rid,
-                       int(msg.kind), None))
+                       int(msg.kind), _tensors(msg.specs)))
             next(self._served_out)
 
     def _wait(self, p: Any) -> Any:

@@ -169,8 +169,10 @@ def decode(flat: list, rank: int, names: dict[int, str],
                             {"from": frm, "function": text}))
         elif code == SERVE:
             frm = who(peer)
-            out.append(("X", f"serve {short(text)} ← {frm}", "rpc.serve", tid, t0, t1,
-                        {"from": frm, "function": text, "rid": rid}))
+            args = {"from": frm, "function": text, "rid": rid}
+            if extra:   # the request's tensors: dtype[shape], in order
+                args["tensors"] = list(extra)
+            out.append(("X", f"serve {short(text)} ← {frm}", "rpc.serve", tid, t0, t1, args))
         elif code == SEND:
             out.extend(_send(rank, tid, t0, t1, text, who(peer), peer, rid, n, extra, served))
         elif code == RECV:
