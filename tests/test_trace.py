@@ -96,6 +96,26 @@ def _ops(rank, world_size, path):
     return None
 
 
+def _shapes(rank, world_size, path):
+    import distgrad
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    try:
+        distgrad.trace.start(path, profile_ops="yes")
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    w = torch.randn(16, 16, requires_grad=True)
+    with distgrad.trace(path, profile_ops="shapes"):
+        with dist_autograd.context() as cid:
+            h = torch.mm(torch.randn(8, 16), w).relu()
+            y = rpc.rpc_sync("worker1", torch.matmul, args=(h, torch.randn(16, 4)))
+            dist_autograd.backward(cid, [y.sum()])
+    return bad
+
+
 def _dies(rank, world_size, path):
     import distgrad
     import distgrad.rpc as rpc
@@ -367,6 +387,28 @@ def test_profile_ops_puts_a_remote_matmul_inside_its_served_span():
     assert doc["otherData"]["distgrad"]["ops"]["worker1"]["marker_error_us"] < 50
     for w in ("worker0", "worker1"):  # what starting torch's profiler cost, said in the file
         assert 0 < doc["otherData"]["distgrad"]["ops"][w]["start_s"] < 60, doc["otherData"]["distgrad"]["ops"]
+
+
+def test_profile_ops_shapes_records_input_dims_and_forward_backward_links():
+    """Issue 36, beyond torch.profiler: torch's record_shapes and its links from a
+    forward op to the backward node it made, on the distgrad timeline."""
+    path = tmp_path_for("shapes.json")
+    bad = run_workers(_shapes, world_size=2, timeout=150, args=(path,))[0]
+    assert bad is not None and "profile_ops must be False, True or 'shapes'" in bad, bad
+    with open(path) as f:
+        doc = json.load(f)
+    mms = [e for e in _spans(doc, "op", "worker1") if e["name"] == "aten::matmul"]
+    assert any(e["args"].get("input_dims") == [[8, 16], [16, 4]] for e in mms), mms
+    mm0 = [e for e in _spans(doc, "op", "worker0") if e["name"] == "aten::mm"]
+    assert any(e["args"].get("input_dims") == [[8, 16], [16, 16]] for e in mm0), mm0
+    links = [e for e in doc["traceEvents"] if e.get("cat") == "fwdbwd"]
+    assert links and Counter(e["ph"] for e in links)["s"] == Counter(e["ph"] for e in links)["f"]
+    ends = {}
+    for e in links:
+        ends.setdefault(e["id"], {})[e["ph"]] = e
+    for pair in ends.values():   # forward first, then its backward, on one worker
+        assert pair["s"]["ts"] <= pair["f"]["ts"] and pair["s"]["pid"] == pair["f"]["pid"], pair
+    assert doc["otherData"]["distgrad"]["profile_ops"] == "shapes"
 
 
 def test_a_worker_dying_mid_trace_does_not_hang_the_close():

@@ -50,7 +50,9 @@ def start(path: str, profile_ops: bool = False, timeout: float = 30.0,
     ``path`` is checked now (its directory must exist and be writable) and made
     absolute; the file is written atomically at the close. ``profile_ops=True`` also
     runs ``torch.profiler.profile`` on each worker for the window (every thread), its
-    events merged on the same clock; it is refused while a torch profiler is active
+    events merged on the same clock, with torch's links from each forward op to the
+    backward node it made; ``profile_ops="shapes"`` adds its ``record_shapes`` (each
+    op's input dims and types, at its cost); it is refused while a torch profiler is active
     here, or a ``torch.profiler.profile`` with a schedule is started and not stopped
     (in any phase: a worker whose user profiles itself records without torch's ops;
     a profiler of someone else's is never ended). An exception while this waits on

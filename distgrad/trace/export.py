@@ -12,7 +12,8 @@ Layout of the file::
   tracing worker's clock), ``i`` instants;
 * ``s``/``f`` flow pairs sharing an ``id`` (``f`` with ``"bp": "e"``: it binds to
   the span that encloses it, the one that read the message): request -> arrival,
-  reply -> arrival; only pairs whose two ends were both recorded;
+  reply -> arrival; only pairs whose two ends were both recorded; with
+  ``profile_ops``, torch's ``fwdbwd`` links from a forward op to its backward node;
 * per worker, counter tracks (``C``, :func:`counters`): calls in flight, requests
   waiting to be served, bytes per second sent to each peer;
 * per worker, a "backward passes" track with one span per pass that reached it
@@ -96,6 +97,7 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
     events: list[dict] = []
     for rank, p in sorted(payloads.items()):
         events.extend(_worker_events(rank, p, us))
+        events.extend(_fwd_bwd_flows(rank, p, us))
     unmatched = 0
     for fid, (s, f) in ends.items():
         if s is None or f is None:
@@ -130,6 +132,26 @@ def build(tracer: int, payloads: dict[int, dict], offsets: dict[int, Offset], se
 
 
 _CONTROL_FLOWS = 1 << 52   # ids of control messages' flows (request flows stay below: rank < 2047)
+_FWD_BWD_FLOWS = 3 << 51   # torch's forward-to-backward links (above the control flows' few)
+
+
+def _fwd_bwd_flows(rank: int, p: dict, us: Any) -> list[dict]:
+    """torch's links from a forward op to the backward node it made (``profile_ops``),
+    as flows (cat ``fwdbwd``) on worker ``rank``'s track, inside the tracing window."""
+    lo, hi = p.get("_window_ns", (None, None))
+    out = []
+    for e in p["events"]:
+        if e[0] != "L":
+            continue
+        _, i, (stid, sns), (ftid, fns) = e
+        if lo is not None and (sns < lo or fns > hi):
+            continue
+        fid = _FWD_BWD_FLOWS | ((rank + 1) << 32) | i
+        out.append({"ph": "s", "id": fid, "cat": "fwdbwd", "name": "fwdbwd", "pid": track(rank),
+                    "tid": stid, "ts": us(rank, sns)})
+        out.append({"ph": "f", "id": fid, "cat": "fwdbwd", "name": "fwdbwd", "pid": track(rank),
+                    "tid": ftid, "ts": us(rank, fns), "bp": "e"})
+    return out
 
 
 def _control_flows(payloads: dict[int, dict], align: dict[int, int]) -> dict[int, list]:
@@ -173,6 +195,7 @@ def _clip_ops(tracer: int, payloads: dict[int, dict], align: dict[int, int]) -> 
     for r, p in payloads.items():
         keep = [e for e in p["events"] if not (e[0] == "X" and e[2] == "op"
                                                and (e[5] - align[r] < lo or e[4] - align[r] > hi))]
+        p = dict(p, _window_ns=(lo + align[r], hi + align[r]))   # (this worker's clock)
         if len(keep) != len(p["events"]):
             ops = dict(p.get("ops") or {}, outside_window=len(p["events"]) - len(keep))
             p = dict(p, events=keep, ops=ops)
@@ -186,7 +209,8 @@ def _window(p: dict, rank: int, us: Any) -> list[float]:
 
 
 def _first(p: dict) -> int | None:
-    return min((e[3] if e[0] in ("s", "f") else e[4] for e in p["events"]), default=None)
+    return min((e[3] if e[0] in ("s", "f") else e[4] for e in p["events"] if e[0] != "L"),
+               default=None)
 
 
 def _flow_ends(payloads: dict[int, dict]) -> dict[int, list]:

@@ -39,7 +39,8 @@ _SKIP_CATS = {"ac2g", "Trace", "python_function"}
 class OpsProfiler:
     """torch.profiler.profile over all threads, with clock markers around it."""
 
-    def __init__(self) -> None:
+    def __init__(self, shapes: bool = False) -> None:
+        self.shapes = shapes   # torch's record_shapes: each op's input dims and types
         self.prof: Any = None
         self.marks: list[tuple[int, int]] = []
         self.all_threads = False
@@ -62,8 +63,8 @@ class OpsProfiler:
             activities.append(ProfilerActivity.CUDA)
         config = _all_threads_config()
         self.all_threads = config is not None
-        self.prof = profile(activities=activities, experimental_config=config) if config is not None \
-            else profile(activities=activities)
+        kw = {"experimental_config": config} if config is not None else {}
+        self.prof = profile(activities=activities, record_shapes=self.shapes, **kw)
         self.prof.start()
         self.start_s = time.perf_counter() - t0
         self._mark()
@@ -175,5 +176,32 @@ def convert(raw: dict, marks: list[tuple[int, int]], all_threads: bool = True) -
         if not isinstance(tid, int) or e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             tid = _DEVICE_TID + (tid if isinstance(tid, int) else 0)
         args = {"torch_cat": e.get("cat", "")}
+        targs = e.get("args") if isinstance(e.get("args"), dict) else {}
+        for theirs, ours in _KEPT_ARGS:   # record_shapes's, and the forward-backward link
+            if theirs in targs:
+                args[ours] = targs[theirs]
         out.append(("X", e.get("name", "?"), "op", tid, start, end, args))
-    return out, {"ops": len(out), "marker_error_us": round(err / 1e3, 3), "all_threads": all_threads}
+    links = _fwd_bwd(raw, offset)
+    out.extend(links)
+    return out, {"ops": len(out) - len(links), "marker_error_us": round(err / 1e3, 3),
+                 "all_threads": all_threads, "fwd_bwd_links": len(links)}
+
+
+_KEPT_ARGS = (("Input Dims", "input_dims"), ("Input type", "input_types"),
+              ("Sequence number", "seq"))
+
+
+def _fwd_bwd(raw: dict, offset: float) -> list[tuple]:
+    """torch's forward-to-backward links (its ``fwdbwd`` flows: from a forward op to the
+    backward node it made) as ``("L", id, (tid, ns), (tid, ns))`` on this worker's clock;
+    pairs only."""
+    ends: dict[Any, dict[str, tuple]] = {}
+    for e in raw.get("traceEvents", []):
+        if e.get("cat") == "fwdbwd" and e.get("ph") in ("s", "f") and isinstance(e.get("tid"), int):
+            try:
+                ns = int(float(e["ts"]) * 1e3 + offset)
+            except (KeyError, TypeError, ValueError):
+                continue
+            ends.setdefault(e.get("id"), {})[e["ph"]] = (e["tid"], ns)
+    return [("L", i, d["s"], d["f"]) for i, d in ends.items()
+            if "s" in d and "f" in d and isinstance(i, int) and 0 <= i < 1 << 32]

@@ -79,7 +79,7 @@ def _begin(session: tuple, profile_ops: bool, by: str, max_events: int = DEFAULT
         rec.ops_note = None
         if profile_ops:
             from .ops import OpsProfiler
-            ops = OpsProfiler()
+            ops = OpsProfiler(shapes=profile_ops == "shapes")
             try:  # refused where a profiler of someone else's is found, in any phase
                 ops.start()
                 rec.ops = ops
@@ -175,6 +175,9 @@ def open_trace(path: str, profile_ops: bool = False, timeout: float = 30.0,
         raise RuntimeError(f"distgrad.trace: worker {agent.name} already has a trace open "
                            f"(to {_open['session'].path}); stop it first")
     check_path(path)
+    if profile_ops not in (False, True, "shapes"):
+        raise ValueError(f"distgrad.trace: profile_ops must be False, True or 'shapes', "
+                         f"not {profile_ops!r}")
     if int(max_events) < 1:
         raise ValueError(f"distgrad.trace: max_events must be at least 1, not {max_events}")
     if profile_ops:
