@@ -95,16 +95,17 @@ def _nbytes(frames: Any) -> int:
 MAX_TENSORS = 8   # the tensors of a served request named in its span (the rest counted)
 
 
-def _tensors(specs: Any) -> tuple | None:
-    """``("float32[8, 4]", ...)``: the dtype and shape of each tensor a request carried
-    (its wire specs: nothing is looked at that was not already decoded)."""
+def _tensors(specs: Any) -> str | None:
+    """``"float32[8, 4]; int64[3]"``: the dtype and shape of each tensor a request carried
+    (its wire specs: nothing is looked at that was not already decoded). One string, not
+    a container: a record holds no object the garbage collector tracks."""
     if not specs:
         return None
     try:
-        out = tuple(f"{str(s[0]).removeprefix('torch.')}{list(s[1])}" for s in specs[:MAX_TENSORS])
+        out = "; ".join([f"{str(s[0]).removeprefix('torch.')}{list(s[1])}" for s in specs[:MAX_TENSORS]])
     except Exception:  # noqa: BLE001 - a spec this does not know: the span goes without
         return None
-    return out + (f"+{len(specs) - MAX_TENSORS} more",) if len(specs) > MAX_TENSORS else out
+    return f"{out}; +{len(specs) - MAX_TENSORS} more" if len(specs) > MAX_TENSORS else out
 
 
 def _value(counter: Any) -> int:

@@ -171,7 +171,7 @@ def decode(flat: list, rank: int, names: dict[int, str],
             frm = who(peer)
             args = {"from": frm, "function": text, "rid": rid}
             if extra:   # the request's tensors: dtype[shape], in order
-                args["tensors"] = list(extra)
+                args["tensors"] = extra.split("; ")
             out.append(("X", f"serve {short(text)} ← {frm}", "rpc.serve", tid, t0, t1, args))
         elif code == SEND:
             out.extend(_send(rank, tid, t0, t1, text, who(peer), peer, rid, n, extra, served))
