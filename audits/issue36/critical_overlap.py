@@ -84,6 +84,28 @@ for st in steps(s):
 ok = abs(named.get("step", 0) - 500) < 1 and abs(named.get("wait f ← w1", 0) - 500) < 1
 check("a span half waiting, half computing", ok, {k: round(v, 1) for k, v in named.items()})
 
+# 1d: the calling thread 7 sleeps in "step" 0..1000 (last call 990..1000) while a loader
+# thread 8 makes 2,000 tiny user spans: the gap is named "step", not a loader span
+ev = meta(1, "w0") + [X(1, 7, 0, 1000, "step", "user"), X(1, 7, 990, 10, "rpc_sync g → w0", "rpc.call")]
+ev += [X(1, 8, 0.49 * k, 0.2, f"load {k}", "user") for k in range(2000)]
+s = summarize(doc(ev, 1000))
+named = {}
+for st in steps(s):
+    named[st[3]] = named.get(st[3], 0) + (st[2] - st[1])
+check("2,000 spans of a loader thread during the caller's sleep", abs(named.get("step", 0) - 990) < 1,
+      {k: round(v, 1) for k, v in named.items() if not k.startswith("load")} | {"load*": round(sum(v for k, v in named.items() if k.startswith("load")), 1)})
+
+# 1f: a wait inside "step" while 2,000 spans start on 50 other threads
+ev = meta(1, "w0") + [X(1, 7, 0, 1000, "step", "user"), X(1, 7, 100, 880, "wait f ← w1", "rpc.wait"),
+                      X(1, 7, 990, 10, "rpc_sync g → w0", "rpc.call")]
+ev += [X(1, 8 + k % 50, 100 + 0.4 * k, 0.2, f"load {k}", "user") for k in range(2000)]
+s = summarize(doc(ev, 1000))
+named = {}
+for st in steps(s):
+    named[st[3]] = named.get(st[3], 0) + (st[2] - st[1])
+check("a wait inside a span, 2,000 spans on 50 other threads", abs(named.get("wait f ← w1", 0) - 880) < 1
+      and abs(named.get("step", 0) - 110) < 1, {k: round(v, 1) for k, v in named.items() if not k.startswith("load")})
+
 
 def timed(name, ev, t1, limit=10.0):
     t0 = time.perf_counter()

@@ -10,6 +10,9 @@ Cases:
                 through its active phase, with on_trace_ready, on the tracer
   thread_after  trace open, then a plain profile start()/stop() on another thread
   member_sched  trace open, then a scheduled profile stepped on worker1 (a member)
+  legacy_after  trace open, then `with torch.autograd.profiler.profile():` on the tracer
+  open_at_stop  trace open, a plain profile started on the tracer and still running when
+                the trace's stop() runs, stopped after it
   sched_done    a scheduled profile that ran and stopped before the trace: profile_ops allowed
   nested_user   user's plain profile around a trace with profile_ops (refused, user's kept)
 torch's own behaviour for a plain profile started under another (all-threads) one: the
@@ -21,7 +24,8 @@ import json, os, subprocess, sys, tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-CASES = ["cm_after", "sched_after", "thread_after", "member_sched", "sched_done", "nested_user"]
+CASES = ["cm_after", "sched_after", "thread_after", "member_sched", "legacy_after", "open_at_stop", "sched_done",
+         "nested_user"]
 
 
 def _user_sched(steps=6):
@@ -85,6 +89,23 @@ def _run(rank, world_size, where, case):
                     box["error"] = f"{type(e).__name__}: {str(e)[:150]}"
             t = threading.Thread(target=th); t.start(); t.join()
             out["user"] = box
+        elif case == "legacy_after":
+            with torch.autograd.profiler.profile() as up:
+                torch.ones(3) + 1
+            out["user"] = {"events": len(up.function_events)}
+        elif case == "open_at_stop":
+            up = profile(); up.start(); torch.ones(3) + 1
+            try:
+                distgrad.trace.stop()
+                out["stop"] = "ok"
+            except Exception as e:  # noqa: BLE001
+                out["stop"] = f"{type(e).__name__}: {str(e)[:150]}"
+            try:
+                torch.ones(3) * 2; up.stop(); out["user"] = {"events": len(up.events())}
+            except Exception as e:  # noqa: BLE001
+                out["user"] = {"error": f"{type(e).__name__}: {str(e)[:150]}"}
+            rpc.api._barrier(["worker0", "worker1"])
+            return out
         elif case == "member_sched":
             out["user"] = rpc.rpc_sync("worker1", _user_sched, args=(6,))
     except Exception as e:  # noqa: BLE001
@@ -134,6 +155,8 @@ if __name__ == "__main__":
             ok = res.get("user_events", 0) > 0 and res.get("start") != "opened"
         else:
             ok = ok and res.get("stop") == "ok" and "user_exc" not in res
+            if case == "open_at_stop":   # the trace's stop must not end the user's session
+                ok = ok and (res.get("user") or {}).get("events", 0) > 0
         bad += not ok
         print(f"{'PASS' if ok else 'FAIL'} {case}: {json.dumps(res, default=str)[:700]}", flush=True)
     print("summary:", "FAIL" if bad else "PASS")
