@@ -195,7 +195,7 @@ def test_the_file_is_valid_trace_event_json(pipeline):
     for e in doc["traceEvents"]:
         assert e["ph"] in {"M", "X", "i", "s", "f", "C"}, e
         assert isinstance(e["name"], str) and e["name"], e
-        assert isinstance(e["pid"], int) and (e["ph"] == "C" or isinstance(e["tid"], int)), e
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int), e
         if e["ph"] == "C":   # a counter: one number per series
             assert e["args"] and all(isinstance(v, (int, float)) for v in e["args"].values()), e
         if e["ph"] != "M":

@@ -77,6 +77,44 @@ def test_profile_ops_refuses_a_scheduled_profiler_in_its_wait_phase():
     assert member == ["aten::mm"], member   # the user's own profile is whole
 
 
+def _user_profiler_after(rank, world_size, path):
+    """The user starts a torch profiler while a profile_ops trace is open: once stopped
+    before the trace's close (torch's session then gone), once still running at it."""
+    import distgrad
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    out = {}
+    for case in ("stopped before the close", "running at the close"):
+        with distgrad.trace(path, profile_ops=True):
+            rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+            prof = torch.profiler.profile()
+            prof.start()
+            torch.mm(torch.ones(4, 4), torch.ones(4, 4))
+            if case == "stopped before the close":
+                prof.stop()
+        if case == "running at the close":
+            torch.mm(torch.ones(4, 4), torch.ones(4, 4))
+            prof.stop()
+        with open(path) as f:
+            meta = json.load(f)["otherData"]["distgrad"]["ops"]
+        out[case] = {"user_mm": sum(e.name == "aten::mm" for e in prof.events()),
+                     "ops0": meta["worker0"], "ops1": meta["worker1"]}
+    return out
+
+
+def test_a_user_profiler_started_inside_a_profile_ops_trace_is_left_whole():
+    # audits/issue36/profile_ops_user_after.py: SIGSEGV at the close (torch's session
+    # taken over, then exported), or the user's running profiler ended with 0 events
+    path = tmp_path_for("user_after.json")
+    out = run_workers(_user_profiler_after, world_size=2, timeout=150, args=(path,))[0]
+    stopped, running = out["stopped before the close"], out["running at the close"]
+    assert stopped["user_mm"] == 1 and running["user_mm"] == 2, out   # theirs is whole
+    assert "took torch's profiling session over" in stopped["ops0"]["error"], out
+    assert "left running" in running["ops0"]["error"], out
+    assert stopped["ops1"]["ops"] > 0 and running["ops1"]["ops"] > 0, out   # the member's own
+
+
 # -- Ctrl-C while start() waits on the members ----------------------------------------------------
 def _hold(seconds):
     import threading

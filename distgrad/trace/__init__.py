@@ -55,7 +55,9 @@ def start(path: str, profile_ops: bool = False, timeout: float = 30.0,
     op's input dims and types, at its cost); it is refused while a torch profiler is active
     here, or a ``torch.profiler.profile`` with a schedule is started and not stopped
     (in any phase: a worker whose user profiles itself records without torch's ops;
-    a profiler of someone else's is never ended). An exception while this waits on
+    a profiler of someone else's is never ended; one the program starts while the
+    trace is open takes torch's session over: that worker's ops are then left out,
+    said in the file, and the program's profiler is left whole). An exception while this waits on
     the members (Ctrl-C included) leaves none of them recording. ``rpc.shutdown()``
     with the trace still open closes it and writes the file, with a warning.
     ``timeout`` (s) bounds each worker's answer to start and stop: one that does not

@@ -317,7 +317,8 @@ def counters(rank: int, events: list, us: Any) -> list[dict]:
         level = 0
         for ns, d in sorted(deltas, key=lambda x: (x[0], -x[1])):
             level += d
-            out.append({"ph": "C", "name": name, "pid": pid, "ts": us(rank, ns), "args": {key: level}})
+            out.append({"ph": "C", "name": name, "pid": pid, "tid": 0, "ts": us(rank, ns),
+                        "args": {key: level}})
     stamps = [ns for per in sent.values() for ns, _ in per]
     if stamps:
         first, last = min(stamps), max(stamps)
@@ -332,6 +333,6 @@ def counters(rank: int, events: list, us: Any) -> list[dict]:
                 rate = buckets.get(b, 0) / (width / 1e9) / 1e6
                 if b and rate == 0 and not buckets.get(b - 1):
                     continue   # (idle slices: one zero is enough)
-                out.append({"ph": "C", "name": name, "pid": pid, "ts": us(rank, first + b * width),
+                out.append({"ph": "C", "name": name, "pid": pid, "tid": 0, "ts": us(rank, first + b * width),
                             "args": {"MB/s": round(rate, 3)}})
     return out

@@ -77,8 +77,44 @@ class OpsProfiler:
                 pass
             self.marks.append((before, local_ns()))
 
+    def taken_over(self) -> str | None:
+        """Why torch's profiling session is no longer this one's, or None.
+
+        torch keeps one session per process: a profiler the program starts while a
+        ``profile_ops`` trace is open takes it over (torch has no way to refuse it).
+        Once that profiler stopped, the session is gone, and stopping or exporting ours
+        ends the process with SIGSEGV; while it runs, stopping ours would end the
+        program's. Found by torch's flags and a scan for a running autograd profiler
+        other than ours (the objects the garbage collector tracks)."""
+        try:
+            import torch
+            import torch.autograd.profiler as autograd_profiler
+            enabled = getattr(autograd_profiler, "_is_profiler_enabled", False) or \
+                torch._C._autograd._profiler_enabled()
+            legacy = autograd_profiler.profile
+        except (AttributeError, ImportError):
+            return None
+        if not enabled:
+            return ("a torch profiler the program started during the trace took torch's "
+                    "profiling session over and ended it")
+        import gc
+        mine = getattr(self.prof, "profiler", None)
+        for obj in gc.get_objects():
+            if isinstance(obj, legacy) and obj is not mine:
+                d = obj.__dict__
+                if d.get("entered") and d.get("kineto_results", 0) is None:
+                    return ("a torch profiler the program started during the trace holds torch's "
+                            "profiling session (left running: stopping ours would end it)")
+        return None
+
     def stop(self) -> tuple[list[tuple], dict]:
-        """(events on this worker's trace clock, what the merge needs to know)."""
+        """(events on this worker's trace clock, what the merge needs to know).
+
+        Raises ``RuntimeError`` (nothing stopped, nothing exported) where the session was
+        taken over by a profiler of the program's (:meth:`taken_over`)."""
+        why = self.taken_over()
+        if why:
+            raise RuntimeError(f"torch's ops not recorded: {why}")
         self._mark()
         self.prof.stop()
         fd, path = tempfile.mkstemp(prefix="distgrad-ops-", suffix=".json")

@@ -154,7 +154,7 @@ def _abort(session: tuple) -> None:
 
 def _stop_ops(rec: Recorder) -> None:
     """Stop torch's profiler that ``rec`` started (its events dropped), if any."""
-    if rec.ops is not None:
+    if rec.ops is not None and not rec.ops.taken_over():   # (never end someone else's)
         try:
             rec.ops.prof.stop()
         except Exception:  # noqa: BLE001 - the profiler is ours: nothing else to stop
