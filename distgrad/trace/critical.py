@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterable
 from .records import flow_id
 
 CATEGORIES = ("compute", "serve", "network", "queueing", "waiting", "user span", "untraced", "gc pause")
-BUSY = {"backward", "backward.region", "optim", "rpc.serve", "rpc.send", "rpc.recv", "rpc.call", "op"}
+BUSY = frozenset({"backward", "backward.region", "optim", "rpc.serve", "rpc.send", "rpc.recv", "rpc.call",
+                  "op"})
 _CATEGORY = {"backward": "compute", "backward.region": "compute", "optim": "compute", "op": "compute",
              "rpc.serve": "serve", "rpc.send": "network", "rpc.recv": "network", "rpc.call": "network"}
 _WAITS = {"rpc.wait", "backward.call", "optim.call"}
@@ -69,6 +70,20 @@ class _Worker:
                 self.stretches.append([s[0], s[1]])
         self.starts = [s[0] for s in self.stretches]
         self.serve_starts = sorted(s[0] for s in busy if s[3] == "rpc.serve")
+        self._ups: dict[tuple[int, frozenset], list[int]] = {}
+
+    def _up(self, tid: int, cats: frozenset) -> list[int]:
+        """For each span of thread ``tid``, its nearest enclosing span of ``cats`` (-1:
+        none): the chain :meth:`covering` climbs, without the spans of other kinds."""
+        key = (tid, cats)
+        up = self._ups.get(key)
+        if up is None:
+            _, items, parents = self.threads[tid]
+            up = []
+            for p in parents:
+                up.append(-1 if p < 0 else p if items[p][3] in cats else up[p])
+            self._ups[key] = up
+        return up
 
     def stretch_before(self, t: float) -> list[float] | None:
         """The latest busy stretch that starts before ``t``."""
@@ -91,13 +106,16 @@ class _Worker:
         """The spans of thread ``tid`` (of ``cats``) that overlap ``[a, b]``: those around
         ``a`` (its enclosing chain) and those that start inside."""
         starts, items, parents = self.threads[tid]
+        up = self._up(tid, cats if isinstance(cats, frozenset) else frozenset(cats))
         i = bisect_right(starts, a) - 1
         out = []
-        j = i
-        while j >= 0:
-            if items[j][1] > a and items[j][3] in cats:
+        j = i if i < 0 or items[i][3] in cats else up[i]
+        while j >= 0:   # the enclosing chain, its spans of ``cats`` only
+            if items[j][1] > a:
                 out.append(items[j])
-            j = parents[j]
+                if items[j][1] >= b:   # covers the rest: those above it are never innermost
+                    break
+            j = up[j]
         for k in range(i + 1, bisect_left(starts, b)):
             if items[k][3] in cats and items[k][1] > items[k][0]:
                 out.append(items[k])
@@ -251,7 +269,7 @@ def _named(w: str, a: float, b: float, spans: list[tuple], name_of: Callable,
     return out[::-1]
 
 
-_NAMING = _WAITS | {"user", "user.wait"}
+_NAMING = frozenset(_WAITS | {"user", "user.wait"})
 
 
 def _gap(wk: _Worker, w: str, a: float, b: float, tid: int | None) -> list[tuple]:
