@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import string
 import struct
 from datetime import timedelta
 
@@ -106,7 +107,12 @@ def test_secret_strength_sees_repetition_and_words_of_any_script():
     weak = [b"a" * 64, b"0" * 64, b"password" * 8, b"Summer2024!" * 3, b"qwertyuiop1234567890" * 3,
             b"\0" * 40, b"\xff" * 20, b"x" * 60_000, b"strengths-twelfths-angsts-lengths",
             "пароль-солнце-машина-собака-здравствуйте".encode(),
-            "Grüße-Bäckerei-Fußball-Öffnungszeiten".encode()]
+            "Grüße-Bäckerei-Fußball-Öffnungszeiten".encode(),
+            # what a guesser tries first (the second audit): sequences, rows, counting, pi
+            (string.ascii_lowercase + string.ascii_uppercase + string.digits).encode(),
+            b"qwertyuiopasdfghjklzxcvbnmQWERTYUIOPASDFGHJKLZXCVBNM1234567890",
+            b"".join(b"%d" % i for i in range(1, 61)), b"3141592653589793238462643383279502884197",
+            b"a-b_" * 16384]
     for secret in weak:
         assert secret_bits(secret) < 128, secret[:40]
     assert secret_bits(b"") == 0

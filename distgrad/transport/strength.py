@@ -14,9 +14,12 @@ Two ways to count, and the secret gets the smaller:
   again (``-`` between every word is one choice, not four).
 
 - as *repetition*: read left to right, a stretch that repeats one before it (a
-  unit said again, ``password`` * 8, a keyboard walk typed three times) costs a
+  unit said again, ``password`` * 8, a keyboard walk typed three times), or one of
+  the sequences a guesser tries first (the alphabet, digits or keyboard rows in
+  order or backwards, counting 1 2 3 ..., digits of pi or e), costs a
   back-reference (where and how long: some 2 log2 n bits), not its characters,
-  as a compressor would count it (an LZ77 parse; bytes that are not UTF-8 too).
+  as a compressor with a preset dictionary would count it (an LZ77 parse; bytes
+  that are not UTF-8 too).
 
 Letters are Unicode letters: a run in another script (``пароль``, ``Grüße``)
 counts as words without the vowel test, which knows English only.
@@ -40,15 +43,17 @@ import math
 import re
 import string
 import zlib
+from collections import Counter
 
 WORD_BITS = math.log2(100_000)   # a guesser's dictionary: some 100,000 words
 WORD_LETTERS = 6                 # letters per word, rounded: a long run is several words
 # letters (any script; a capital starts a new run), digits, everything else
 _TOKENS = re.compile(r"[^\W\d_a-z]?[^\W\d_A-Z]+|[^\W\d_a-z]+(?![^\W\d_A-Z])|[0-9]+|[\W_]+")
 _CONSONANTS = re.compile(r"[^aeiouy]{6,}")   # ("strengths", "twelfths": five are words)
-_MIN_MATCH = 3        # a repeat shorter than this is chance in a random secret
+_MIN_MATCH = 4        # a repeat shorter than this is chance in a random secret
 _LZ_LIMIT = 1 << 16   # characters the parse looks at; longer secrets: deflate's count
 _CHAIN = 64           # earlier starts of a repeat tried (most recent first), as zlib bounds it
+_MARGIN = 8.0         # bits a back-reference must save to be taken
 
 
 def char_bits(text: str) -> float:
@@ -73,10 +78,10 @@ def word_bits(text: str) -> float:
     per_char = char_bits(text) / len(text) if text else 0.0
     bits, seen, in_words = 0.0, set(), 0
     toks = [m.group() for m in _TOKENS.finditer(text)]
-    seps = [t for t in toks if not t.isalnum()]
+    seps = Counter(t for t in toks if not t.isalnum())
     # words joined by one separator said again (``strengths-twelfths-angsts``, a
     # diceware phrase): each run of letters between them is a word, vowels or not
-    joined = {t for t in seps if seps.count(t) >= 2}
+    joined = {t for t, n in seps.items() if n >= 2}
     for i, tok in enumerate(toks):
         chars = len(tok) * per_char
         between = joined and all(t in joined for t in toks[max(i - 1, 0):i + 2:2] if t != tok)
@@ -93,34 +98,62 @@ def word_bits(text: str) -> float:
     return bits if 2 * in_words >= len(text) else char_bits(text)
 
 
+def _known() -> str:
+    """What a guesser tries first, run together (a compressor's preset dictionary):
+    the alphabet and digits in order, keyboard rows, counting, digits of pi and e,
+    each also backwards; words of a separator so nothing spans two of them."""
+    pi = ("3141592653589793238462643383279502884197169399375105820974944592307816406286208998628"
+          "0348253421170679821480865132823066470938446095505822317253594081284811174502841027019"
+          "38521105559644622948954930381964428810975665933446128475648233786783165271201909145648")
+    e = ("2718281828459045235360287471352662497757247093699959574966967627724076630353547594571"
+         "38217852516642742746639193200305992181741359662904357290033429526059563073813232862794")
+    seqs = [string.ascii_lowercase, string.ascii_uppercase, string.digits, "1234567890",
+            "qwertyuiop", "asdfghjkl", "zxcvbnm", "QWERTYUIOP", "ASDFGHJKL", "ZXCVBNM",
+            "qwertyuiopasdfghjklzxcvbnm", "QWERTYUIOPASDFGHJKLZXCVBNM", "azertyuiopqsdfghjklmwxcvbn",
+            "qwertzuiopasdfghjklyxcvbnm",
+            "!@#$%^&*()", "1qaz2wsx3edc4rfv5tgb6yhn7ujm8ik9ol0p", "qazwsxedcrfvtgbyhnujmikolp",
+            "".join(str(i) for i in range(1, 1001)), pi, e]
+    return "\x00".join(seqs + [x[::-1] for x in seqs]) + "\x00"
+
+
+_KNOWN = _known()
+
+
 def repeat_bits(text: str, per_char: float) -> float:
     """``text`` read left to right, each character costing ``per_char`` bits unless it
-    starts a stretch of :data:`_MIN_MATCH` or more repeating one before it, which costs
-    a back-reference instead (see the module docstring)."""
+    starts a stretch of :data:`_MIN_MATCH` or more repeating one before it, or one of
+    the sequences a guesser tries first (the alphabet, keyboard rows, counting, pi:
+    :data:`_KNOWN`), which costs a back-reference instead (see the module docstring)."""
     n = len(text)
     if n > _LZ_LIMIT:   # what raw deflate makes of it (a 1 MiB secret in well under a second)
-        z = zlib.compressobj(9, zlib.DEFLATED, -15)
+        z = zlib.compressobj(9, zlib.DEFLATED, -15, zdict=_KNOWN.encode())
         return 8.0 * len(z.compress(text.encode("utf-8", "surrogatepass")) + z.flush())
+    base = len(_KNOWN)
+    full = _KNOWN + text                 # references may reach into the known sequences
     bits, i = 0.0, 0
-    ref = 2 * math.log2(max(n, 2)) + 1   # where, how long, and that it is a reference
+    where = math.log2(base + n) + 1      # where a reference points, and that it is one
     starts: dict[str, list[int]] = {}    # where each _MIN_MATCH characters began before
     done = 0                             # positions below this are in ``starts``
 
     def index(upto: int) -> None:
         nonlocal done
         for j in range(done, upto):
-            starts.setdefault(text[j:j + _MIN_MATCH], []).append(j)
+            starts.setdefault(full[j:j + _MIN_MATCH], []).append(j)
         done = max(done, upto)
 
+    end = base + n
     while i < n:
-        index(i)
+        at = base + i
+        index(at)
         best = 0
-        for j in starts.get(text[i:i + _MIN_MATCH], ())[-_CHAIN:]:
+        for j in starts.get(full[at:at + _MIN_MATCH], ())[-_CHAIN:]:
             k = 0
-            while i + k < n and text[j + k] == text[i + k]:
+            while at + k < end and full[j + k] == full[at + k]:
                 k += 1
             best = max(best, k)
-        if best >= _MIN_MATCH and best * per_char > ref:
+        ref = where + math.log2(max(best, 2))   # ... and how long
+        # (taken only where it saves a byte: a chance match in a random secret is short)
+        if best >= _MIN_MATCH and best * per_char > ref + _MARGIN:
             bits += ref
             i += best
         else:
