@@ -132,8 +132,15 @@ def check_dirs(path: str, what: str) -> str:
 
 def out_dir(path: str, what: str = "output directory") -> str:
     """Make directory ``path`` (and its parents, mode 0755 less the umask) if it
-    is missing, check it with :func:`check_dirs`, and return it."""
-    os.makedirs(path, exist_ok=True)
+    is missing, check it with :func:`check_dirs`, and return it. What exists of it is
+    checked first: nothing is made through another user's link or directory."""
+    cur, missing = os.path.abspath(path), []
+    while not os.path.lexists(cur):   # (a dangling link exists: the check names it)
+        cur, tail = os.path.split(cur)
+        missing.append(tail)
+    real = check_dirs(cur, what)
+    if missing:
+        os.makedirs(os.path.join(real, *reversed(missing)), exist_ok=True)
     check_dirs(path, what)
     return path
 

@@ -164,3 +164,18 @@ def test_resolve_dir_walks_links_as_the_kernel_does(tmp_path):
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     problem, _ = resolve_dir(str(tmp_path / "loop"))
     assert problem is not None and "too many symbolic links" in problem
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="needs root to make another user's link")
+def test_out_dir_makes_nothing_through_another_users_link(tmp_path):
+    """The second audit of issue 35: out_dir made the missing directories first, through
+    another user's link, and refused only then."""
+    from distgrad.errors import DistgradError
+    from distgrad.safe_files import out_dir
+    victim = _dir(tmp_path / "victim", 0o700)
+    team = _dir(tmp_path / "team", 0o1777)
+    (team / "run").symlink_to(victim)
+    os.lchown(team / "run", NOBODY, NOBODY)
+    with pytest.raises(DistgradError, match="symbolic link of another user"):
+        out_dir(str(team / "run" / "x" / "y"))
+    assert os.listdir(victim) == []
