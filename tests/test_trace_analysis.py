@@ -217,6 +217,33 @@ def test_concurrent_backward_passes_get_a_track_each():
     assert sorted(names[t] for _, t in by_track) == ["backward passes", "backward passes (2)"], names
 
 
+def test_partly_overlapping_user_spans_of_one_thread_get_tracks_that_nest():
+    """asyncio coroutines on one thread, each in its own span (the second audit of
+    issue 36): on one track they would overlap partly, which Perfetto cannot draw."""
+    def user(name, a, b):
+        return ("X", name, "user", 7, a, b, {})
+    doc = _doc({0: ([user("c0", 0, 100), user("c1", 10, 120), user("c2", 20, 60), user("inner", 30, 40),
+                     user("c3", 110, 130), ("X", "rpc_sync f → worker1", "rpc.call", 7, 12, 14, {})],
+                    (0, 130))})
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    by_track: dict = {}
+    for e in xs:
+        by_track.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    for spans in by_track.values():   # on each track, spans nest or follow each other
+        spans.sort(key=lambda x: (x[0], -x[1]))
+        stack: list = []
+        for a, b, name in spans:
+            while stack and stack[-1] <= a:
+                stack.pop()
+            assert not stack or b <= stack[-1], (name, spans)
+            stack.append(b)
+    assert sorted(n for a, b, n in by_track[7]) == ["c0", "c2", "c3", "inner", "rpc_sync f → worker1"]
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    moved = [t for t in by_track if t != 7]
+    assert [sorted(n for a, b, n in by_track[t]) for t in moved] == [["c1"]]
+    assert names[moved[0]].endswith("spans (2)"), names
+
+
 def test_a_garbage_collection_on_the_path_is_named_a_pause_not_a_wait():
     doc = _doc({0: ([("X", "rpc_sync f → worker1", "rpc.call", 7, 0, 10, {}),
                      ("X", "wait f ← worker1", "rpc.wait", 7, 10, 300, {}),

@@ -233,9 +233,11 @@ def _worker_events(rank: int, p: dict, us: Any) -> list[dict]:
                 "args": {"labels": f"rank {rank}, host {p.get('host', '?')}, pid {p['pid']}"}})
     threads = dict(p["threads"])
     passes: dict[Any, list[int]] = {}
+    lane_of = _async_lanes(p["events"], threads)
     for e in p["events"]:
         if e[0] == "X":
             _, name, cat, tid, start, end, args = e
+            tid = lane_of.get(id(e), tid)
             out.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
                         "ts": us(rank, start), "dur": round(max(0, end - start) / 1e3, 3), "args": args})
             if cat == "op" and tid not in threads:
@@ -263,6 +265,48 @@ def _worker_events(rank: int, p: dict, us: Any) -> list[dict]:
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
     out.extend(counters(rank, p["events"], us))
     return out
+
+
+ASYNC_TID = 30_000_000   # + n: tracks of user spans that partly overlap others of their thread
+
+
+def _async_lanes(events: list, threads: dict) -> dict[int, int]:
+    """Where user spans of one thread overlap partly (asyncio coroutines sharing a
+    thread, each in its own ``span``), which Perfetto cannot draw on one track: each
+    such span moves to a track of its own kind ("MainThread spans (2)", ...), the
+    first track where it nests, as torch.profiler keeps async work off the thread's
+    stack. Returns ``id(event)`` -> its new track (only the spans that move)."""
+    by_tid: dict[int, list] = {}
+    for e in events:
+        if e[0] == "X" and e[2] == "user":
+            by_tid.setdefault(e[3], []).append(e)
+    moved: dict[int, int] = {}
+    made = 0
+    for tid, spans in by_tid.items():
+        if len(spans) < 2:
+            continue
+        spans.sort(key=lambda e: (e[4], -e[5]))
+        lanes: list[list] = [[]]   # per track, the spans open on it (a stack)
+        tracks = [tid]
+        for e in spans:
+            start, end = e[4], e[5]
+            k = 0
+            while k < len(lanes):
+                stack = lanes[k]
+                while stack and stack[-1][5] <= start:
+                    stack.pop()
+                if not stack or end <= stack[-1][5]:
+                    break   # it nests here
+                k += 1
+            if k == len(lanes):
+                made += 1
+                lanes.append([])
+                tracks.append(ASYNC_TID + made)
+                threads[tracks[k]] = f"{threads.get(tid, f'thread {tid}')} spans ({k + 1})"
+            lanes[k].append(e)
+            if k:
+                moved[id(e)] = tracks[k]
+    return moved
 
 
 _CALLS = ("call", "remote")           # request kinds a reply answers
