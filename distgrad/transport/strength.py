@@ -49,6 +49,7 @@ WORD_BITS = math.log2(100_000)   # a guesser's dictionary: some 100,000 words
 WORD_LETTERS = 6                 # letters per word, rounded: a long run is several words
 # letters (any script; a capital starts a new run), digits, everything else
 _TOKENS = re.compile(r"[^\W\d_a-z]?[^\W\d_A-Z]+|[^\W\d_a-z]+(?![^\W\d_A-Z])|[0-9]+|[\W_]+")
+_HEX = re.compile(r"[0-9a-fA-F]+")
 _CONSONANTS = re.compile(r"[^aeiouy]{6,}")   # ("strengths", "twelfths": five are words)
 _MIN_MATCH = 4        # a repeat shorter than this is chance in a random secret
 _LZ_LIMIT = 1 << 16   # characters the parse looks at; longer secrets: deflate's count
@@ -173,4 +174,7 @@ def secret_bits(secret: bytes) -> float:
     if not text:
         return 0.0
     chars = char_bits(text)
-    return min(chars, word_bits(text), repeat_bits(text, chars / len(text)))
+    # all hex digits: a random token (secrets.token_hex), whose letter runs read as words
+    # by chance; the few words of a-f alone are left to the repetition count
+    words = chars if _HEX.fullmatch(text) else word_bits(text)
+    return min(chars, words, repeat_bits(text, chars / len(text)))
