@@ -410,24 +410,42 @@ def test_tensor_changed_in_place_while_replying_still_verifies():
     assert run_workers(_mutating, world_size=2, timeout=90)[0]
 
 
-@pytest.mark.timeout(_RDV_TIMEOUT + 50 * SLOW + 60)
+_SHORT_RDV = 12.0   # DISTGRAD_RENDEZVOUS_TIMEOUT where a test waits the rendezvous out
+
+
+@pytest.mark.timeout(_SHORT_RDV + 50 * SLOW + 60)
 def test_a_wrong_secret_is_rejected():
     # Both workers have a secret, but not the same: neither can authenticate the
     # other's rendezvous entries (sealed with the secret, issue 29), so neither learns
-    # an address to connect to; the first to time out (60 s) names the entry it could
-    # not authenticate.
+    # an address to connect to; the first to time out (DISTGRAD_RENDEZVOUS_TIMEOUT here,
+    # 60 s by default) names the entry it could not authenticate.
     # Neither ever talks to the other.
     t0 = time.monotonic()
+    rdv = {"DISTGRAD_RENDEZVOUS_TIMEOUT": str(_SHORT_RDV)}
     with pytest.raises(AssertionError) as info:
-        run_workers(_mismatch, world_size=2, timeout=_RDV_TIMEOUT + 50 * SLOW,
-                    env_per_rank={1: {"DISTGRAD_SECRET": "another-secret"}})
+        run_workers(_mismatch, world_size=2, timeout=_SHORT_RDV + 50 * SLOW,
+                    env_per_rank={0: rdv, 1: {"DISTGRAD_SECRET": "another-secret", **rdv}})
     took = time.monotonic() - t0
     text = str(info.value)
     # the store's host (worker 0) says so; the other may then only see the store gone
     assert "worker0': rendezvous timed out" in text and "written with another secret" in text, text
-    # a hang guard: the rendezvous's 60 s, plus the workers' start and stop (16 s at
+    # a hang guard: the rendezvous's time, plus the workers' start and stop (16 s at
     # load average 4), the latter SLOW times
-    assert took < _RDV_TIMEOUT + 40 * SLOW, took
+    assert took < _SHORT_RDV + 40 * SLOW, took
+
+
+def test_the_rendezvous_timeout_is_read_from_the_environment(monkeypatch):
+    from distgrad.rpc import lifecycle
+    from distgrad.rpc.options import TensorPipeRpcBackendOptions
+    opts = TensorPipeRpcBackendOptions(rpc_timeout=20)
+    monkeypatch.delenv("DISTGRAD_RENDEZVOUS_TIMEOUT", raising=False)
+    assert lifecycle.rdv_timeout(opts) == 60.0
+    monkeypatch.setenv("DISTGRAD_RENDEZVOUS_TIMEOUT", "7.5")
+    assert lifecycle.rdv_timeout(opts) == 7.5
+    for bad in ("0", "-3", "soon"):
+        monkeypatch.setenv("DISTGRAD_RENDEZVOUS_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="DISTGRAD_RENDEZVOUS_TIMEOUT must be"):
+            lifecycle.rdv_timeout(opts)
 
 
 def _no_secret_logs(rank, world_size, port):

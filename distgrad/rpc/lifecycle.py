@@ -32,8 +32,25 @@ log = logging.getLogger(__name__)
 
 
 def rdv_timeout(opts: RpcBackendOptions) -> float:
-    """How long init_rpc waits for the other workers: the call timeout, but at
-    least a minute (workers start at different times; a loaded machine is slow)."""
+    """How long init_rpc waits for the other workers: ``DISTGRAD_RENDEZVOUS_TIMEOUT``
+    (seconds) where set, else the call timeout, but at least a minute (workers start
+    at different times; a loaded machine is slow).
+
+    Example::
+
+        >>> rdv_timeout(rpc.TensorPipeRpcBackendOptions(rpc_timeout=20))
+        60.0
+    """
+    env = os.environ.get("DISTGRAD_RENDEZVOUS_TIMEOUT")
+    if env:
+        try:
+            value = float(env)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"DISTGRAD_RENDEZVOUS_TIMEOUT must be a number of seconds above 0, "
+                             f"not {env!r}")
+        return value
     return max(opts.rpc_timeout, 60.0) if opts.rpc_timeout > 0 else 300.0
 
 
