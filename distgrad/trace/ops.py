@@ -86,14 +86,11 @@ class OpsProfiler:
         ends the process with SIGSEGV; while it runs, stopping ours would end the
         program's. Found by torch's flags and a scan for a running autograd profiler
         other than ours (the objects the garbage collector tracks)."""
-        try:
-            import torch
-            import torch.autograd.profiler as autograd_profiler
-            enabled = getattr(autograd_profiler, "_is_profiler_enabled", False) or \
-                torch._C._autograd._profiler_enabled()
-            legacy = autograd_profiler.profile
-        except (AttributeError, ImportError):
+        enabled = _session_open()
+        if enabled is None:
             return None
+        import torch.autograd.profiler as autograd_profiler
+        legacy = autograd_profiler.profile
         if not enabled:
             return ("a torch profiler the program started during the trace took torch's "
                     "profiling session over and ended it")
@@ -141,17 +138,22 @@ def active_profiler() -> str | None:
     ours, and torch 2.x ends that process with SIGSEGV. Those are found by a scan of
     the objects the garbage collector tracks (about 0.1 s per million objects), done
     only where ``profile_ops=True`` asks for a profiler."""
+    if _session_open():
+        return "a torch profiler is already active in this process"
+    return _scheduled_profiler()
+
+
+def _session_open() -> bool | None:
+    """Whether torch has a profiling session open in this process (None: this torch
+    cannot say). torch's own flag is per thread (a profiler started on the main thread
+    is not seen from a pool thread); the autograd profiler module's is the process's."""
     try:
         import torch
         import torch.autograd.profiler as autograd_profiler
-        # torch's own flag is per thread (a profiler started on the main thread is not
-        # seen from a pool thread); the module's is the process's
-        if getattr(autograd_profiler, "_is_profiler_enabled", False) or \
-                torch._C._autograd._profiler_enabled():
-            return "a torch profiler is already active in this process"
+        return bool(getattr(autograd_profiler, "_is_profiler_enabled", False) or
+                    torch._C._autograd._profiler_enabled())
     except (AttributeError, ImportError):
-        pass
-    return _scheduled_profiler()
+        return None
 
 
 def _scheduled_profiler() -> str | None:
