@@ -303,3 +303,39 @@ def test_trace_plot_says_it_cannot_write_the_output(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert rc == 1 and len(lines) == 1, lines
     assert lines[0].startswith(f"distgrad trace-plot: cannot write {out}: "), lines
+
+
+# -- third audit (audits/issue36/README.md, "Third audit") ---------------------------------
+
+def _x(cat, start, end, **args):
+    return ("X", cat, cat, 1, start, end, args)
+
+
+def _levels(events, name):
+    from distgrad.trace.export import counters
+    pts = [(e["ts"], *e["args"].values()) for e in counters(0, events, lambda r, ns: ns / 1e3)
+           if e["name"] == name]
+    return [v for _, v in pts]
+
+
+def test_counters_pair_by_request_id_not_by_record_order():
+    """Third audit, defect: an X event is recorded when it ENDS, so a reply's recv span
+    (or a request's serve span) can come before the span that opened it; the counters
+    pair by request id and return to the number still open."""
+    events = []
+    for rid in range(1, 6):   # 5 calls, each reply recorded BEFORE its call's send span
+        t = rid * 100
+        events.append(_x("rpc.recv", t + 50, t + 60, kind="reply", rid=rid, **{"from": "w1"}))
+        events.append(_x("rpc.send", t, t + 70, kind="call", rid=rid, to="w1", bytes=8))
+    events.append(_x("rpc.send", 900, 910, kind="call", rid=9, to="w1", bytes=8))   # still out
+    events.append(_x("rpc.recv", 950, 960, kind="reply", rid=77, **{"from": "w1"}))  # before the trace
+    flight = _levels(events, "calls in flight")
+    assert flight[-1] == 1 and max(flight) == 1 and min(flight) >= 0, flight
+    served = []
+    for rid in range(1, 4):   # each serve span recorded before the recv span that queued it
+        t = rid * 100
+        served.append(_x("rpc.serve", t + 10, t + 20, kind="call", rid=rid, **{"from": "w1"}))
+        served.append(_x("rpc.recv", t, t + 30, kind="call", rid=rid, **{"from": "w1"}))
+    served.append(_x("rpc.recv", 500, 510, kind="call", rid=3, **{"from": "w2"}))   # not yet served
+    waiting = _levels(served, "requests waiting")
+    assert waiting[-1] == 1 and max(waiting) == 1 and min(waiting) >= 0, waiting

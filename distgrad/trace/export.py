@@ -330,10 +330,12 @@ def counters(rank: int, events: list, us: Any) -> list[dict]:
         ['calls in flight', 'sent → w1 (MB/s)', 'sent → w1 (MB/s)']
     """
     pid = track(rank)
-    flight: list[tuple[int, int]] = []
-    waiting: list[tuple[int, int]] = []
+    # each pair's two start times, by request id: an X event is recorded when it ENDS,
+    # so a reply's recv span may come before its call's send span (which covers the
+    # write): nothing here depends on the order the events were recorded in
+    calls: dict[Any, list[list[int]]] = {}      # rid -> [sends' starts, replies' starts]
+    queued: dict[Any, list[list[int]]] = {}     # (from, rid) -> [recvs' starts, serves' starts]
     sent: dict[str, list[tuple[int, int]]] = {}
-    calls, queued = set(), set()
     for e in events:
         if e[0] != "X" or not isinstance(e[6], dict):
             continue
@@ -341,20 +343,17 @@ def counters(rank: int, events: list, us: Any) -> list[dict]:
         kind = args.get("kind")
         if cat == "rpc.send":
             if kind in _CALLS:
-                calls.add(args.get("rid"))
-                flight.append((start, 1))
+                calls.setdefault(args.get("rid"), [[], []])[0].append(start)
             if isinstance(args.get("bytes"), int):
                 sent.setdefault(str(args.get("to", "?")), []).append((start, args["bytes"]))
         elif cat == "rpc.recv":
-            if kind in ("reply", "error") and args.get("rid") in calls:
-                calls.discard(args.get("rid"))
-                flight.append((start, -1))
+            if kind in ("reply", "error"):
+                calls.setdefault(args.get("rid"), [[], []])[1].append(start)
             elif kind in _SERVED:
-                queued.add((args.get("from"), args.get("rid")))
-                waiting.append((start, 1))
-        elif cat == "rpc.serve" and (args.get("from"), args.get("rid")) in queued:
-            queued.discard((args.get("from"), args.get("rid")))
-            waiting.append((start, -1))
+                queued.setdefault((args.get("from"), args.get("rid")), [[], []])[0].append(start)
+        elif cat == "rpc.serve":
+            queued.setdefault((args.get("from"), args.get("rid")), [[], []])[1].append(start)
+    flight, waiting = _deltas(calls), _deltas(queued)
     out: list[dict] = []
     for name, key, deltas in (("calls in flight", "calls", flight),
                               ("requests waiting", "requests", waiting)):
@@ -379,4 +378,17 @@ def counters(rank: int, events: list, us: Any) -> list[dict]:
                     continue   # (idle slices: one zero is enough)
                 out.append({"ph": "C", "name": name, "pid": pid, "tid": 0, "ts": us(rank, first + b * width),
                             "args": {"MB/s": round(rate, 3)}})
+    return out
+
+
+def _deltas(pairs: dict[Any, list[list[int]]]) -> list[tuple[int, int]]:
+    """+1 at each opening (a call sent, a request read), -1 at the closing paired with
+    it by key (its reply, the start of its serving), never before its opening; a
+    closing whose opening was not recorded (it came before the trace) counts nothing."""
+    out: list[tuple[int, int]] = []
+    for opens, closes in pairs.values():
+        opens.sort()
+        closes.sort()
+        out.extend((ns, 1) for ns in opens)
+        out.extend((max(o, c), -1) for o, c in zip(opens, closes))
     return out
