@@ -107,3 +107,57 @@ def test_a_signal_records_the_running_job_for_the_seconds_asked(tmp_path):
     assert 0 < len(calls) < out["calls"], (len(calls), out)   # the window, not the whole job
     w = doc["otherData"]["distgrad"]["window_us"]
     assert 0.9e6 <= w[1] - w[0] <= 10e6, w
+
+
+def _fake_start_stop(monkeypatch):
+    """distgrad.trace.start/stop replaced: what a schedule opens and closes, no workers."""
+    import distgrad.trace as tr
+    log = []
+    monkeypatch.setattr(tr, "start", lambda path, **kw: log.append(("start", path, kw)))
+    monkeypatch.setattr(tr, "stop", lambda: (log.append(("stop",)), "f")[1])
+    return log
+
+
+def test_skip_first_wait_as_torch_and_unknown_start_keywords_refused_at_once(monkeypatch):
+    """Third audit (minor): torch 2.13's ``skip_first_wait=`` fell into ``**start_kwargs``
+    and every cycle's start failed (only logged); now it has torch's meaning, and a
+    keyword start() lacks is refused when the schedule is made."""
+    import inspect
+    import itertools
+    import warnings
+
+    from torch.profiler import ProfilerAction as A
+    from torch.profiler import schedule as tsched
+
+    import distgrad.trace as tr
+    real_start = tr.start
+    log = _fake_start_stop(monkeypatch)
+    phases = {A.NONE: "none", A.WARMUP: "warmup", A.RECORD: "active", A.RECORD_AND_SAVE: "active"}
+    for wait, warmup, active, repeat, skip, sfw in itertools.product(
+            range(3), range(2), range(1, 3), range(3), range(2), (0, 1, True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f = tsched(wait=wait, warmup=warmup, active=active, repeat=repeat, skip_first=skip,
+                       skip_first_wait=sfw)
+        s = tr.schedule("/tmp/t.json", wait=wait, warmup=warmup, active=active, repeat=repeat,
+                        skip_first=skip, skip_first_wait=sfw)
+        saved = []
+        for step in range(30):
+            assert s.phase(step) == phases[f(step)], (wait, warmup, active, repeat, skip, sfw, step)
+            n = len(s.written)
+            s.step()
+            if len(s.written) > n:
+                saved.append(step)
+        assert saved == [st for st in range(30) if f(st) == A.RECORD_AND_SAVE]
+        s.close()
+    assert all(e[0] == "stop" or e[2] == {} for e in log), log[:3]
+    s = tr.schedule("/tmp/t.json", wait=5, active=1, skip_first_wait=True)
+    assert s.phase(0) == "active" and s.phase(1) == "none" and log[-1][0] == "start"
+    with pytest.raises(TypeError, match="unexpected keyword argument.*no_such"):
+        tr.schedule("/tmp/t.json", no_such=1)
+    with pytest.raises(ValueError, match="skip_first_wait"):
+        tr.schedule("/tmp/t.json", skip_first_wait=-1)
+    s = tr.schedule("/tmp/t.json", warmup=1, profile_ops=True, timeout=5.0, max_events=10)
+    assert log[-1] == ("start", "/tmp/t.json", {"profile_ops": True, "timeout": 5.0, "max_events": 10})
+    from distgrad.trace.schedule import START_KWARGS
+    assert list(inspect.signature(real_start).parameters)[1:] == list(START_KWARGS)

@@ -6,6 +6,8 @@ steps, counted from 0, go ``skip_first`` steps untraced, then cycles of ``wait``
 steps untraced, ``warmup`` steps traced and marked as such (the trace opens at the
 warmup's first step, so what a start costs, ``profile_ops``'s above all, is paid
 there), and ``active`` steps traced; ``repeat`` cycles (0: as long as the job runs).
+``skip_first_wait`` (torch's meaning): when true, the first cycle's ``wait`` is
+skipped (its warmup follows ``skip_first`` at once); the later cycles wait as usual.
 Each cycle writes its own file: ``path`` with ``{n}`` replaced by the cycle's number,
 or, without ``{n}`` and with ``repeat`` other than 1, ``trace.json`` becomes
 ``trace.0.json``, ``trace.1.json``, ...
@@ -52,7 +54,7 @@ class Schedule:
     """
 
     def __init__(self, path: str, *, wait: int = 0, warmup: int = 0, active: int = 1,
-                 repeat: int = 1, skip_first: int = 0,
+                 repeat: int = 1, skip_first: int = 0, skip_first_wait: int = 0,
                  on_trace_ready: Callable[[str], Any] | None = None, **start_kwargs: Any) -> None:
         for name, v in (("wait", wait), ("warmup", warmup), ("active", active), ("repeat", repeat),
                         ("skip_first", skip_first)):
@@ -60,9 +62,14 @@ class Schedule:
                 raise ValueError(f"distgrad.trace.schedule: {name} must be an int >= 0, not {v!r}")
         if active < 1:
             raise ValueError("distgrad.trace.schedule: active must be at least 1 (steps traced per cycle)")
+        if not isinstance(skip_first_wait, int) or skip_first_wait < 0:   # (a bool is an int)
+            raise ValueError("distgrad.trace.schedule: skip_first_wait must be a bool or an int >= 0, "
+                             f"not {skip_first_wait!r}")
+        _check_start_kwargs(start_kwargs)
         self.path = os.fspath(path)
         self.wait, self.warmup, self.active = wait, warmup, active
         self.repeat, self.skip_first = repeat, skip_first
+        self.skip_first_wait = bool(skip_first_wait)
         self.on_trace_ready, self.start_kwargs = on_trace_ready, start_kwargs
         self.step_num = 0
         self.written: list[str] = []
@@ -75,7 +82,12 @@ class Schedule:
     # -- the schedule ----------------------------------------------------------------
     def cycle(self, step: int) -> int:
         """The cycle step ``step`` falls in (before the first: -1)."""
-        return -1 if step < self.skip_first else (step - self.skip_first) // self._period
+        return -1 if step < self.skip_first else self._shifted(step) // self._period
+
+    def _shifted(self, step: int) -> int:
+        """Step ``step`` (>= skip_first) counted from the first cycle's start; with
+        ``skip_first_wait``, as if that cycle's wait had already passed (torch's rule)."""
+        return step - self.skip_first + (self.wait if self.skip_first_wait else 0)
 
     @property
     def _period(self) -> int:
@@ -85,7 +97,7 @@ class Schedule:
         """``"none"``, ``"warmup"`` or ``"active"``: what step ``step`` is."""
         if step < self.skip_first:
             return NONE
-        s = step - self.skip_first
+        s = self._shifted(step)
         if self.repeat and s // self._period >= self.repeat:
             return NONE
         mod = s % self._period
@@ -164,12 +176,26 @@ class Schedule:
             self.on_trace_ready(written)
 
 
+#: :func:`distgrad.trace.start`'s keywords after ``path`` (a test holds the two together)
+START_KWARGS = ("profile_ops", "timeout", "max_events")
+
+
+def _check_start_kwargs(kwargs: dict) -> None:
+    """Refuse now, not at each cycle's start, a keyword :func:`distgrad.trace.start` lacks."""
+    unknown = sorted(set(kwargs) - set(START_KWARGS))
+    if unknown:
+        raise TypeError(f"distgrad.trace.schedule: unexpected keyword argument(s) {', '.join(unknown)} "
+                        f"(distgrad.trace.start takes {', '.join(START_KWARGS)})")
+
+
 def schedule(path: str, *, wait: int = 0, warmup: int = 0, active: int = 1, repeat: int = 1,
-             skip_first: int = 0, on_trace_ready: Callable[[str], Any] | None = None,
-             **start_kwargs: Any) -> Schedule:
+             skip_first: int = 0, skip_first_wait: int = 0,
+             on_trace_ready: Callable[[str], Any] | None = None, **start_kwargs: Any) -> Schedule:
     """A :class:`Schedule`: trace chosen steps of a long job, as ``torch.profiler.schedule``
-    (``start_kwargs``: :func:`distgrad.trace.start`'s ``profile_ops``, ``timeout``,
-    ``max_events``; ``on_trace_ready(path)`` runs after each file is written).
+    (``skip_first_wait``: skip the first cycle's wait, as torch's; ``start_kwargs``:
+    :func:`distgrad.trace.start`'s ``profile_ops``, ``timeout``, ``max_events``, any
+    other refused here with TypeError; ``on_trace_ready(path)`` runs after each file
+    is written).
 
     Example::
 
@@ -180,4 +206,5 @@ def schedule(path: str, *, wait: int = 0, warmup: int = 0, active: int = 1, repe
         >>> sched.close()
     """
     return Schedule(path, wait=wait, warmup=warmup, active=active, repeat=repeat,
-                    skip_first=skip_first, on_trace_ready=on_trace_ready, **start_kwargs)
+                    skip_first=skip_first, skip_first_wait=skip_first_wait,
+                    on_trace_ready=on_trace_ready, **start_kwargs)
