@@ -339,3 +339,81 @@ def test_counters_pair_by_request_id_not_by_record_order():
     served.append(_x("rpc.recv", 500, 510, kind="call", rid=3, **{"from": "w2"}))   # not yet served
     waiting = _levels(served, "requests waiting")
     assert waiting[-1] == 1 and max(waiting) == 1 and min(waiting) >= 0, waiting
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_on_signal_handler_only_wakes_a_thread(tmp_path, monkeypatch):
+    """Third audit (minor): the handler logged and started a thread in signal context;
+    a flood with a blocked stderr nested handlers until RecursionError. Now it only
+    wakes the capturing thread, which logs (also the signals it ignored)."""
+    import signal
+
+    import distgrad.trace as tr
+    from distgrad.trace import attach
+    prev = tr.on_signal(str(tmp_path / "s-{time}.json"), seconds=0.01)   # (no RPC: it fails)
+    try:
+        handler = signal.getsignal(signal.SIGUSR1)
+        on_main = []
+
+        class Log:
+            def __getattr__(self, name):
+                return lambda *a, **k: on_main.append((threading.current_thread() is threading.main_thread(),
+                                                       a[0] % a[1:]))
+
+        def no_thread(self):
+            raise AssertionError("a thread started in the signal handler")
+
+        monkeypatch.setattr(attach, "log", Log())
+        monkeypatch.setattr(threading.Thread, "start", no_thread)
+        for _ in range(200):     # a flood: the first asks for a capture, the others are ignored
+            handler(signal.SIGUSR1, None)
+        assert _wait_for(lambda: len(on_main) >= 2), on_main
+        assert not any(m for m, _ in on_main), on_main          # none logged in the handler
+        assert "not written" in on_main[0][1] and "199 signal(s)" in on_main[1][1], on_main
+        assert _wait_for(lambda: not attach._state.busy)      # the next signal tries again
+    finally:
+        signal.signal(signal.SIGUSR1, prev)
+
+
+def test_on_signal_captures_never_replace_one_another(tmp_path, monkeypatch):
+    """Third audit (minor): ``{time}`` had 1 s resolution, so two captures in one second
+    wrote one file; now it has milliseconds, and an existing name gets ``.1``, ``.2``."""
+    import re
+    import signal
+
+    import distgrad.trace as tr
+    opened = []
+
+    def start(path, **kw):
+        with open(path, "w") as f:
+            f.write("{}")
+        opened.append(path)
+
+    monkeypatch.setattr(tr, "start", start)
+    monkeypatch.setattr(tr, "stop", lambda: opened[-1])
+    prev = tr.on_signal(str(tmp_path / "fixed.json"), seconds=0.01)
+
+    def capture(n):   # signal until capture n started (one still running ignores the signal)
+        handler = signal.getsignal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while len(opened) < n and time.monotonic() < deadline:
+            handler(signal.SIGUSR1, None)
+            _wait_for(lambda: len(opened) >= n, 0.2)
+        assert len(opened) == n, opened
+
+    try:
+        for n in range(1, 4):
+            capture(n)
+        assert sorted(os.listdir(tmp_path)) == ["fixed.1.json", "fixed.2.json", "fixed.json"]
+        tr.on_signal(str(tmp_path / "t-{time}.json"), seconds=0.01)
+        capture(4)
+        assert re.fullmatch(r"t-\d{8}-\d{6}\.\d{3}\.json", os.path.basename(opened[-1])), opened
+        time.sleep(0.1)   # (the last capture ends)
+    finally:
+        signal.signal(signal.SIGUSR1, prev)
