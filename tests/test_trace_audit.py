@@ -417,3 +417,16 @@ def test_on_signal_captures_never_replace_one_another(tmp_path, monkeypatch):
         time.sleep(0.1)   # (the last capture ends)
     finally:
         signal.signal(signal.SIGUSR1, prev)
+
+
+def test_a_served_sparse_tensor_is_named_as_sparse():
+    """Third audit (minor): a sparse COO tensor was named ``float32[3, 3]``, like a dense
+    one; its wire spec's kind says it is sparse."""
+    from distgrad.trace.recorder import _tensors
+    from distgrad.wire import Kind
+    from distgrad.wire.messages import decode, encode
+    sp = torch.sparse_coo_tensor([[0, 2], [1, 0]], [3.0, 4.0], (3, 3))
+    param = torch.nn.Parameter(torch.ones(2).to_sparse())
+    msg = decode(encode(Kind.CALL, 7, None, b"", [torch.ones(2, 3), sp, torch.ones(10, 100).t(), param]))
+    assert _tensors(msg.specs) == "float32[2, 3]; sparse_coo float32[3, 3]; float32[100, 10]; " \
+                                  "sparse_coo float32[2]", _tensors(msg.specs)

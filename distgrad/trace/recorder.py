@@ -44,6 +44,7 @@ from typing import Any
 from ..wire import Kind
 from ..wire.fast_header import FAST, FAST_MAGIC
 from ..wire.messages import peek_header
+from ..wire.pickler import _SPARSE_COO
 from . import clock, records
 from .clock import local_ns
 from .records import CALL, GC, INSTANT, RECV, SEND, SERVE, SPAN, WAIT, flow_id, plain, short
@@ -95,14 +96,22 @@ def _nbytes(frames: Any) -> int:
 MAX_TENSORS = 8   # the tensors of a served request named in its span (the rest counted)
 
 
+def _tensor(spec: Any) -> str:
+    """``"float32[8, 4]"``, or ``"sparse_coo float32[3, 3]"`` for a sparse COO tensor
+    (its wire spec's ``kind`` says so: dtype and shape are the same for both)."""
+    name = f"{str(spec[0]).removeprefix('torch.')}{list(spec[1])}"
+    return f"sparse_coo {name}" if len(spec) > 3 and spec[3] & _SPARSE_COO else name
+
+
 def _tensors(specs: Any) -> str | None:
-    """``"float32[8, 4]; int64[3]"``: the dtype and shape of each tensor a request carried
-    (its wire specs: nothing is looked at that was not already decoded). One string, not
-    a container: a record holds no object the garbage collector tracks."""
+    """``"float32[8, 4]; sparse_coo float32[3, 3]"``: the layout (sparse only), dtype and
+    shape of each tensor a request carried (its wire specs: nothing is looked at that
+    was not already decoded). One string, not a container: a record holds no object
+    the garbage collector tracks."""
     if not specs:
         return None
     try:
-        out = "; ".join([f"{str(s[0]).removeprefix('torch.')}{list(s[1])}" for s in specs[:MAX_TENSORS]])
+        out = "; ".join([_tensor(s) for s in specs[:MAX_TENSORS]])
     except Exception:  # noqa: BLE001 - a spec this does not know: the span goes without
         return None
     return f"{out}; +{len(specs) - MAX_TENSORS} more" if len(specs) > MAX_TENSORS else out
