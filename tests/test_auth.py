@@ -448,6 +448,20 @@ def test_the_rendezvous_timeout_is_read_from_the_environment(monkeypatch):
             lifecycle.rdv_timeout(opts)
 
 
+def test_a_rendezvous_timeout_not_finite_or_too_large_is_refused_by_name(monkeypatch):
+    """Third audit of issue 35 (minor): "inf" (and "1e400", "1e300") passed the check and
+    init_rpc died at once with a bare OverflowError."""
+    from distgrad.rpc import lifecycle
+    from distgrad.rpc.options import TensorPipeRpcBackendOptions
+    opts = TensorPipeRpcBackendOptions(rpc_timeout=20)
+    for bad in ("inf", "-inf", "nan", "1e400", "1e300", "-1e-9"):
+        monkeypatch.setenv("DISTGRAD_RENDEZVOUS_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"DISTGRAD_RENDEZVOUS_TIMEOUT must be .*not '{bad}'"):
+            lifecycle.rdv_timeout(opts)
+    monkeypatch.setenv("DISTGRAD_RENDEZVOUS_TIMEOUT", "1e9")
+    assert lifecycle.rdv_timeout(opts) == 1e9
+
+
 def _no_secret_logs(rank, world_size, port):
     import distgrad.rpc as rpc
     records = []

@@ -31,10 +31,17 @@ from .worker_info import WorkerInfo
 log = logging.getLogger(__name__)
 
 
+#: the longest DISTGRAD_RENDEZVOUS_TIMEOUT taken (about 31 years): the store's and the
+#: threads' waits cannot hold much more (1e300 overflowed a C int)
+MAX_RDV_TIMEOUT = 1e9
+
+
 def rdv_timeout(opts: RpcBackendOptions) -> float:
     """How long init_rpc waits for the other workers: ``DISTGRAD_RENDEZVOUS_TIMEOUT``
-    (seconds) where set, else the call timeout, but at least a minute (workers start
-    at different times; a loaded machine is slow).
+    (seconds, finite, above 0 and at most :data:`MAX_RDV_TIMEOUT`; anything else
+    raises ValueError naming the variable and the value) where set, else the call
+    timeout, but at least a minute (workers start at different times; a loaded
+    machine is slow).
 
     Example::
 
@@ -47,9 +54,9 @@ def rdv_timeout(opts: RpcBackendOptions) -> float:
             value = float(env)
         except ValueError:
             value = -1.0
-        if not value > 0:
-            raise ValueError(f"DISTGRAD_RENDEZVOUS_TIMEOUT must be a number of seconds above 0, "
-                             f"not {env!r}")
+        if not 0 < value <= MAX_RDV_TIMEOUT:   # (nan, inf and 1e400 too)
+            raise ValueError(f"DISTGRAD_RENDEZVOUS_TIMEOUT must be a finite number of seconds above 0 "
+                             f"(at most {MAX_RDV_TIMEOUT:.0e}), not {env!r}")
         return value
     return max(opts.rpc_timeout, 60.0) if opts.rpc_timeout > 0 else 300.0
 
