@@ -10,7 +10,7 @@ Each trainer builds its own DistributedOptimizer(SGD) over the server's
 parameters and runs ``--warmup`` then ``--steps`` timed steps of:
 
     with dist_autograd.context() as cid:
-        params = rpc_sync("worker0", pull_parameters)   # recorded: grads flow back
+        params = rpc_sync("worker0", pull_parameters)   # views: grads flow back
         loss = cross_entropy(mlp(params, x), y)          # local forward, batch 32
         dist_autograd.backward(cid, [loss])
         opt.step(cid)                                    # SGD step on worker0
@@ -39,6 +39,9 @@ import common  # noqa: E402
 from common import Metric  # noqa: E402
 
 IN, HIDDEN, OUT, BATCH = 64, 128, 10, 32
+# a step's phases, timed on the trainer: pull the parameters (rpc_sync), the local
+# forward and loss, dist_autograd.backward, DistributedOptimizer.step, the context's exit
+PHASES = ("pull", "forward", "backward", "optimizer", "release")
 _SERVER: dict = {}
 
 
@@ -75,7 +78,11 @@ def param_rrefs(rpc_name):
 
 
 def pull_parameters():
-    return list(_model().parameters())
+    # views, so that gradients flow back to the server on both implementations: torch
+    # sends an nn.Parameter as a new leaf, with no autograd link (distgrad too, since
+    # it matches torch there); with the Parameters themselves torch's backward never
+    # reached the server and its trainers did not train (the loss did not fall)
+    return [p.view_as(p) for p in _model().parameters()]
 
 
 # -- trainer side -------------------------------------------------------------
@@ -101,21 +108,33 @@ def trainer(rpc_name, seed, warmup, steps):
     gen = torch.Generator().manual_seed(seed)
     xs = torch.randn(8, BATCH, IN, generator=gen)
     ys = torch.randint(0, OUT, (8, BATCH), generator=gen)
-    times, losses = [], []
-    t_start = None
+    times, losses, phases = [], [], {}
+    t_start = cpu_start = None
     for i in range(warmup + steps):
         if i == warmup:
+            server_cpu_start = rpc.rpc_sync("worker0", common.cpu_seconds)
             t_start = time.time()
-        t0 = time.perf_counter()
+            cpu_start = common.cpu_seconds()
+        pc = time.perf_counter
+        t0 = pc()
         with dist_autograd.context() as cid:
             params = rpc.rpc_sync("worker0", pull_parameters)
+            t1 = pc()
             loss = F.cross_entropy(_forward(params, xs[i % 8]), ys[i % 8])
+            t2 = pc()
             dist_autograd.backward(cid, [loss])
+            t3 = pc()
             opt.step(cid)
+            t4 = pc()
+        t5 = pc()
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(t5 - t0)
             losses.append(loss.item())
+            for k, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                phases.setdefault(k, []).append(v)
     return {"start": t_start, "end": time.time(), "times": times,
+            "cpu": common.cpu_seconds() - cpu_start, "phases": phases,
+            "server_cpu": (server_cpu_start, rpc.rpc_sync("worker0", common.cpu_seconds)),
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
@@ -128,6 +147,8 @@ def ps_workload(rpc, warmup=10, steps=100):
     futs = [rpc.rpc_async(f"worker{r}", ps_bench.trainer, args=(rpc.__name__, r, warmup, steps))
             for r in (1, 2)]
     res = [f.wait() for f in futs]
+    # the server's CPU from the first trainer's first timed step to the last one's end
+    server_cpu = (max(r["server_cpu"][1] for r in res) - min(r["server_cpu"][0] for r in res))
     wall = max(r["end"] for r in res) - min(r["start"] for r in res)
     times = sorted(t for r in res for t in r["times"])
     return {
@@ -137,6 +158,12 @@ def ps_workload(rpc, warmup=10, steps=100):
         "loss_first": statistics.mean(r["loss_first"] for r in res),
         "loss_last": statistics.mean(r["loss_last"] for r in res),
         "steps": len(times),
+        **{f"{k}_us_median": statistics.median(v for r in res for v in r["phases"][k]) * 1e6
+           for k in PHASES},
+        # CPU per timed step, the server's and a trainer's: with 3 processes on 2 cores
+        # it bounds the throughput (torch's figures include its busy polling)
+        "server_cpu_us_per_step": server_cpu / len(times) * 1e6,
+        "trainer_cpu_us_per_step": sum(r["cpu"] for r in res) / len(times) * 1e6,
     }
 
 
@@ -145,6 +172,10 @@ def metrics():
         Metric("steps_per_s", "aggregate throughput, 2 trainers", "steps/s", "higher", ".1f"),
         Metric("step_ms_median", "step time median", "ms", "lower", ".2f"),
         Metric("step_ms_p90", "step time p90", "ms", "lower", ".2f"),
+        *(Metric(f"{k}_us_median", f"phase: {k}, median", "us", "lower", ".0f")
+          for k in PHASES),
+        Metric("server_cpu_us_per_step", "server CPU per step served", "us", "lower", ".0f"),
+        Metric("trainer_cpu_us_per_step", "trainer CPU per step", "us", "lower", ".0f"),
         Metric("loss_first", "loss, first timed step", "", "lower", ".3f"),
         Metric("loss_last", "loss, last timed step", "", "lower", ".3f"),
         Metric("init_rpc_s", "init_rpc time", "s", "lower", ".2f"),

@@ -90,6 +90,10 @@ WORKLOADS = [
     Workload("ps", 3, lambda q: functools.partial(
         ps_bench.ps_workload, warmup=5 if q else 10, steps=30 if q else 100), [
         Row("steps_per_s", "parameter server, 2 trainers", "steps/s", "higher", "ratio>=1.2"),
+        Row("server_cpu_us_per_step", "parameter server: server CPU per step served", "us",
+            "lower", None, ".0f"),
+        Row("trainer_cpu_us_per_step", "parameter server: trainer CPU per step", "us",
+            "lower", None, ".0f"),
     ], 300, 150, about="ps_bench.ps_workload"),
     Workload("fanout", 4, lambda q: functools.partial(fanout_bench.fanout_workload, quick=q), [
         Row("fanout_calls_per_s", "fan-out 64 x rpc_async(256 KB) over 3 peers", "calls/s",

@@ -67,7 +67,10 @@ class ParameterServer:
     def parameters(self) -> list[torch.Tensor]:
         with self.lock:
             self.pulls += 1
-        return list(self.model.parameters())
+        # views of the parameters, not the Parameters: an nn.Parameter sent over RPC
+        # arrives as a new leaf and no gradient comes back through it (torch's rule,
+        # which distgrad keeps); a view carries the autograd link back to the server
+        return [p.view_as(p) for p in self.model.parameters()]
 
 
 _server: ParameterServer | None = None
@@ -86,7 +89,7 @@ def param_rrefs() -> list[rpc.RRef]:
 
 
 def pull_parameters() -> list[torch.Tensor]:
-    """Runs on ps: the parameters themselves (copied to the caller, gradients come back)."""
+    """Runs on ps: views of the parameters (copied to the caller, gradients come back)."""
     return _get_server().parameters()
 
 

@@ -92,3 +92,52 @@ def test_requests_read_together_with_a_reply_each_get_a_thread():
     # the shape happened: the waiting caller's read brought both requests at once
     assert reads and max(reads) >= 2, reads
     assert [flags for flags, _ in seen] == [[True, True]] * 3, seen
+
+
+# -- a future's waiter that reads requests gives its connection back -----------------
+_SERVED: list = []
+
+
+def _note(i):  # worker0, served on a pool thread
+    _SERVED.append(i)
+    return i
+
+
+def _long_call(n):  # worker1: sends worker0 n requests, spaced, while worker0 waits
+    import distgrad.rpc as rpc
+    out = []
+    for i in range(n):
+        out.append(rpc.rpc_sync("worker0", _note, args=(i,), timeout=30))
+        time.sleep(0.01)
+    return out
+
+
+def _waiter_rounds(rank, world_size):
+    import distgrad.rpc as rpc
+    from distgrad.rpc.api import current_agent
+    if rank != 0:
+        return None
+    t = current_agent().transport
+    read = t._read
+    by_waiter = []
+
+    def counted(conn, work):
+        before = len(work)
+        read(conn, work)
+        if conn.owned:  # read by the thread waiting in fut.wait()
+            by_waiter.append(len(work) - before)
+    t._read = counted
+    fut = rpc.rpc_async("worker1", _long_call, args=(20,), timeout=60)
+    assert fut.wait() == list(range(20))
+    return sorted(_SERVED), sum(by_waiter)
+
+
+def test_a_futures_waiter_that_reads_requests_gives_the_connection_back():
+    """worker0's main thread waits on a future to worker1 while worker1 sends it 20
+    requests: the waiter reads at most the first (and hands it to the pool), then
+    gives the connection back, so that the pool thread epoll wakes reads and serves
+    the rest itself (one wake-up each, not the waiter's and then a pool thread's).
+    Every request is served and the future completes."""
+    served, read_by_waiter = run_workers(_waiter_rounds, world_size=2, timeout=100)[0]
+    assert served == list(range(20))
+    assert read_by_waiter <= 1, read_by_waiter

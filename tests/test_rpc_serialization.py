@@ -351,6 +351,11 @@ def _all_kinds(rank, world_size):
         if local[k].grad is None:  # the empty tensor: no gradient either way
             assert k == "empty" and grads.get(v) is None
             continue
+        if type(v) is torch.nn.Parameter:
+            # as in torch: a Parameter travels as its data and arrives as a new leaf
+            # Parameter, so no gradient comes back through the wire for it
+            assert grads.get(v) is None and v.grad is None, k
+            continue
         _grads_equal(grads.get(v), local[k].grad, k)
         assert v.grad is None, k  # the context's gradients, never .grad
     assert grads[remote["coo"]].layout == torch.sparse_coo

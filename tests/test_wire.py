@@ -77,6 +77,16 @@ def test_view_sends_only_its_bytes():
     assert out.shape == (10,)
 
 
+def test_a_parameters_attributes_travel_with_it_as_torch_pickles_them():
+    p = torch.nn.Parameter(torch.randn(2, 2))
+    p.tag, p.lr_scale = "embedding", 0.5
+    q = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    out, _ = roundtrip([p, q, p])
+    assert type(out[0]) is torch.nn.Parameter and out[0].is_leaf and out[0].requires_grad
+    assert (out[0].tag, out[0].lr_scale) == ("embedding", 0.5) and out[2] is out[0]
+    assert torch.equal(out[0], p) and not out[1].requires_grad and not hasattr(out[1], "tag")
+
+
 def test_sparse_parameter_nested():
     sp = torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [2, 0, 1]]), torch.tensor([1., 2., 3.]),
                                  (3, 3))

@@ -11,7 +11,10 @@ What worker0 records, on two workers:
     used locally and one whose lookup runs on worker1;
   - calls of a post-accumulate-grad hook over three distributed passes;
   - ``.grad`` of a leaf seen by a watching thread during those passes;
-  - a reply's callback that waits for another reply to the same worker.
+  - a reply's callback that waits for another reply to the same worker;
+  - nn.Parameters sent both ways (a reply of a server's parameters, a view of one, an
+    argument with attributes): their type, leafness, grad_fn, attributes, the
+    gradients the server keeps, and the .grad a local backward leaves on them.
 """
 from __future__ import annotations
 
@@ -119,6 +122,54 @@ def _hooks_and_watch(rpc, dist_autograd) -> dict:
             "grads": grads}
 
 
+_SERVER: dict = {}
+
+
+def _server_params() -> list:
+    if "m" not in _SERVER:
+        torch.manual_seed(0)
+        _SERVER["m"] = torch.nn.Linear(3, 2)
+    return list(_SERVER["m"].parameters())
+
+
+def _pull(view: bool) -> list:
+    ps = _server_params()
+    return [ps[0].view_as(ps[0]), ps[1]] if view else ps
+
+
+def _describe_param(p) -> list:
+    return [type(p).__name__, p.requires_grad, p.is_leaf, p.grad_fn is None, getattr(p, "tag", None)]
+
+
+def _server_grads(impl: str, cid: int) -> list:
+    dist_autograd = _modules(impl)[1]
+    return sorted([list(k.shape), _vals(v)] for k, v in dist_autograd.get_gradients(cid).items())
+
+
+def _parameters(rpc, dist_autograd) -> dict:
+    out = {}
+    impl = "torch" if rpc.__name__.startswith("torch.") else "distgrad"
+    for view in (False, True):
+        with dist_autograd.context() as cid:
+            ps = rpc.rpc_sync("worker1", _pull, args=(view,))
+            seen = [[type(p).__name__, p.is_leaf, p.grad_fn is None] for p in ps]
+            loss = (torch.ones(4, 3) @ ps[0].t() + ps[1]).pow(2).sum()
+            dist_autograd.backward(cid, [loss])
+            out[f"pull view={view}"] = {
+                "seen": seen, "server": rpc.rpc_sync("worker1", _server_grads, args=(impl, cid)),
+                "local": sorted([list(k.shape), _vals(v)]
+                                for k, v in dist_autograd.get_gradients(cid).items())}
+        ps = rpc.rpc_sync("worker1", _pull, args=(view,))
+        (ps[0].sum() * 3 + ps[1].sum()).backward()   # plain local autograd on what arrived
+        out[f"local backward view={view}"] = [None if p.grad is None else _vals(p.grad) for p in ps]
+    p = torch.nn.Parameter(torch.ones(2))
+    p.tag = "mine"
+    with dist_autograd.context() as cid:
+        out["argument"] = rpc.rpc_sync("worker1", _describe_param, args=(p,))
+        out["argument sends"] = len(dist_autograd._retrieve_context(cid)._send_functions())
+    return out
+
+
 def _chain(rpc) -> list:
     got = []
     for _ in range(3):
@@ -141,7 +192,7 @@ def _worker(rank: int, port: int, impl: str, out) -> None:
     try:
         if rank == 0:
             res = {"kept": _kept(rpc, dist_autograd), "hooks": _hooks_and_watch(rpc, dist_autograd),
-                   "chain": _chain(rpc)}
+                   "chain": _chain(rpc), "parameters": _parameters(rpc, dist_autograd)}
             out.put(json.dumps(res, sort_keys=True))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         out.put(json.dumps({"error": f"{type(e).__name__}: {e}"}))

@@ -19,6 +19,8 @@ from .context import CONTAINER, DistAutogradContext
 from .engine import debug_info, fail_passes, on_abort, on_report
 from .rpc_functions import _ANCHOR, RecvRpc, SendRpc, _node_types
 
+_Parameter = torch.nn.Parameter
+
 
 class _Scope:
     """Runs a request's user function inside the caller's autograd context (and in
@@ -63,7 +65,9 @@ class AutogradExtension(AgentExtension):
             ctx.known_workers.add(dest)
         if ctx.released:
             return None
-        rg = [t for t in tensors if t.requires_grad]
+        # an nn.Parameter travels as a new leaf (torch pickles its .data and rebuilds a
+        # Parameter): no gradient flows back through it, in torch as here
+        rg = [t for t in tensors if t.requires_grad and type(t) is not _Parameter]
         if not rg or not torch.is_grad_enabled():
             msg_id = None
         else:
@@ -83,7 +87,8 @@ class AutogradExtension(AgentExtension):
             return None
 
         def attach(tensors: list) -> list:
-            idx = [i for i, t in enumerate(tensors) if t.requires_grad]
+            idx = [i for i, t in enumerate(tensors)
+                   if t.requires_grad and type(t) is not _Parameter]  # (see outgoing)
             if not idx:
                 return tensors
             plain = [tensors[i].detach() for i in idx]

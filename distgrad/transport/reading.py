@@ -285,7 +285,10 @@ class Reading:
         for its reply), when nobody else is reading it. Returns False at once when
         someone is (the reader completes the waiter), True once ``done()`` or the
         peer is lost. Work read on the way goes to the pool (:meth:`_hand_off`):
-        each request a task of its own, the reply completions of one read one task."""
+        each request a task of its own, the reply completions of one read one task.
+        A caller that did not claim the connection before sending (a future's
+        ``wait()``) gives it back after a read that brought a request, and returns
+        False: the peer is sending requests, and the pool serves those best."""
         conn = self._conns.get(peer)
         tls = self._tls
         if not claimed and not self.claim(peer):
@@ -312,6 +315,13 @@ class Reading:
                         # reply, and a failed reply's exception would keep this
                         # caller's frames (and what they hold) alive through its traceback
                         self._hand_off(work)
+                        if not claimed and not done() and _has_request(work):
+                            # the peer sends requests on this connection while this
+                            # caller waits (a future of a long call): each would cost
+                            # two wake-ups (this thread's, then a pool thread's). Given
+                            # back, the next is read by the pool thread it wakes, which
+                            # serves it there; the reply completes the future.
+                            return False
             return True
         finally:
             tls.reading = False
@@ -349,3 +359,11 @@ def _run_batch(work: list, pool) -> None:
 
 
 _run_batch.batchable = True  # reply completions only (see Reading._hand_off)
+
+
+def _has_request(work: list) -> bool:
+    """Whether ``work`` (read by a waiting caller) holds more than reply completions."""
+    for w in work:
+        if not getattr(w[0], "batchable", False):
+            return True
+    return False

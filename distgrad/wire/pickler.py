@@ -183,6 +183,9 @@ def _reduce_tensor(obj: torch.Tensor):
     if idx is None:  # ``tensors`` keeps obj alive, so its id stays unique
         idx = index[id(obj)] = len(tensors)
         tensors.append(obj)
+    if obj.__dict__ and type(obj) is torch.nn.Parameter:
+        # a Parameter's attributes travel with it, as torch's pickling keeps them
+        return _table_parameter, (idx, torch._utils._get_obj_state(obj))
     return _table_tensor, (idx,)
 
 
@@ -192,6 +195,14 @@ def _table_tensor(idx: int) -> torch.Tensor:
     if tensors is None or type(idx) is not int or not 0 <= idx < len(tensors):
         raise ProtocolError(f"bad tensor reference {idx!r}")
     return tensors[idx]
+
+
+def _table_parameter(idx: int, state: Any) -> torch.Tensor:
+    """The rebuilt Parameter ``idx`` with the attributes it was sent with."""
+    t = _table_tensor(idx)
+    if type(t) is not torch.nn.Parameter:
+        raise ProtocolError(f"tensor reference {idx!r} with attributes is not a Parameter")
+    return torch._utils._set_obj_state(t, state)
 
 
 _DISPATCH = {torch.Tensor: _reduce_tensor, torch.nn.Parameter: _reduce_tensor}
