@@ -96,8 +96,9 @@ def _forward(params, x):
     return h
 
 
-def trainer(rpc_name, seed, warmup, steps):
-    """Runs on a trainer (called by worker0 through rpc_async); returns its timings."""
+def trainer(rpc_name, seed, warmup, steps, trace=None):
+    """Runs on a trainer (called by worker0 through rpc_async); returns its timings.
+    ``trace``: a path where this trainer records its timed steps with distgrad.trace."""
     import torch
     import torch.nn.functional as F
     rpc = _rpc_module(rpc_name)
@@ -113,6 +114,9 @@ def trainer(rpc_name, seed, warmup, steps):
     for i in range(warmup + steps):
         if i == warmup:
             server_cpu_start = rpc.rpc_sync("worker0", common.cpu_seconds)
+            if trace:
+                import distgrad
+                distgrad.trace.start(trace)
             t_start = time.time()
             cpu_start = common.cpu_seconds()
         pc = time.perf_counter
@@ -128,6 +132,8 @@ def trainer(rpc_name, seed, warmup, steps):
             t4 = pc()
         t5 = pc()
         if i >= warmup:
+            if trace and i == warmup + steps - 1:
+                distgrad.trace.stop()
             times.append(t5 - t0)
             losses.append(loss.item())
             for k, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
@@ -138,13 +144,15 @@ def trainer(rpc_name, seed, warmup, steps):
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
-def ps_workload(rpc, warmup=10, steps=100):
-    """Runs on worker0 (the server): starts both trainers and waits for them."""
+def ps_workload(rpc, warmup=10, steps=100, trace=None):
+    """Runs on worker0 (the server): starts both trainers and waits for them
+    (``trace``: trainer1 records its timed steps there, distgrad only)."""
     import ps_bench
     import torch
     torch.set_num_threads(1)
     ps_bench._model()
-    futs = [rpc.rpc_async(f"worker{r}", ps_bench.trainer, args=(rpc.__name__, r, warmup, steps))
+    futs = [rpc.rpc_async(f"worker{r}", ps_bench.trainer,
+                          args=(rpc.__name__, r, warmup, steps, trace if r == 1 else None))
             for r in (1, 2)]
     res = [f.wait() for f in futs]
     # the server's CPU from the first trainer's first timed step to the last one's end
