@@ -187,7 +187,7 @@ def table(name: str, r: dict) -> str:
     lines = [f"### {name}", "", "| phase | torch, us | distgrad, us | distgrad / torch |",
              "|---|---:|---:|---:|"]
     t, d = r.get("torch"), r.get("distgrad")
-    for i, ph in enumerate(PHASES[name] + ("step (wall / steps)",)):
+    for i, ph in enumerate(PHASES[name] + ("step",)):
         tv = (t["phases_us"][i] if i < len(PHASES[name]) else t["step_us"]) if t else None
         dv = (d["phases_us"][i] if i < len(PHASES[name]) else d["step_us"]) if d else None
         ratio = f"{dv / tv:.2f}x" if tv and dv else "-"

@@ -25,6 +25,7 @@ import collections
 import pickle
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -39,6 +40,7 @@ from ..rpc.functions import async_execution
 from ..rpc.remote_exc import pack_exception, unpack_exception
 from ..trace import recorder as _trace
 from ..trace.clock import local_ns
+from ..transport import reading as _reading
 from . import anomaly as anomaly_mode
 from . import checkpoint as _checkpoint
 from .checks import check_roots as _check_roots
@@ -480,11 +482,25 @@ def backward_sync(context_id: int, roots: Sequence[torch.Tensor], retain_graph: 
         lock.release()
 
     start_backward(context_id, roots, retain_graph, grad_tensors, deliver, create_graph=create_graph)
-    lock.acquire()
+    if not lock.acquire(False):
+        _spin_then_wait(lock)
     if box[0] is not None:
         if isinstance(box[0], AnomalyError):
             anomaly_mode.complete(box[0], context_id)
         raise box[0]
+
+
+def _spin_then_wait(lock: threading.Lock) -> None:
+    """Acquire ``lock``, looking for DISTGRAD_SPIN_US first (yielding the core between
+    looks) before sleeping: the end of a short pass then wakes no sleeping thread."""
+    spin = _reading.SPIN_S
+    if spin:
+        stop = time.perf_counter() + spin
+        while time.perf_counter() < stop:
+            _reading._yield()
+            if lock.acquire(False):
+                return
+    lock.acquire()
 
 
 def _backward_inline(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool,

@@ -57,6 +57,11 @@ def _spin_seconds(raw: str | None) -> float:
 
 
 SPIN_S = _spin_seconds(os.environ.get("DISTGRAD_SPIN_US"))
+# between two looks while spinning: let another process on this core run (where the
+# platform has no sched_yield, a spin is a plain busy loop)
+_yield = getattr(os, "sched_yield", None) or (lambda: None)
+if os.environ.get("DG_NOYIELD") == "1":
+    _yield = lambda: None  # noqa: E731 - A/B of the yield (temporary)
 
 
 class Reading:
@@ -120,6 +125,7 @@ class Reading:
                         events = self._poller.poll(0, 1)
                         if events or not self._running:
                             return events
+                        _yield()  # a peer on this core runs; none: this vCPU stays awake
                 return self._poller.poll(wait, 1)
             except (OSError, ValueError):
                 if not self._running:
@@ -306,6 +312,7 @@ class Reading:
                 if not ready and SPIN_S:
                     stop = time.perf_counter() + SPIN_S
                     while not ready and time.perf_counter() < stop:
+                        _yield()
                         ready = poll(0)
                 if ready or poll(100):
                     work: list = []
