@@ -60,8 +60,6 @@ SPIN_S = _spin_seconds(os.environ.get("DISTGRAD_SPIN_US"))
 # between two looks while spinning: let another process on this core run (where the
 # platform has no sched_yield, a spin is a plain busy loop)
 _yield = getattr(os, "sched_yield", None) or (lambda: None)
-if os.environ.get("DG_NOYIELD") == "1":
-    _yield = lambda: None  # noqa: E731 - A/B of the yield (temporary)
 
 
 class Reading:
