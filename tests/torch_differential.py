@@ -167,7 +167,18 @@ def _parameters(rpc, dist_autograd) -> dict:
     with dist_autograd.context() as cid:
         out["argument"] = rpc.rpc_sync("worker1", _describe_param, args=(p,))
         out["argument sends"] = len(dist_autograd._retrieve_context(cid)._send_functions())
+    # a Parameter argument used on the callee, its result used here: the gradient stops
+    # at the callee's new leaf (kept in the callee's context), none comes back for p
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", _scaled_param, args=(p, torch.full((2,), 3.0, requires_grad=True)))
+        dist_autograd.backward(cid, [y.sum()])
+        out["argument used"] = {"here": sorted(_vals(v) for v in dist_autograd.get_gradients(cid).values()),
+                                "there": rpc.rpc_sync("worker1", _server_grads, args=(impl, cid))}
     return out
+
+
+def _scaled_param(p, s):
+    return p * s
 
 
 def _chain(rpc) -> list:
