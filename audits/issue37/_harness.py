@@ -40,12 +40,13 @@ def _worker(rank, world, port, impl, modname, fname, out):
     try:
         rpc, da = modules(impl)
         opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                               rpc_timeout=60)
+                                               rpc_timeout=60,
+                                               num_worker_threads=int(os.environ.get("AUDIT37_THREADS", "16")))
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
         mod = importlib.import_module(modname)
         val = getattr(mod, fname)(rank, rpc, da, impl)
-        rpc.shutdown()
         out.put((rank, "ok", val))
+        rpc.shutdown(graceful=os.environ.get("AUDIT37_GRACEFUL", "1") == "1")
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
 
