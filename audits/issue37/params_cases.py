@@ -348,7 +348,7 @@ def case_hooks(rpc, da, impl):
     return out
 
 
-def case_create_graph(rpc, da, impl):
+def case_retain_graph(rpc, da, impl):
     out = {}
     with da.context() as cid:
         p = rpc.rpc_sync("worker1", srv_return_param)
@@ -397,6 +397,44 @@ def case_distopt(rpc, da, impl):
             opt.step(cid)
         out[how] = rpc.rpc_sync("worker1", srv_value)
     return out
+
+
+class PMod(nn.Module):
+    """forward(x, p) returns (x * self.w, p * 2, self.w, p)."""
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((2,), 3.0))
+
+    def forward(self, x, p):
+        return x * self.w, p * 2, self.w, p
+
+
+def case_remote_module(rpc, da, impl):
+    from importlib import import_module
+    RM = import_module("torch.distributed.nn" if impl == "torch" else "distgrad.nn").RemoteModule
+    m = RM("worker1/cpu", PMod)
+    out = {}
+    x = torch.ones(2, requires_grad=True)
+    p = nn.Parameter(torch.ones(2))
+    with da.context() as cid:
+        a, b, w, q = m.forward(x, p)
+        out["types"] = desc([a, b, w, q])
+        out["counts"] = ctx_counts(da, cid)
+        da.backward(cid, [a.sum() + b.sum() + w.sum() + q.sum()])
+        g = da.get_gradients(cid)
+        out["client_grads"] = sorted([("x" if k is x else "p" if k is p else "w" if k is w
+                                       else "q" if k is q else type(k).__name__), _vals(v)]
+                                     for k, v in g.items())
+        out["remote_params_grad"] = rpc.rpc_sync("worker1", srv_mod_grads,
+                                                 args=(m.module_rref, impl, cid))
+    return out
+
+
+def srv_mod_grads(rr, impl, cid):
+    da = _harness.modules(impl)[1]
+    mod = rr.local_value()
+    g = da.get_gradients(cid)
+    return [_vals(g.get(mod.w)), len(g)]
 
 
 CASES = [n[5:] for n in list(globals()) if n.startswith("case_")]
