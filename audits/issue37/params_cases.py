@@ -437,6 +437,54 @@ def srv_mod_grads(rr, impl, cid):
     return [_vals(g.get(mod.w)), len(g)]
 
 
+def srv_attr_probe(p, impl):
+    out = desc(p)
+    out["aux"] = desc(p.aux) if hasattr(p, "aux") else None
+    out["other_is"] = (type(p.other).__name__, p.other.tag) if hasattr(p, "other") else None
+    S["got"] = p
+    return out
+
+
+def srv_aux_double(p):
+    S["got"] = p
+    return p.aux * 2
+
+
+def case_state_tensors(rpc, da, impl):
+    """A Parameter whose attributes hold a grad-requiring tensor / another Parameter / itself."""
+    out = {}
+    import os
+    which = os.environ.get("AUDIT37_STATE", "aux,other").split(",")
+    base = torch.ones(2, requires_grad=True)
+    p = nn.Parameter(torch.zeros(2))
+    p.aux = base * 3 if "aux" in which else torch.ones(2)
+    q = nn.Parameter(torch.ones(1))
+    q.tag = "q"
+    if "other" in which:
+        p.other = q
+    with da.context() as cid:
+        out["desc"] = rpc.rpc_sync("worker1", srv_attr_probe, args=(p, impl))
+        out["counts"] = ctx_counts(da, cid)
+        y = rpc.rpc_sync("worker1", srv_aux_double, args=(p,))
+        if y.requires_grad:
+            da.backward(cid, [y.sum()])
+        out["grad_base"] = _vals(da.get_gradients(cid).get(base))
+    return out
+
+
+def case_self_ref(rpc, da, impl):
+    """A Parameter whose attribute is itself (torch: worker0 dies, see README)."""
+    out = {}
+    r = nn.Parameter(torch.ones(1))
+    r.me = r
+    try:
+        rpc.rpc_sync("worker1", srv_identity, args=(r,))
+        out["self_ref"] = "sent"
+    except Exception as e:  # noqa: BLE001
+        out["self_ref"] = "raised"
+    return out
+
+
 CASES = [n[5:] for n in list(globals()) if n.startswith("case_")]
 
 
@@ -460,7 +508,7 @@ def main():
     import os
     names = sys.argv[1:] or CASES
     os.environ["AUDIT37_CASES"] = ",".join(names)
-    got = {impl: _harness.run("params_cases", "scenario_env", impl, timeout=180)
+    got = {impl: _harness.run("params_cases", "scenario_env", impl, timeout=int(os.environ.get("AUDIT37_TIMEOUT", "180")))
            for impl in ("torch", "distgrad")}
     for impl, r in got.items():
         for k, v in r.items():
