@@ -40,7 +40,12 @@ class DistAutogradContext:
         self.send_functions: dict[int, Any] = {}
         self.send_outputs: dict[int, tuple] = {}   # keeps each send node alive
         self.recv_functions: dict[int, Any] = {}
+        # torch's known workers: those this worker sent to under the context, and
+        # those a message with a recv function came from (``_known_worker_ids()``)
         self.known_workers: set[int] = set()
+        # every worker a message under the context came from (its loss releases the
+        # context here, recv function or not)
+        self.heard_from: set[int] = set()
         # keyed by the leaf's AccumulateGrad node (held here, so it stays the
         # leaf's one node); get_gradients() maps them to the leaf tensors
         self.gradients: dict[Any, torch.Tensor] = {}

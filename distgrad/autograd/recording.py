@@ -60,9 +60,10 @@ class AutogradExtension(AgentExtension):
     def current(self) -> Any:
         return CONTAINER.current()
 
-    def outgoing(self, dest: int, tensors: list, ctx: DistAutogradContext) -> Any:
-        with ctx.lock:
-            ctx.known_workers.add(dest)
+    def outgoing(self, dest: int, tensors: list, ctx: DistAutogradContext, reply: bool = False) -> Any:
+        if not reply:  # a request under a context makes its receiver known (torch's rule)
+            with ctx.lock:
+                ctx.known_workers.add(dest)
         if ctx.released:
             return None
         # an nn.Parameter travels as a new leaf (torch pickles its .data and rebuilds a
@@ -76,13 +77,19 @@ class AutogradExtension(AgentExtension):
             with ctx.lock:
                 ctx.send_functions[msg_id] = outs[0].grad_fn
                 ctx.send_outputs[msg_id] = outs
+                ctx.known_workers.add(dest)  # (a reply's receiver: only with a send function)
         return (ctx.id, msg_id, True) if anomaly_mode.enabled() else (ctx.id, msg_id)
+
+    def outgoing_reply(self, dest: int, tensors: list, ctx: DistAutogradContext) -> Any:
+        return self.outgoing(dest, tensors, ctx, reply=True)
 
     def incoming(self, sender: int, meta: Any):
         context_id, msg_id = meta[0], meta[1]
         ctx = CONTAINER.get_or_create(context_id)
         with ctx.lock:
-            ctx.known_workers.add(sender)
+            ctx.heard_from.add(sender)
+            if msg_id is not None:  # as torch: a sender is known once a recv function is
+                ctx.known_workers.add(sender)
         if msg_id is None:
             return None
 
@@ -113,7 +120,8 @@ class AutogradExtension(AgentExtension):
         backward passes started here that ``peer`` took part in."""
         fail_passes(peer, self.agent._lost_error)
         with CONTAINER.lock:
-            involved = [c for c in CONTAINER.contexts.values() if peer in c.known_workers]
+            involved = [c for c in CONTAINER.contexts.values()
+                        if peer in c.known_workers or peer in c.heard_from]
         for ctx in involved:
             if (ctx.id >> 48) != CONTAINER.worker_id:
                 CONTAINER.release(ctx.id)

@@ -33,6 +33,11 @@ class AgentExtension:
         """Called before a message with ``tensors`` goes to ``dest``; returns meta."""
         return None
 
+    def outgoing_reply(self, dest: int, tensors: list, ctx: Any) -> Any:
+        """Called before a reply with ``tensors`` goes to ``dest``; returns meta
+        (by default as :meth:`outgoing`)."""
+        return self.outgoing(dest, tensors, ctx)
+
     def incoming(self, sender: int, meta: Any) -> Callable[[list], list] | None:
         """Returns a tensor hook for a received message's tensors, or None."""
         return None

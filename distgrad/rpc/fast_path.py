@@ -46,7 +46,7 @@ class FastPath:
             frames = encode_fast(Kind.REPLY, rid, "", payload, tensors)
             if frames is not None:
                 return frames
-        ag_meta = self._outgoing(peer, tensors, ctx)
+        ag_meta = self._outgoing(peer, tensors, ctx, True)
         return encode(Kind.REPLY, rid, ag_meta, payload, tensors)
 
     def _decode_reply(self, p: Any, kind: int, frames: list) -> Any:
@@ -63,11 +63,11 @@ class FastPath:
                 return c
         return None
 
-    def _outgoing(self, dest: int, tensors: list, ctx: Any) -> Any:
+    def _outgoing(self, dest: int, tensors: list, ctx: Any, reply: bool = False) -> Any:
         if ctx is None:
             return None
         for ext in self.extensions:
-            meta = ext.outgoing(dest, tensors, ctx)
+            meta = (ext.outgoing_reply if reply else ext.outgoing)(dest, tensors, ctx)
             if meta is not None:
                 return meta
         return None

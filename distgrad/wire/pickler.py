@@ -141,7 +141,9 @@ def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _pieces(t: torch.Tensor) -> tuple[TensorSpec, list[torch.Tensor]]:
     """The spec of a table tensor and the dense pieces whose bytes travel."""
-    kind = _PARAMETER if isinstance(t, torch.nn.Parameter) else _DENSE
+    # the exact type, as everywhere (autograd's recording included): a tensor that
+    # only claims to be one (``_is_param``) is a plain tensor, as torch sends it
+    kind = _PARAMETER if type(t) is torch.nn.Parameter else _DENSE
     if t.layout == torch.sparse_coo:
         d = t.detach()
         spec = TensorSpec(str(t.dtype), tuple(t.shape), bool(t.requires_grad), kind | _SPARSE_COO,
