@@ -81,6 +81,10 @@ def _wait_until(pred, timeout=10.0):
 
 
 # -- contexts, recording, argument checks -----------------------------------------
+def _plus(x, y):
+    return x + y
+
+
 def _contexts(rank, ws):
     import distgrad.autograd as dist_autograd
     import distgrad.rpc as rpc
@@ -95,8 +99,11 @@ def _contexts(rank, ws):
                 pass
         ctx = dist_autograd._current_context()
         out["same"] = ctx._context_id() == cid and dist_autograd._retrieve_context(cid) is ctx
-        # a call with no tensors requiring grad still makes the peer known
+        # as torch: a builtin operator's call with no tensor requiring grad carries no
+        # autograd information (its callee is not known); a Python function's always does
         rpc.rpc_sync("worker2", torch.add, args=(torch.ones(2), 1))
+        out["known_builtin"] = sorted(ctx._known_worker_ids())
+        rpc.rpc_sync("worker2", _plus, args=(torch.ones(2), 1))
         out["known_no_grad"] = sorted(ctx._known_worker_ids())
         out["no_grad_sends"] = len(ctx._send_functions())
         x = torch.ones(3, requires_grad=True)
@@ -134,7 +141,7 @@ def test_contexts_and_recording():
     r = res[1]
     assert r["cid"] == 1 << 48
     assert r["same"]
-    assert r["known_no_grad"] == [2] and r["no_grad_sends"] == 0
+    assert r["known_builtin"] == [] and r["known_no_grad"] == [2] and r["no_grad_sends"] == 0
     assert r["recv_name"] == "torch::distributed::autograd::RecvRpcBackward"  # torch's name
     assert r["n_send_recv"] == (1, 1)
     assert r["send_edges_ok"] == [("AccumulateGrad", True)]  # x goes once, aliasing kept

@@ -174,7 +174,37 @@ def _parameters(rpc, dist_autograd) -> dict:
         dist_autograd.backward(cid, [y.sum()])
         out["argument used"] = {"here": sorted(_vals(v) for v in dist_autograd.get_gradients(cid).values()),
                                 "there": rpc.rpc_sync("worker1", _server_grads, args=(impl, cid))}
+    # a plain tensor that only claims to be a Parameter (nn.Parameter's metaclass takes
+    # _is_param for one), sent beside another: both are plain tensors, both linked
+    a = torch.full((3, 2), 1.0, requires_grad=True)
+    b = torch.full((2, 3), 1.0, requires_grad=True)
+    flagged = a.t()
+    flagged._is_param = True
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", _weighted, args=(flagged, b))
+        dist_autograd.backward(cid, [y])
+        g = dist_autograd.get_gradients(cid)
+        out["flagged tensor"] = [_vals(g[a]) if a in g else None, _vals(g[b]) if b in g else None]
+    # which workers a context knows, on each side, after a call with no gradient
+    for f in (torch.add, _plus):   # a builtin, a Python function
+        with dist_autograd.context() as cid:
+            rpc.rpc_sync("worker1", f, args=(torch.ones(2), 1))
+            out[f"known after a plain call of {f.__name__}"] = [
+                sorted(dist_autograd._retrieve_context(cid)._known_worker_ids()),
+                rpc.rpc_sync("worker1", _known, args=(impl, cid))]
     return out
+
+
+def _plus(x, y):
+    return x + y
+
+
+def _weighted(x, y):
+    return (x * 2).sum() + (y * 5).sum()
+
+
+def _known(impl: str, cid: int) -> list:
+    return sorted(_modules(impl)[1]._retrieve_context(cid)._known_worker_ids())
 
 
 def _scaled_param(p, s):

@@ -60,8 +60,8 @@ class AutogradExtension(AgentExtension):
     def current(self) -> Any:
         return CONTAINER.current()
 
-    def outgoing(self, dest: int, tensors: list, ctx: DistAutogradContext, reply: bool = False) -> Any:
-        if not reply:  # a request under a context makes its receiver known (torch's rule)
+    def outgoing(self, dest: int, tensors: list, ctx: DistAutogradContext, only_grad: bool = False) -> Any:
+        if not only_grad:  # a call under a context makes its receiver known (torch's rule)
             with ctx.lock:
                 ctx.known_workers.add(dest)
         if ctx.released:
@@ -70,6 +70,8 @@ class AutogradExtension(AgentExtension):
         # Parameter): no gradient flows back through it, in torch as here
         rg = [t for t in tensors if t.requires_grad and type(t) is not _Parameter]
         if not rg or not torch.is_grad_enabled():
+            if only_grad:  # torch sends no autograd information with it
+                return None
             msg_id = None
         else:
             msg_id = CONTAINER.new_message_id()
@@ -77,11 +79,11 @@ class AutogradExtension(AgentExtension):
             with ctx.lock:
                 ctx.send_functions[msg_id] = outs[0].grad_fn
                 ctx.send_outputs[msg_id] = outs
-                ctx.known_workers.add(dest)  # (a reply's receiver: only with a send function)
+                ctx.known_workers.add(dest)  # (with only_grad: only with a send function)
         return (ctx.id, msg_id, True) if anomaly_mode.enabled() else (ctx.id, msg_id)
 
-    def outgoing_reply(self, dest: int, tensors: list, ctx: DistAutogradContext) -> Any:
-        return self.outgoing(dest, tensors, ctx, reply=True)
+    def outgoing_if_grad(self, dest: int, tensors: list, ctx: DistAutogradContext) -> Any:
+        return self.outgoing(dest, tensors, ctx, only_grad=True)
 
     def incoming(self, sender: int, meta: Any):
         context_id, msg_id = meta[0], meta[1]

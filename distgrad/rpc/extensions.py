@@ -33,9 +33,11 @@ class AgentExtension:
         """Called before a message with ``tensors`` goes to ``dest``; returns meta."""
         return None
 
-    def outgoing_reply(self, dest: int, tensors: list, ctx: Any) -> Any:
-        """Called before a reply with ``tensors`` goes to ``dest``; returns meta
-        (by default as :meth:`outgoing`)."""
+    def outgoing_if_grad(self, dest: int, tensors: list, ctx: Any) -> Any:
+        """Called instead of :meth:`outgoing` for a message that carries the context
+        only when it carries a tensor that requires grad (a reply, a builtin
+        operator's call; torch's ``forceGradRecording=False``); by default as
+        :meth:`outgoing`."""
         return self.outgoing(dest, tensors, ctx)
 
     def incoming(self, sender: int, meta: Any) -> Callable[[list], list] | None:

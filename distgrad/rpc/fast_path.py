@@ -20,6 +20,7 @@ from ..wire import Kind, dumps, encode, encode_fast, loads
 from ..wire.messages import decode
 from .extensions import NULL_SCOPE
 from .remote_exc import unpack_exception
+from .script import builtin_name
 
 
 class FastPath:
@@ -36,7 +37,10 @@ class FastPath:
             frames = encode_fast(kind, rid, what, payload, tensors)
             if frames is not None:
                 return frames
-        ag_meta = self._outgoing(dest.id, tensors, ctx)
+        # torch records a Python function's call under a context always, a builtin
+        # operator's only when a tensor requires grad (else the callee never hears of it)
+        ag_meta = self._outgoing(dest.id, tensors, ctx, kind == Kind.CALL and ctx is not None
+                                 and builtin_name(payload_obj[0]) is not None)
         return encode(kind, rid, (what, ag_meta, extra), payload, tensors)
 
     def _reply_frames(self, peer: int, rid: int, value: Any, ctx: Any) -> list:
@@ -63,11 +67,12 @@ class FastPath:
                 return c
         return None
 
-    def _outgoing(self, dest: int, tensors: list, ctx: Any, reply: bool = False) -> Any:
+    def _outgoing(self, dest: int, tensors: list, ctx: Any, only_grad: bool = False) -> Any:
         if ctx is None:
             return None
         for ext in self.extensions:
-            meta = (ext.outgoing_reply if reply else ext.outgoing)(dest, tensors, ctx)
+            fn = getattr(ext, "outgoing_if_grad", ext.outgoing) if only_grad else ext.outgoing
+            meta = fn(dest, tensors, ctx)
             if meta is not None:
                 return meta
         return None
