@@ -21,6 +21,13 @@ def _run(impl: str) -> dict:
 
 
 def test_observations_equal_torchs():
-    want, got = _run("torch"), _run("distgrad")
+    want = _run("torch")
+    if "hung" in want:
+        # torch's own run is the reference; it hung once in a full suite run (a
+        # rendezvous that never met, not reproduced in dozens of runs): run it again.
+        # distgrad's run gets no second chance.
+        print(f"torch's reference run: {want['error']}; run again")
+        want = _run("torch")
+    got = _run("distgrad")
     assert "error" not in want, want
     assert got == want

@@ -25,6 +25,7 @@ import os
 import queue
 import socket
 import threading
+import time
 
 import torch
 
@@ -232,15 +233,20 @@ def _worker(rank: int, port: int, impl: str, out) -> None:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     try:
         if rank == 0:
-            res = {"kept": _kept(rpc, dist_autograd), "hooks": _hooks_and_watch(rpc, dist_autograd),
-                   "chain": _chain(rpc), "parameters": _parameters(rpc, dist_autograd)}
+            res = {}
+            for name, part in (("kept", lambda: _kept(rpc, dist_autograd)),
+                               ("hooks", lambda: _hooks_and_watch(rpc, dist_autograd)),
+                               ("chain", lambda: _chain(rpc)),
+                               ("parameters", lambda: _parameters(rpc, dist_autograd))):
+                out.put(json.dumps({"stage": name}))   # where a hang happened, if one does
+                res[name] = part()
             out.put(json.dumps(res, sort_keys=True))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         out.put(json.dumps({"error": f"{type(e).__name__}: {e}"}))
     rpc.shutdown()
 
 
-def run(impl: str, timeout: float = 240.0) -> dict:
+def run(impl: str, timeout: float = 90.0) -> dict:
     """The program on two spawned workers of ``impl``; worker0's record."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -250,10 +256,15 @@ def run(impl: str, timeout: float = 240.0) -> dict:
     ps = [ctx.Process(target=_worker, args=(r, port, impl, out)) for r in range(2)]
     for p in ps:
         p.start()
+    stage, end = None, time.monotonic() + timeout
     try:
-        return json.loads(out.get(timeout=timeout))
+        while True:
+            got = json.loads(out.get(timeout=max(0.0, end - time.monotonic())))
+            if set(got) != {"stage"}:
+                return got
+            stage = got["stage"]
     except queue.Empty:
-        return {"error": f"no result within {timeout:g} s"}
+        return {"error": f"no result within {timeout:g} s (in part {stage!r})", "hung": stage}
     finally:
         for p in ps:
             p.join(30)
