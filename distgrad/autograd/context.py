@@ -40,8 +40,8 @@ class DistAutogradContext:
         self.send_functions: dict[int, Any] = {}
         self.send_outputs: dict[int, tuple] = {}   # keeps each send node alive
         self.recv_functions: dict[int, Any] = {}
-        # torch's known workers: those this worker sent to under the context, and
-        # those a message with a recv function came from (``_known_worker_ids()``)
+        # torch's known workers: those this worker sent autograd information to under
+        # the context (``_known_worker_ids()``; torch adds none on receipt)
         self.known_workers: set[int] = set()
         # every worker a message under the context came from (its loss releases the
         # context here, recv function or not)

@@ -88,10 +88,8 @@ class AutogradExtension(AgentExtension):
     def incoming(self, sender: int, meta: Any):
         context_id, msg_id = meta[0], meta[1]
         ctx = CONTAINER.get_or_create(context_id)
-        with ctx.lock:
+        with ctx.lock:  # torch learns of known workers only by sending to them
             ctx.heard_from.add(sender)
-            if msg_id is not None:  # as torch: a sender is known once a recv function is
-                ctx.known_workers.add(sender)
         if msg_id is None:
             return None
 

@@ -330,10 +330,28 @@ def _payload(func: Callable, args: Any, kwargs: Any) -> tuple[tuple, str]:
     if script.is_script_function(func):
         name = script.qualified_name(func)
         return (script.ScriptFunctionRef(name), args, kwargs), name
+    if script.builtin_name(func) is not None:
+        # as torch sends a builtin operator's call (a ScriptCall of tensors, never
+        # through a pickler): an nn.Parameter argument is a tensor like any other,
+        # linked into the graph (a view carries the link; a Parameter would arrive as a
+        # new leaf), and a custom RPC pickler is not used
+        return (func, _unparam(args), {k: _unparam1(v) for k, v in kwargs.items()}), _qualname(func)
     if _default_pickler is not _internal_rpc_pickler:
         data, tensors = _default_pickler.serialize(PythonUDF(func, args, kwargs))
         return (_run_serialized, (data, tensors), {}), _qualname(func)
     return (func, args, kwargs), _qualname(func)
+
+
+def _unparam1(v: Any) -> Any:
+    if type(v) is torch.nn.Parameter and v.requires_grad and torch.is_grad_enabled():
+        return v.view_as(v)
+    if type(v) in (list, tuple):
+        return type(v)(_unparam1(x) for x in v)
+    return v
+
+
+def _unparam(args: tuple) -> tuple:
+    return tuple(_unparam1(a) for a in args)
 
 
 def rpc_sync(to: Any, func: Callable, args: tuple | None = None, kwargs: dict | None = None,

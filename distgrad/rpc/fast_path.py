@@ -39,7 +39,8 @@ class FastPath:
                 return frames
         # torch records a Python function's call under a context always, a builtin
         # operator's only when a tensor requires grad (else the callee never hears of it)
-        ag_meta = self._outgoing(dest.id, tensors, ctx, kind == Kind.CALL and ctx is not None
+        ag_meta = self._outgoing(dest.id, tensors, ctx, ctx is not None
+                                 and (kind == Kind.CALL or kind == Kind.REMOTE)
                                  and builtin_name(payload_obj[0]) is not None)
         return encode(kind, rid, (what, ag_meta, extra), payload, tensors)
 
