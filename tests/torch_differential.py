@@ -186,6 +186,15 @@ def _parameters(rpc, dist_autograd) -> dict:
         dist_autograd.backward(cid, [y])
         g = dist_autograd.get_gradients(cid)
         out["flagged tensor"] = [_vals(g[a]) if a in g else None, _vals(g[b]) if b in g else None]
+    # a Parameter argument of a builtin operator is a tensor like any other (torch
+    # sends builtin arguments as tensors): its gradient comes back
+    q = torch.nn.Parameter(torch.ones(2))
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", torch.mul, args=(q, 2))
+        out["builtin on a Parameter"] = [type(y).__name__, y.grad_fn is not None]
+        dist_autograd.backward(cid, [y.sum()])
+        g = dist_autograd.get_gradients(cid)
+        out["builtin on a Parameter"].append(_vals(g[q]) if q in g else None)
     # which workers a context knows, on each side, after a call with no gradient
     for f in (torch.add, _plus):   # a builtin, a Python function
         with dist_autograd.context() as cid:
