@@ -330,16 +330,25 @@ def _payload(func: Callable, args: Any, kwargs: Any) -> tuple[tuple, str]:
     if script.is_script_function(func):
         name = script.qualified_name(func)
         return (script.ScriptFunctionRef(name), args, kwargs), name
-    if script.builtin_name(func) is not None:
+    if (script.BUILTINS or script.builtin_table()).get(id(func)) is not None:
         # as torch sends a builtin operator's call (a ScriptCall of tensors, never
         # through a pickler): an nn.Parameter argument is a tensor like any other,
         # linked into the graph (a view carries the link; a Parameter would arrive as a
         # new leaf), and a custom RPC pickler is not used
-        return (func, _unparam(args), {k: _unparam1(v) for k, v in kwargs.items()}), _qualname(func)
+        for a in args:  # (a loop, not a call: this runs on every builtin's call)
+            if type(a) is _PARAMETER or type(a) is list or type(a) is tuple:
+                args = _unparam(args)
+                break
+        if kwargs:
+            kwargs = {k: _unparam1(v) for k, v in kwargs.items()}
+        return (func, args, kwargs), _qualname(func)
     if _default_pickler is not _internal_rpc_pickler:
         data, tensors = _default_pickler.serialize(PythonUDF(func, args, kwargs))
         return (_run_serialized, (data, tensors), {}), _qualname(func)
     return (func, args, kwargs), _qualname(func)
+
+
+_PARAMETER = torch.nn.Parameter
 
 
 def _unparam1(v: Any) -> Any:

@@ -20,7 +20,7 @@ from ..wire import Kind, dumps, encode, encode_fast, loads
 from ..wire.messages import decode
 from .extensions import NULL_SCOPE
 from .remote_exc import unpack_exception
-from .script import builtin_name
+from .script import BUILTINS, builtin_table
 
 
 class FastPath:
@@ -41,7 +41,7 @@ class FastPath:
         # operator's only when a tensor requires grad (else the callee never hears of it)
         ag_meta = self._outgoing(dest.id, tensors, ctx, ctx is not None
                                  and (kind == Kind.CALL or kind == Kind.REMOTE)
-                                 and builtin_name(payload_obj[0]) is not None)
+                                 and (BUILTINS or builtin_table()).get(id(payload_obj[0])) is not None)
         return encode(kind, rid, (what, ag_meta, extra), payload, tensors)
 
     def _reply_frames(self, peer: int, rid: int, value: Any, ctx: Any) -> list:

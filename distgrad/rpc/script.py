@@ -135,6 +135,17 @@ def _holds_rref(values: tuple) -> bool:
 _NO_SCHEMA = "Overloaded torch operator invoked from Python failed to match any schema"
 
 
+BUILTINS: dict = {}  # id(func) -> "aten::..." once builtin_table() ran (torch's own table)
+
+
+def builtin_table() -> dict:
+    """torch's table of builtin operators (``id(func) -> "aten::add"``), built once:
+    a hot path looks a function up with ``BUILTINS.get(id(func))``, no Python call."""
+    if not BUILTINS:
+        BUILTINS.update(torch.jit._builtins._get_builtin_table())
+    return BUILTINS
+
+
 def builtin_name(func: Any) -> str | None:
     """``aten::add`` for ``torch.add``; None for a function that is not a builtin operator."""
     try:
