@@ -148,10 +148,7 @@ def builtin_table() -> dict:
 
 def builtin_name(func: Any) -> str | None:
     """``aten::add`` for ``torch.add``; None for a function that is not a builtin operator."""
-    try:
-        return torch.jit._builtins._find_builtin(func)
-    except TypeError:  # an unhashable callable
-        return None
+    return (BUILTINS or builtin_table()).get(id(func))
 
 
 class BuiltinOp:

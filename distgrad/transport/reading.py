@@ -319,8 +319,7 @@ class Reading:
                         # not run here: this thread goes back to waiting for its
                         # reply, and a failed reply's exception would keep this
                         # caller's frames (and what they hold) alive through its traceback
-                        self._hand_off(work)
-                        if not claimed and not done() and _has_request(work):
+                        if self._hand_off(work) and not claimed and not done():
                             # the peer sends requests on this connection while this
                             # caller waits (a future of a long call): each would cost
                             # two wake-ups (this thread's, then a pool thread's). Given
@@ -332,21 +331,25 @@ class Reading:
             tls.reading = False
             self.release(peer)
 
-    def _hand_off(self, work: list) -> None:
+    def _hand_off(self, work: list) -> bool:
         """Give the pool work read by a thread that does not run it (a caller waiting
         for its reply, the heartbeat's look at a silent peer): every request as a
         task of its own, so that no request waits behind another (one may wait for
         something the next one does, as torch serves each on its own thread); the
-        reply completions (work marked ``batchable``) as one task, one wake-up."""
+        reply completions (work marked ``batchable``) as one task, one wake-up.
+        Returns whether ``work`` held a request."""
         submit = self.pool.submit
         batch = [w for w in work if getattr(w[0], "batchable", False)]
         if len(batch) == 1:
             submit(batch[0][0], *batch[0][1])
         elif batch:
             submit(_run_batch, batch, self.pool)
+        requests = False
         for fn, args in work:
             if not getattr(fn, "batchable", False):
                 submit(fn, *args)
+                requests = True
+        return requests
 
 
 def _run_batch(work: list, pool) -> None:
@@ -364,11 +367,3 @@ def _run_batch(work: list, pool) -> None:
 
 
 _run_batch.batchable = True  # reply completions only (see Reading._hand_off)
-
-
-def _has_request(work: list) -> bool:
-    """Whether ``work`` (read by a waiting caller) holds more than reply completions."""
-    for w in work:
-        if not getattr(w[0], "batchable", False):
-            return True
-    return False
