@@ -291,3 +291,71 @@ def test_param_lock_table_survives_a_weakref_callback_inside_it():
     t = threading.Thread(target=nested, daemon=True)
     t.start()
     assert done.wait(10), "the parameter lock table deadlocked on its own thread"
+
+
+# ---------------------------------------------------------------------------
+# torch's functional twins: no .grad written (as torch's DistributedOptimizer)
+# ---------------------------------------------------------------------------
+_SEEN: dict = {}
+
+
+def _owner_setup():
+    """On the owner: a parameter with a .grad of its own, and a global step pre-hook
+    that records what every torch.optim step sees in .grad."""
+    w = torch.ones(3, requires_grad=True)
+    w.grad = torch.full((3,), 7.0)
+    _SEEN.update(w=w, own_grad=w.grad, hook_saw=[])
+
+    def pre_hook(opt, args, kwargs):
+        _SEEN["hook_saw"].append([None if p.grad is None else p.grad.tolist()
+                                  for g in opt.param_groups for p in g["params"]])
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    _SEEN["handle"] = register_optimizer_step_pre_hook(pre_hook)
+    return w
+
+
+def _owner_report():
+    w = _SEEN["w"]
+    return {"w": w.detach().tolist(), "grad_kept": w.grad is _SEEN["own_grad"],
+            "grad": w.grad.tolist(), "hook_saw": list(_SEEN["hook_saw"])}
+
+
+class PlainSGD(torch.optim.SGD):
+    """A subclass: torch has no functional twin for it, so it reads .grad."""
+
+
+def _functional(rank, world_size):
+    if rank != 0:
+        return None
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    from distgrad.optim import DistributedOptimizer
+
+    w = rpc.remote("worker1", _owner_setup)
+    out = {}
+    for name, cls, kw in (("SGD", torch.optim.SGD, {"lr": 0.5}),
+                          ("SGD differentiable", torch.optim.SGD, {"lr": 0.5, "differentiable": False}),
+                          ("subclass", PlainSGD, {"lr": 0.5})):
+        opt = DistributedOptimizer(cls, [w], **kw)
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync("worker1", _forward, args=(w, torch.full((3,), 2.0)))
+            dist_autograd.backward(cid, [loss])
+            opt.step(cid)
+        out[name] = rpc.rpc_sync("worker1", _owner_report)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_functional_twin_steps_without_writing_grad():
+    out = run_workers(_functional, world_size=2, timeout=200)[0]
+    # SGD: torch's functional twin; no torch.optim step ran, .grad untouched
+    assert out["SGD"]["w"] == [0.0, 0.0, 0.0]
+    assert out["SGD"]["hook_saw"] == [] and out["SGD"]["grad_kept"] and out["SGD"]["grad"] == [7.0] * 3
+    # an argument the twin does not take: the class steps, through .grad, then restores it
+    assert out["SGD differentiable"]["w"] == [-1.0, -1.0, -1.0]
+    assert out["SGD differentiable"]["hook_saw"] == [[[2.0, 2.0, 2.0]]]
+    assert out["SGD differentiable"]["grad_kept"] and out["SGD differentiable"]["grad"] == [7.0] * 3
+    # a subclass: the same
+    assert out["subclass"]["w"] == [-2.0, -2.0, -2.0]
+    assert out["subclass"]["hook_saw"] == [[[2.0, 2.0, 2.0]]] * 2
+    assert out["subclass"]["grad_kept"]

@@ -12,10 +12,19 @@ Same meaning as ``torch.distributed.optim.DistributedOptimizer``:
 
 Differences in detail (none changes what correct torch code does):
 
-* Gradients are put in ``param.grad`` only for the duration of the step; the
-  previous ``.grad`` is restored afterwards, and a parameter that has no
-  gradient in the context has ``.grad = None`` during the step (so it is not
-  updated with a stale gradient).
+* The optimizers torch has a functional twin for (``SGD``, ``Adam``, ``AdamW``,
+  ``Adagrad``, ``Adadelta``, ``RMSprop``, ``Rprop``, ``Adamax``: torch's
+  ``functional_optim_map``) step as torch's do: the context's gradients are
+  handed to the functional optimizer, and no ``param.grad`` is written. The
+  ``torch.optim`` class is still built first, so bad hyper-parameters get its
+  errors; arguments the functional twin does not take (``differentiable=``,
+  ``capturable=``, ...) make the step use the class itself, as below, where
+  torch would raise.
+* Any other class (a subclass, your own optimizer) reads ``param.grad``: the
+  gradients are put there only for the duration of the step, the previous
+  ``.grad`` is restored afterwards, and a parameter that has no gradient in the
+  context has ``.grad = None`` during the step (so it is not updated with a
+  stale gradient). torch leaves the context's gradients in ``.grad``.
 * Steps are serialized per parameter: every local optimizer on a worker takes
   the locks of its parameters (in one global order, so no deadlock) before it
   touches them. Several trainers, each with its own DistributedOptimizer over
@@ -29,6 +38,7 @@ Differences in detail (none changes what correct torch code does):
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -75,6 +85,40 @@ def _lock_of(param: torch.Tensor) -> threading.Lock:
         return entry[1]
 
 
+# torch.optim classes torch's DistributedOptimizer steps through a functional twin
+# (torch.distributed.optim.utils.functional_optim_map); checked before importing
+# that package (0.8 s, on the owner's first DistributedOptimizer only).
+_HAS_FUNCTIONAL = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                             torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
+                             torch.optim.Adamax})
+
+
+def _functional_twin(optimizer_class: type, params: list[torch.Tensor], args: tuple,
+                     kwargs: dict) -> Any:
+    """torch's functional optimizer for ``optimizer_class`` over ``params``, or None.
+
+    None when torch has none for the class, or when it does not take these
+    arguments. The twin steps with a list of gradients (``step(grads)``) and
+    never reads or writes ``.grad``. Building one makes torch warn that its
+    TorchScript support is deprecated, which says nothing to a distgrad user:
+    that warning is dropped, any other is shown.
+    """
+    if optimizer_class not in _HAS_FUNCTIONAL:
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            from torch.distributed.optim.utils import functional_optim_map
+            twin_class = functional_optim_map.get(optimizer_class)
+            twin = None if twin_class is None else twin_class(params, *args, **kwargs)
+        except TypeError:           # an argument the twin does not have
+            twin = None
+    for w in caught:
+        if not (issubclass(w.category, DeprecationWarning) and "TorchScript" in str(w.message)):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return twin
+
+
 class _LocalOptimizer:
     """Lives on a parameter owner: a torch optimizer over that worker's parameters.
 
@@ -95,7 +139,12 @@ class _LocalOptimizer:
                 seen.add(id(p))
                 params.append(p)
         self.params = params
+        self._name = optimizer_class.__name__
+        # the class itself first: its checks give the errors of bad hyper-parameters
         self.optim = optimizer_class(params, *args, **kwargs)
+        self._functional = _functional_twin(optimizer_class, params, args, kwargs)
+        if self._functional is not None:
+            self.optim = self._functional
         # one global acquisition order: ids of live tensors are unique
         self._locks = [_lock_of(p) for p in sorted(params, key=id)]
 
@@ -109,7 +158,7 @@ class _LocalOptimizer:
         try:
             self._step(context_id)
         finally:
-            tr.span(f"optimizer step ({type(self.optim).__name__}, {len(self.params)} parameters)", "optim",
+            tr.span(f"optimizer step ({self._name}, {len(self.params)} parameters)", "optim",
                     t0, {"context": context_id})
 
     def _step(self, context_id: int) -> None:
@@ -117,6 +166,9 @@ class _LocalOptimizer:
         for lock in self._locks:
             lock.acquire()
         try:
+            if self._functional is not None:
+                self._functional.step([grads.get(p) for p in self.params])
+                return
             saved = [p.grad for p in self.params]
             try:
                 for p in self.params:
