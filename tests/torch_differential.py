@@ -14,7 +14,10 @@ What worker0 records, on two workers:
   - a reply's callback that waits for another reply to the same worker;
   - nn.Parameters sent both ways (a reply of a server's parameters, a view of one, an
     argument with attributes): their type, leafness, grad_fn, attributes, the
-    gradients the server keeps, and the .grad a local backward leaves on them.
+    gradients the server keeps, and the .grad a local backward leaves on them;
+  - DistributedOptimizer over a parameter of worker1 that has a .grad of its own, for
+    torch's optimizers with functional twins and for a subclass: the parameter after
+    three steps, its .grad, and how many torch.optim steps (global pre-hook) ran.
 """
 from __future__ import annotations
 
@@ -234,6 +237,66 @@ def _chain(rpc) -> list:
     return got
 
 
+_OWNER: dict = {"calls": [0]}
+
+
+def _owner_param(name: str) -> torch.Tensor:
+    """On worker1: a parameter with a .grad of its own; a global optimizer step
+    pre-hook counts the torch.optim steps that run here."""
+    if "hook" not in _OWNER:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _OWNER["hook"] = register_optimizer_step_pre_hook(
+            lambda o, a, k: _OWNER["calls"].__setitem__(0, _OWNER["calls"][0] + 1))
+    torch.manual_seed(1)
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.full((3,), 7.0)
+    _OWNER[name] = w
+    return w
+
+
+def _owner_loss(w_rref, x):
+    return (w_rref.local_value() * x).pow(2).sum()
+
+
+def _owner_report(name: str, with_grad: bool) -> list:
+    w = _OWNER[name]
+    grad = (None if w.grad is None else _vals(w.grad)) if with_grad else "-"
+    return [[round(v, 6) for v in w.detach().tolist()], grad, _OWNER["calls"][0]]
+
+
+class PlainSGD(torch.optim.SGD):
+    """No functional twin: torch and distgrad step it through .grad (torch leaves the
+    context's gradient there, distgrad puts the old one back: not compared)."""
+
+
+def _optimizer(rpc, dist_autograd) -> dict:
+    impl = "torch" if rpc.__name__.startswith("torch.") else "distgrad"
+    if impl == "torch":
+        from torch.distributed.optim import DistributedOptimizer
+    else:
+        from distgrad.optim import DistributedOptimizer
+    out = {}
+    for name, cls, args, kw in (
+            ("SGD", torch.optim.SGD, (0.1, 0.9), {"nesterov": True, "weight_decay": 0.01}),
+            ("Adam", torch.optim.Adam, (), {"lr": 0.05, "amsgrad": True, "weight_decay": 0.01}),
+            ("AdamW", torch.optim.AdamW, (0.05,), {"betas": (0.8, 0.9)}),
+            ("Adagrad", torch.optim.Adagrad, (), {"lr": 0.1, "lr_decay": 0.01}),
+            ("RMSprop", torch.optim.RMSprop, (), {"lr": 0.01, "momentum": 0.5, "centered": True}),
+            ("Rprop", torch.optim.Rprop, (), {"lr": 0.01}),
+            ("Adamax", torch.optim.Adamax, (), {"lr": 0.05}),
+            ("Adadelta", torch.optim.Adadelta, (), {"lr": 0.5}),
+            ("PlainSGD", PlainSGD, (0.1,), {"momentum": 0.5})):
+        w = rpc.remote("worker1", _owner_param, args=(name,))
+        opt = DistributedOptimizer(cls, [w], *args, **kw)
+        for step in range(3):
+            with dist_autograd.context() as cid:
+                y = rpc.rpc_sync("worker1", _owner_loss, args=(w, torch.full((3,), float(step + 1))))
+                dist_autograd.backward(cid, [y])
+                opt.step(cid)
+        out[name] = rpc.rpc_sync("worker1", _owner_report, args=(name, name != "PlainSGD"))
+    return out
+
+
 def _worker(rank: int, port: int, impl: str, out) -> None:
     os.environ["DISTGRAD_SECRET"] = SECRET
     torch.set_num_threads(1)
@@ -246,7 +309,8 @@ def _worker(rank: int, port: int, impl: str, out) -> None:
             for name, part in (("kept", lambda: _kept(rpc, dist_autograd)),
                                ("hooks", lambda: _hooks_and_watch(rpc, dist_autograd)),
                                ("chain", lambda: _chain(rpc)),
-                               ("parameters", lambda: _parameters(rpc, dist_autograd))):
+                               ("parameters", lambda: _parameters(rpc, dist_autograd)),
+                               ("optimizer", lambda: _optimizer(rpc, dist_autograd))):
                 out.put(json.dumps({"stage": name}))   # where a hang happened, if one does
                 res[name] = part()
             out.put(json.dumps(res, sort_keys=True))
