@@ -105,12 +105,18 @@ def _functional_twin(optimizer_class: type, params: list[torch.Tensor], args: tu
     """
     if optimizer_class not in _HAS_FUNCTIONAL:
         return None
+    try:
+        from torch.distributed.optim.utils import functional_optim_map
+    except ImportError:             # a torch built without torch.distributed
+        return None
+    twin_class = functional_optim_map.get(optimizer_class)
+    if twin_class is None:
+        return None
+    # catch_warnings is process-wide: keep its window to the constructor alone
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            from torch.distributed.optim.utils import functional_optim_map
-            twin_class = functional_optim_map.get(optimizer_class)
-            twin = None if twin_class is None else twin_class(params, *args, **kwargs)
+            twin = twin_class(params, *args, **kwargs)
         except TypeError:           # an argument the twin does not have
             twin = None
     for w in caught:
