@@ -2,7 +2,7 @@
 """Every workload on torch.distributed.rpc and distgrad, side by side, one table.
 
     python bench/run_all.py [--quick] [--repeats N] [--only a,b] [--impl torch,distgrad]
-                            [--out DIR] [--timeout-factor F]
+                            [--out DIR] [--timeout-factor F] [--wait-quiet LOAD]
 
 For each workload (bench/workloads.py) and each repeat, every implementation
 runs on a fresh cluster (common.run_cluster), the implementations one after
@@ -39,6 +39,17 @@ def _loadavg():
         return [round(v, 2) for v in os.getloadavg()]
     except OSError:
         return None
+
+
+def _wait_quiet(below: float, limit_s: float = 900.0) -> None:
+    """Wait until the 1-minute load average is under ``below`` (or ``limit_s`` passed)."""
+    end = time.monotonic() + limit_s
+    load = _loadavg()
+    while load is not None and load[0] >= below and time.monotonic() < end:
+        print(f"waiting for a quiet machine: load average {load[0]} >= {below}", flush=True)
+        time.sleep(15)
+        load = _loadavg()
+    print(f"load average {load} at the start", flush=True)
 
 
 def _meta(args, impls, names):
@@ -130,7 +141,12 @@ def main(argv=None):
     ap.add_argument("--out", default="bench-results", help="writes results.md/.json there")
     ap.add_argument("--timeout-factor", type=float, default=1.0,
                     help="multiply every workload's timeout")
+    ap.add_argument("--wait-quiet", type=float, default=None, metavar="LOAD",
+                    help="before starting, wait (up to 15 min) until the 1-minute load average "
+                         "is below LOAD (the issue's quiet machine: 1)")
     args = ap.parse_args(argv)
+    if args.wait_quiet is not None:
+        _wait_quiet(args.wait_quiet)
     args.repeats = args.repeats or (1 if args.quick else 3)
     impls = [s.strip() for s in args.impl.split(",") if s.strip()]
     names = [s.strip() for s in args.only.split(",") if s.strip()] or list(BY_NAME)
@@ -149,7 +165,8 @@ def main(argv=None):
                 for impl in (impls if rep % 2 == 0 else impls[::-1]):
                     print(f"[{w.name}] {impl} repeat {rep + 1}/{args.repeats}: "
                           f"{w.world_size}-worker cluster ...", flush=True)
-                    rec = {"workload": w.name, "impl": impl, "repeat": rep + 1}
+                    rec = {"workload": w.name, "impl": impl, "repeat": rep + 1,
+                           "loadavg_at_start": _loadavg()}
                     rec.update(_run_one(w, impl, args.quick, args.timeout_factor))
                     records.append(rec)
                     status = "ok" if rec["ok"] else "FAILED: " + \
