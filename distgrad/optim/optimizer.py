@@ -93,17 +93,32 @@ _HAS_FUNCTIONAL = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.Adam
                              torch.optim.Adamax})
 
 
+# Building twins one at a time: catch_warnings swaps process-wide state (filters,
+# showwarning), and two threads inside it at once can leave warnings recorded into
+# a list nobody reads (found by the audit: two trainers building optimizers on one
+# owner at the same moment silenced the owner's warnings for good).
+_twin_lock = threading.Lock()
+
+
+def _jit_enabled() -> bool:
+    """torch uses the twins only while TorchScript is on (``PYTORCH_JIT=0`` turns it off)."""
+    state = getattr(torch.jit, "_state", None)
+    return bool(getattr(state, "_enabled", True))
+
+
 def _functional_twin(optimizer_class: type, params: list[torch.Tensor], args: tuple,
                      kwargs: dict) -> Any:
     """torch's functional optimizer for ``optimizer_class`` over ``params``, or None.
 
-    None when torch has none for the class, or when it does not take these
-    arguments. The twin steps with a list of gradients (``step(grads)``) and
-    never reads or writes ``.grad``. Building one makes torch warn that its
-    TorchScript support is deprecated, which says nothing to a distgrad user:
-    that warning is dropped, any other is shown.
+    None when torch would not use one (no twin for the class, TorchScript off) or
+    when the twin does not take these arguments (``TypeError``: the class itself
+    is then used); any other error of the twin's (an invalid value) is raised, as
+    torch raises it. The twin steps with a list of gradients and never reads or
+    writes ``.grad``. Building one makes torch warn that its TorchScript support
+    is deprecated, which says nothing to a distgrad user: that warning is
+    dropped, any other is shown.
     """
-    if optimizer_class not in _HAS_FUNCTIONAL:
+    if optimizer_class not in _HAS_FUNCTIONAL or not _jit_enabled():
         return None
     try:
         from torch.distributed.optim.utils import functional_optim_map
@@ -112,13 +127,14 @@ def _functional_twin(optimizer_class: type, params: list[torch.Tensor], args: tu
     twin_class = functional_optim_map.get(optimizer_class)
     if twin_class is None:
         return None
-    # catch_warnings is process-wide: keep its window to the constructor alone
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            twin = twin_class(params, *args, **kwargs)
-        except TypeError:           # an argument the twin does not have
-            twin = None
+    with _twin_lock:
+        # process-wide: keep the window to the constructor alone
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                twin = twin_class(params, *args, **kwargs)
+            except TypeError:       # an argument the twin does not have
+                twin = None
     for w in caught:
         if not (issubclass(w.category, DeprecationWarning) and "TorchScript" in str(w.message)):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -146,11 +162,11 @@ class _LocalOptimizer:
                 params.append(p)
         self.params = params
         self._name = optimizer_class.__name__
-        # the class itself first: its checks give the errors of bad hyper-parameters
-        self.optim = optimizer_class(params, *args, **kwargs)
+        # torch's functional twin first, as torch: it takes what torch takes (a
+        # negative lr: gradient ascent) and refuses what torch refuses
         self._functional = _functional_twin(optimizer_class, params, args, kwargs)
-        if self._functional is not None:
-            self.optim = self._functional
+        self.optim = (self._functional if self._functional is not None
+                      else optimizer_class(params, *args, **kwargs))
         # one global acquisition order: ids of live tensors are unique
         self._locks = [_lock_of(p) for p in sorted(params, key=id)]
 
@@ -173,7 +189,7 @@ class _LocalOptimizer:
             lock.acquire()
         try:
             if self._functional is not None:
-                self._functional.step([grads.get(p) for p in self.params])
+                self._step_twin(grads)
                 return
             saved = [p.grad for p in self.params]
             try:
@@ -186,6 +202,30 @@ class _LocalOptimizer:
         finally:
             for lock in reversed(self._locks):
                 lock.release()
+
+
+    def _step_twin(self, grads: dict) -> None:
+        """One step of the twin with the parameters that have a gradient.
+
+        Only those are handed to it: torch's twins mean to skip a parameter without
+        one, but run in Python (not TorchScript) Adagrad's fails on it (its kernel
+        gets every parameter and only the present gradients), and under TorchScript
+        it applies the gradients to the wrong parameters; ``torch.optim`` skips it.
+        """
+        twin = self._functional
+        given = [grads.get(p) for p in self.params]
+        if all(g is not None for g in given):
+            twin.step(given)
+            return
+        if all(g is None for g in given):
+            return                  # torch.optim would skip every parameter
+        group = twin.param_group
+        everything = group["params"]
+        group["params"] = [p for p, g in zip(self.params, given) if g is not None]
+        try:
+            twin.step([g for g in given if g is not None])
+        finally:
+            group["params"] = everything
 
 
 def _check_local_optimizer(optim_rref: rpc.RRef) -> None:
