@@ -415,5 +415,5 @@ def test_twins_built_on_many_threads_leave_warnings_as_they_were(monkeypatch):
     assert warnings.showwarning is before_show and warnings._showwarnmsg_impl is before_impl
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        warnings.warn("still shown")
+        warnings.warn("still shown", stacklevel=1)
     assert [str(w.message) for w in seen] == ["still shown"]
