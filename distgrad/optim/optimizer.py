@@ -14,12 +14,12 @@ Differences in detail (none changes what correct torch code does):
 
 * The optimizers torch has a functional twin for (``SGD``, ``Adam``, ``AdamW``,
   ``Adagrad``, ``Adadelta``, ``RMSprop``, ``Rprop``, ``Adamax``: torch's
-  ``functional_optim_map``) step as torch's do: the context's gradients are
-  handed to the functional optimizer, and no ``param.grad`` is written. The
-  ``torch.optim`` class is still built first, so bad hyper-parameters get its
-  errors; arguments the functional twin does not take (``differentiable=``,
-  ``capturable=``, ...) make the step use the class itself, as below, where
-  torch would raise.
+  ``functional_optim_map``) step as torch's do: the twin is built with the
+  arguments (it takes and refuses what torch's takes and refuses), the context's
+  gradients are handed to it, and no ``param.grad`` is written. Arguments the
+  twin does not take (``differentiable=``, ``capturable=``, ...) make the step
+  use the class itself, as below, where torch would raise. Differences in
+  detail: docs/compatibility.md.
 * Any other class (a subclass, your own optimizer) reads ``param.grad``: the
   gradients are put there only for the duration of the step, the previous
   ``.grad`` is restored afterwards, and a parameter that has no gradient in the
