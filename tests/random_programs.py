@@ -1985,6 +1985,12 @@ def _compare_pass(want: dict, got: dict, where: str) -> list:
     for i, (a, b) in enumerate(zip(want["roots"], got["roots"])):
         if a.shape != b.shape or not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
             issues.append(("forward value", f"{where}root {i}: {b.tolist()} != {a.tolist()}"))
+    for key in sorted(set(got["grads"]) - set(want["grads"])):   # a leaf local autograd lacks
+        w, name = key                                             # (a Parameter received here)
+        d = got["grads"][key]
+        d = d.to_dense() if d.is_sparse else d
+        issues.append(("unexpected grad", f"{where}leaf {name.split('.', 1)[1]} on worker{w}: got "
+                                          f"{d.tolist()}, local autograd has no such leaf"))
     for key, g in sorted(want["grads"].items()):
         w, name = key
         label = f"{where}leaf {name.split('.', 1)[1]} on worker{w}"
