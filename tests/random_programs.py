@@ -17,7 +17,8 @@ of times each counting node ran must agree with the oracle (float64, tight toler
 Program layout::
 
     program = {"seed", "world", "retain": bool, "roots": [reg, ...], "main": block}
-    block   = {"worker": int, "params": [reg, ...], "body": [instr, ...], "returns": [reg, ...]}
+    block   = {"worker": int, "params": [reg, ...], "body": [instr, ...], "returns": [reg, ...],
+               "site": str (call blocks of programs with feature "param": names received Parameters)}
 
 Registers are ints, each defined once in the whole program. A block's params are the
 caller's argument registers (same ids: the callee sees copies of those values), so a
@@ -56,10 +57,25 @@ gradients kept by hooks and changed after the passes (``("keep", reg, {"op"})``)
 rpc_asyncs whose bodies wait on each other (``("signal", key, worker)``,
 ``("wait_for", key)``).
 
+nn.Parameters over RPC (tests/random_params.py; feature ``param``, group ``params``),
+by torch's rule: a bare nn.Parameter in a message (argument, reply, RRef value fetched
+off its owner) arrives as a new leaf with no link back (the local runtime converts it at
+every crossing, random_params.cross; each received one is a leaf named after its site,
+so its gradient is compared too); a view, a tensor flagged ``_is_param`` and a builtin's
+Parameter argument are linked::
+
+    ("pleaf", out, name, shape, rg, kind)   a named leaf: nn.Parameter ("nnparam") or a
+                                            plain tensor with _is_param = True ("flagged")
+    ("op", out, "view_as", [p], {})         p.view_as(p)
+    ("builtin", out, worker, add|mul, [x, y])   rpc_sync(worker, torch.add/mul, args=(x, y))
+
+plus calls given a bare Parameter argument, or returning one (a reply, an RRef).
+
 CLI (see ``--help``); without ``--seed`` the base seed is fresh (and printed)::
 
     python tests/random_programs.py --programs 500 --workers 2,3,4 [--seed S] [--shrink 2]
     python tests/random_programs.py --programs 60 --features hooks,checkpoint   # only these
+    python tests/random_programs.py --programs 60 --workers 2,3 --features params
     python tests/random_programs.py --programs 500 --features default,threads=0.5
 """
 from __future__ import annotations
