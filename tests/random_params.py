@@ -31,8 +31,9 @@ and the new leaves' gradients are compared like every leaf's.
 Instructions (feature "param", group "params")::
 
     ("pleaf", out, name, shape, requires_grad, kind)   get-or-create a named leaf on this
-        worker: kind "nnparam" an nn.Parameter (requires_grad mostly True), "flagged" a
-        plain tensor with ``_is_param = True``
+        worker: kind "nnparam" an nn.Parameter (requires_grad mostly True) with an
+        attribute ``origin`` (every Parameter received must have it: reported through
+        random_round2's list otherwise), "flagged" a plain tensor with ``_is_param = True``
     ("op", out, "view_as", [p], {})                    p.view_as(p) (a plain tensor)
     ("builtin", out, worker, "add" | "mul", [x, y])     rpc_sync(worker, torch.add/mul,
                                                         args=(x, y)); locally the op
@@ -54,7 +55,9 @@ def cross1(v):
     as a new leaf Parameter; everything else (tensors, views, ``_is_param`` tensors,
     RRefs) as a function call passes it."""
     if type(v) is _Parameter:
-        return _Parameter(v.detach().clone(), requires_grad=v.requires_grad)
+        new = _Parameter(v.detach().clone(), requires_grad=v.requires_grad)
+        new.__dict__.update(v.__dict__)   # its attributes travel with it (``origin``)
+        return new
     return v
 
 
@@ -69,6 +72,10 @@ def receive(state, sites: list, values) -> None:
     for site, v in zip(sites, values):
         if type(v) is not _Parameter:
             continue
+        if not isinstance(getattr(v, "origin", None), str):   # every one comes from a pleaf
+            with state.lock:
+                state.round2.append(f"the nn.Parameter received at {site} lost its attributes "
+                                    f"(torch keeps them): {sorted(v.__dict__)}")
         with state.lock:
             if any(t is v for t in state.leaves.values()):
                 continue
@@ -91,7 +98,9 @@ def out_sites(outs) -> list:
 def make_leaf(name: str, shape: tuple, rg: bool, kind: str, randn) -> torch.Tensor:
     """The tensor of a ("pleaf", ...) instruction."""
     if kind == "nnparam":
-        return _Parameter(randn(name, shape), requires_grad=rg)
+        p = _Parameter(randn(name, shape), requires_grad=rg)
+        p.origin = name     # an attribute: a Parameter received must still have it
+        return p
     if kind == "flagged":
         t = randn(name, shape).requires_grad_(rg)
         t._is_param = True
