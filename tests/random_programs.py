@@ -17,7 +17,8 @@ of times each counting node ran must agree with the oracle (float64, tight toler
 Program layout::
 
     program = {"seed", "world", "retain": bool, "roots": [reg, ...], "main": block}
-    block   = {"worker": int, "params": [reg, ...], "body": [instr, ...], "returns": [reg, ...]}
+    block   = {"worker": int, "params": [reg, ...], "body": [instr, ...], "returns": [reg, ...],
+               "site": str (call blocks of programs with feature "param": names received Parameters)}
 
 Registers are ints, each defined once in the whole program. A block's params are the
 caller's argument registers (same ids: the callee sees copies of those values), so a
@@ -56,10 +57,25 @@ gradients kept by hooks and changed after the passes (``("keep", reg, {"op"})``)
 rpc_asyncs whose bodies wait on each other (``("signal", key, worker)``,
 ``("wait_for", key)``).
 
+nn.Parameters over RPC (tests/random_params.py; feature ``param``, group ``params``),
+by torch's rule: a bare nn.Parameter in a message (argument, reply, RRef value fetched
+off its owner) arrives as a new leaf with no link back (the local runtime converts it at
+every crossing, random_params.cross; each received one is a leaf named after its site,
+so its gradient is compared too); a view, a tensor flagged ``_is_param`` and a builtin's
+Parameter argument are linked::
+
+    ("pleaf", out, name, shape, rg, kind)   a named leaf: nn.Parameter ("nnparam") or a
+                                            plain tensor with _is_param = True ("flagged")
+    ("op", out, "view_as", [p], {})         p.view_as(p)
+    ("builtin", out, worker, add|mul, [x, y])   rpc_sync(worker, torch.add/mul, args=(x, y))
+
+plus calls given a bare Parameter argument, or returning one (a reply, an RRef).
+
 CLI (see ``--help``); without ``--seed`` the base seed is fresh (and printed)::
 
     python tests/random_programs.py --programs 500 --workers 2,3,4 [--seed S] [--shrink 2]
     python tests/random_programs.py --programs 60 --features hooks,checkpoint   # only these
+    python tests/random_programs.py --programs 60 --workers 2,3 --features params
     python tests/random_programs.py --programs 500 --features default,threads=0.5
 """
 from __future__ import annotations
@@ -78,6 +94,7 @@ import traceback
 import warnings
 import zlib
 
+import random_params as rt_params
 import random_round2 as rt_round2
 import random_threads as rt_threads
 import torch
@@ -210,6 +227,8 @@ def _apply_op(name: str, xs: list, a: dict, counter) -> torch.Tensor:
         return (x * _named_randn(a["w"], tuple(x.shape))).sum()
     if name == "clone":
         return x.clone()
+    if name == "view_as":         # of an nn.Parameter: a plain tensor, linked (random_params)
+        return x.view_as(x)
     if name == "embed":           # sparse gradients (issue 34)
         return torch.nn.functional.embedding(torch.tensor(a["idx"]), x, sparse=True)
     if name == "compiled":        # torch.compile(backend="aot_eager"), once per process
@@ -365,6 +384,7 @@ class WorkerState:
         self.kept_between: dict = {}  # context id -> {leaf name: tensor get_gradients gave}
         self.round2: list = []        # what random_round2's checks found here
         self.watcher = None           # the running random_round2.Watcher
+        self.received: collections.Counter = collections.Counter()  # site -> Parameters received
 
     def event(self, key: str) -> threading.Event:
         """The rendezvous event ``key`` of this worker (get-or-create)."""
@@ -378,6 +398,15 @@ class WorkerState:
             t = self.leaves.get(name)
             if t is None:
                 t = self.leaves[name] = _named_randn(name, shape).requires_grad_(requires_grad)
+                self._hold_accumulator(t)
+            return t
+
+    def pleaf(self, name: str, shape: tuple, requires_grad: bool, kind: str) -> torch.Tensor:
+        """Get-or-create the nn.Parameter or ``_is_param`` leaf ``name`` (random_params)."""
+        with self.lock:
+            t = self.leaves.get(name)
+            if t is None:
+                t = self.leaves[name] = rt_params.make_leaf(name, shape, requires_grad, kind, _named_randn)
                 self._hold_accumulator(t)
             return t
 
@@ -412,11 +441,20 @@ def run_block(block: dict, values, rt) -> tuple:
     """Run ``block`` with its params bound to ``values``; returns its return values."""
     env = dict(zip(block["params"], values))
     state = rt.state(block["worker"])
+    rt_params.receive(state, rt_params.param_sites(block), values)
     for ins in block["body"]:
         op = ins[0]
         if op == "leaf":
             _, out, name, shape, rg = ins
             env[out] = state.leaf(name, tuple(shape), rg)
+        elif op == "pleaf":
+            _, out, name, shape, rg, kind = ins
+            env[out] = state.pleaf(name, tuple(shape), rg, kind)
+        elif op == "builtin":
+            _, out, worker, name, xs = ins
+            xs = [env[r] for r in xs]
+            env[out] = (rt_params.builtin_dist(worker, name, xs) if isinstance(rt, DistRuntime)
+                        else rt_params.builtin_local(name, xs))
         elif op == "op":
             _, out, name, ins_, attrs = ins
             env[out] = apply_op(name, [env[r] for r in ins_], attrs, state.count)
@@ -425,19 +463,25 @@ def run_block(block: dict, values, rt) -> tuple:
             env.update(zip(outs, apply_multi(name, env[x], attrs)))
         elif op == "call":
             _, outs, mode, sub = ins
-            env.update(zip(outs, rt.call(mode, sub, [env[r] for r in sub["params"]])))
+            got = rt.call(mode, sub, [env[r] for r in sub["params"]], block["worker"])
+            rt_params.receive(state, rt_params.out_sites(outs), got)
+            env.update(zip(outs, got))
         elif op == "async":
             _, fut, sub = ins
             env[fut] = rt.call_async(sub, [env[r] for r in sub["params"]])
         elif op == "wait":
             _, outs, fut = ins
-            env.update(zip(outs, rt.wait(env.pop(fut))))
+            got = rt.wait(env.pop(fut))
+            rt_params.receive(state, rt_params.out_sites(outs), got)
+            env.update(zip(outs, got))
         elif op == "remote":
             _, rref, sub = ins
             env[rref] = rt.remote(sub, [env[r] for r in sub["params"]])
         elif op == "to_here":
             _, outs, rref = ins
-            env.update(zip(outs, rt.to_here(env[rref])))
+            got = rt.to_here(env[rref], block["worker"])
+            rt_params.receive(state, rt_params.out_sites(outs), got)
+            env.update(zip(outs, got))
         elif op == "stash":
             _, name, x = ins
             state.stash[name] = env[x]
@@ -476,8 +520,10 @@ def run_block(block: dict, values, rt) -> tuple:
         elif op == "chain":
             _, outs, fa, fb, kind = ins
             fa, fb = env.pop(fa), env.pop(fb)
-            env.update(zip(outs, rt_round2.chain_dist(fa, fb, kind) if isinstance(rt, DistRuntime)
-                           else rt_round2.chain_local(rt, fa, fb)))
+            got = (rt_round2.chain_dist(fa, fb, kind) if isinstance(rt, DistRuntime)
+                   else rt_round2.chain_local(rt, fa, fb))
+            rt_params.receive(state, rt_params.out_sites(outs), got)
+            env.update(zip(outs, got))
         elif op == "post_acc":      # (local autograd: no hook; it changes nothing)
             t = env[ins[1]]
             if isinstance(rt, DistRuntime) and t.requires_grad and t.grad_fn is None:
@@ -492,15 +538,17 @@ def run_block(block: dict, values, rt) -> tuple:
 
 
 class LocalRRef:
-    """The oracle's RRef: the values, computed eagerly."""
+    """The oracle's RRef: the values, computed eagerly, on worker ``owner``."""
 
-    def __init__(self, values: tuple) -> None:
-        self.values = values
+    def __init__(self, values: tuple, owner: int) -> None:
+        self.values, self.owner = values, owner
 
 
 class LocalRuntime:
     """Single process: a call is a function call; one WorkerState per simulated worker.
-    ``shapes`` maps every tensor register to its shape once the program ran."""
+    ``shapes`` maps every tensor register to its shape once the program ran. What a
+    message does to its values (a bare nn.Parameter arrives as a new leaf) is done by
+    random_params.cross on every argument, reply and RRef value fetched off its owner."""
 
     def __init__(self) -> None:
         self.states: dict[int, WorkerState] = collections.defaultdict(WorkerState)
@@ -509,13 +557,18 @@ class LocalRuntime:
     def state(self, worker: int) -> WorkerState:
         return self.states[worker]
 
-    def call(self, mode, block, values):
-        return run_block(block, values, self)
+    def call(self, mode, block, values, me=None):
+        out = run_block(block, rt_params.cross(values), self)
+        if mode == "remote_here" and me == block["worker"]:
+            return out    # to_here on the owner: the value itself
+        return rt_params.cross(out)
 
     def call_async(self, block, values):
+        def body():
+            return rt_params.cross(run_block(block, rt_params.cross(values), self))
         if rt_threads.waits(block):   # it waits on another body: both run at once
-            return rt_threads.LocalFuture(lambda: run_block(block, values, self))
-        return run_block(block, values, self)
+            return rt_threads.LocalFuture(body)
+        return body()
 
     def wait(self, handle):
         return handle.wait() if isinstance(handle, rt_threads.LocalFuture) else handle
@@ -524,10 +577,11 @@ class LocalRuntime:
         self.state(worker).event(key).set()
 
     def remote(self, block, values):
-        return LocalRRef(run_block(block, values, self))
+        return LocalRRef(run_block(block, rt_params.cross(values), self), block["worker"])
 
-    def to_here(self, rref):
-        return rref.values
+    def to_here(self, rref, me=None):
+        # on its owner the value itself, elsewhere a copy sent in a message
+        return rref.values if me == rref.owner else rt_params.cross(rref.values)
 
 
 STATE = WorkerState()   # this process's state as a distributed worker
@@ -554,7 +608,7 @@ class DistRuntime:
     def state(self, worker: int) -> WorkerState:
         return STATE
 
-    def call(self, mode, block, values):
+    def call(self, mode, block, values, me=None):
         import distgrad.rpc as rpc
         to, args = f"worker{block['worker']}", (block, tuple(values))
         if mode == "sync":
@@ -578,7 +632,7 @@ class DistRuntime:
             STATE.remote_issued += 1
         return rpc.remote(f"worker{block['worker']}", _serve_remote, args=(block, tuple(values)))
 
-    def to_here(self, rref):
+    def to_here(self, rref, me=None):
         return rref.to_here()
 
     def signal(self, me: int, worker: int, key: str) -> None:
@@ -707,13 +761,17 @@ FEATURE_WEIGHTS.update({          # issue 34 (tests/random_round2.py)
     "keep_between": 0.4,    # prog["keep_between"]: get_gradients' tensors kept between two passes
     "sparse": 0.2,          # ("op", out, "embed", [leaf], {"idx"}): sparse gradients
 })
+FEATURE_WEIGHTS.update({          # nn.Parameters over RPC (tests/random_params.py)
+    "param": 0.25,          # bare / viewed / _is_param / builtin-argument Parameters sent
+})
 FEATURE_GROUPS = {"hooks": ("hook", "nodehook", "module"), "checkpoint": ("ckpt", "ckpt_reentrant"),
                   "threads": rt_threads.THREAD_FEATURES, "round2": rt_round2.ROUND2_FEATURES + ("sparse",),
+                  "params": rt_params.PARAM_FEATURES,
                   "all": tuple(FEATURE_WEIGHTS), "none": ()}
 NOT_TWICE_DIFFERENTIABLE = ("compile", "ckpt_reentrant", "sparse")
 STEP_WEIGHTS = {"hook": 0.7, "nodehook": 0.5, "module": 0.5, "ckpt": 0.4, "ckpt_reentrant": 0.3,
                 "compile": 0.5, "autocast": 0.5, "inplace": 0.5, "keep_grad": 0.5, "rendezvous": 0.5,
-                "plain_thread": 0.6, "chain": 0.5, "post_acc": 0.4, "sparse": 0.5}
+                "plain_thread": 0.6, "chain": 0.5, "post_acc": 0.4, "sparse": 0.5, "param": 1.2}
 # ops whose backward does not save their output: a fresh result may be modified in place
 INPLACE_SAFE = {"scale", "add", "sub", "mul", "div", "square", "sin", "sum", "mean", "index",
                 "index_select", "cat", "stack", "matmul", "first_only", "count", "dot", "clone"}
@@ -790,6 +848,8 @@ class Generator:
         self.leaf_names: dict = {}                     # leaf register -> its name
         self.kept_leaves: set = set()                  # leaves a "keep" hook is on
         self.plain_hooks: dict = {}                    # worker -> leaves with a plain_hook
+        self.bare: set = set()                         # registers holding an exact nn.Parameter
+        self.sites = 0                                 # call blocks given a "site" (param)
 
     # -- registers ---------------------------------------------------------------------
     def new(self, kind: str, *info) -> int:
@@ -1082,9 +1142,10 @@ class Generator:
     def outs_for(self, rets: list) -> list:
         return [self.tensor(s, rg) for s, rg in rets]
 
-    def g_to_here(self, b):
+    def g_to_here(self, b, rref=None):
         """Fetch an RRef's values here (on its owner, a third worker or the creator)."""
-        rref = self.rnd.choice([r for r in b.env if self.meta[r][0] == "rref"])
+        if rref is None:
+            rref = self.rnd.choice([r for r in b.env if self.meta[r][0] == "rref"])
         outs = self.outs_for(self.meta[rref][1])
         self.emit(b, ("to_here", outs, rref), *outs)
 
@@ -1095,10 +1156,11 @@ class Generator:
         outs = self.outs_for(self.meta[fut][1])
         self.emit(b, ("wait", outs, fut), *outs)
 
-    def g_call(self, b, target=None, mode=None, inject=None):
+    def g_call(self, b, target=None, mode=None, inject=None, extra_args=(), ret_param=False):
         """A call to any worker (a third one, the caller, itself) in one of five modes,
         with a body generated recursively (up to 3 deep); ``inject``: two instructions
-        put into the body, in order (random_threads.g_rendezvous)."""
+        put into the body, in order (random_threads.g_rendezvous); ``extra_args``: also
+        these arguments; ``ret_param``: the body returns a bare nn.Parameter too."""
         r = self.rnd
         if target is None:
             # anyone: another worker, the caller (a call back) or this worker itself
@@ -1111,6 +1173,7 @@ class Generator:
         sent = [x for x in b.sent if x in avail and x not in args]
         if sent and r.random() < 0.4:            # the same value to a second worker
             args.append(r.choice(sent))
+        args += [x for x in extra_args if x not in args]
         b.sent.extend(args)
         rrefs = [x for x in avail if self.meta[x][0] == "rref"]
         if rrefs and r.random() < 0.5:           # hand an RRef on (often to a third worker)
@@ -1118,13 +1181,23 @@ class Generator:
         seq = b.seq and mode in ("sync", "async_now", "remote_here")
         steps = r.randint(1, max(1, 6 - 2 * b.depth))
         child = self.gen_block(target, args, b.depth + 1, seq, b.worker, steps)
+        used = rt_params.used_args(self, child, extra_args) if extra_args else []
         rets = self.pick_returns(child)
+        rets += [y for y in used if y not in rets and r.random() < 0.8]
+        if ret_param:
+            x = rt_params.returned_param(self, child)
+            if x not in rets:
+                rets.insert(r.randint(0, len(rets)), x)
         if inject:
             rt_threads.inject(r, child.body, inject)
         block = {"worker": target, "params": child.params, "body": child.body, "returns": rets}
+        if "param" in self.on:      # names the Parameters its params receive (random_params)
+            block["site"] = f"b{self.sites}"
+            self.sites += 1
         meta = [(self.shape(x), self.rg(x)) for x in rets]
         if mode in ("sync", "async_now", "remote_here"):
             outs = self.outs_for(meta)
+            self.bare.update(o for o, x in zip(outs, rets) if x in self.bare)
             self.emit(b, ("call", outs, mode, block), *outs)
         elif mode == "async":
             fut = self.new("fut", meta)
@@ -1184,7 +1257,7 @@ class Generator:
               "inplace": True, "keep_grad": bool(self.own_rg(b) or b.leaves), "rendezvous": b.depth < 2,
               "plain_thread": bool(b.leaves), "two_passes": False,
               "chain": b.depth < 2, "post_acc": bool(b.leaves), "watch": False, "keep_between": False,
-              "sparse": True}
+              "sparse": True, "param": True}
         return [f for f in FEATURE_WEIGHTS if f in self.on and ok[f]]
 
     def g_hook(self, b):
@@ -1270,6 +1343,9 @@ class Generator:
 
     def g_sparse(self, b):
         rt_round2.g_sparse(self, b)
+
+    def g_param(self, b):
+        rt_params.g_param(self, b)
 
     def g_compile(self, b):
         """A small function under torch.compile(backend="aot_eager")."""
@@ -1453,6 +1529,8 @@ def dump(prog: dict) -> str:
                 lines.append(f"{pad}{_r(ins[1])} = r{ins[2]}.wait()")
             elif op == "to_here":
                 lines.append(f"{pad}{_r(ins[1])} = r{ins[2]}.to_here()")
+            elif op in ("pleaf", "builtin"):
+                lines.append(pad + rt_params.dump_line(ins))
             elif op == "stash":
                 lines.append(f"{pad}STASH[{ins[1]!r}] = r{ins[2]}")
             elif op == "unstash":
@@ -1513,7 +1591,7 @@ FEATURES = [
     "module full backward pre-hook", "module reused", "checkpoint (use_reentrant=False)",
     "checkpoint (use_reentrant=True)", "torch.compile (aot_eager)", "autocast bf16 matmul/linear",
     "in-place on a fresh result", "in-place on a clone",
-] + rt_threads.FEATURES + rt_round2.FEATURES
+] + rt_threads.FEATURES + rt_round2.FEATURES + rt_params.FEATURES
 
 
 def _company_features(block: dict, ins, depth: int, module_uses: collections.Counter) -> set:
@@ -1626,6 +1704,8 @@ def features(prog: dict) -> set:
                   if creator != w else "remote().to_here()")
         elif op == "stash":
             uses[ins[2]] += 1
+        elif op == "builtin":
+            uses.update(ins[4])
         elif op == "unstash":
             f.add("stash reused by a later call")
         elif op in ("module", "ckpt"):
@@ -1661,6 +1741,7 @@ def features(prog: dict) -> set:
     instructions = [(b["worker"], ins) for b, ins, _, _ in walk(prog["main"])]
     f |= rt_threads.static_features(prog, instructions)
     f |= rt_round2.static_features(prog, instructions)
+    f |= rt_params.static_features(prog, walk, _sub_block)
     if len(prog["roots"]) > 1:
         f.add("several roots")
     if prog["retain"]:
@@ -1920,6 +2001,12 @@ def _compare_pass(want: dict, got: dict, where: str) -> list:
     for i, (a, b) in enumerate(zip(want["roots"], got["roots"])):
         if a.shape != b.shape or not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
             issues.append(("forward value", f"{where}root {i}: {b.tolist()} != {a.tolist()}"))
+    for key in sorted(set(got["grads"]) - set(want["grads"])):   # a leaf local autograd lacks
+        w, name = key                                             # (a Parameter received here)
+        d = got["grads"][key]
+        d = d.to_dense() if d.is_sparse else d
+        issues.append(("unexpected grad", f"{where}leaf {name.split('.', 1)[1]} on worker{w}: got "
+                                          f"{d.tolist()}, local autograd has no such leaf"))
     for key, g in sorted(want["grads"].items()):
         w, name = key
         label = f"{where}leaf {name.split('.', 1)[1]} on worker{w}"
@@ -2015,7 +2102,7 @@ def check_program(prog: dict, backward_timeout: float = BACKWARD_TIMEOUT, want=N
 def _defs(ins) -> list:
     """Registers an instruction defines (a stash defines the pseudo-register 'stash:NAME')."""
     op = ins[0]
-    if op in ("leaf", "op", "async", "remote", "unstash", "module"):
+    if op in ("leaf", "op", "async", "remote", "unstash", "module", "pleaf", "builtin"):
         return [ins[1]]
     if op in ("multi", "call", "wait", "to_here", "ckpt", "chain"):
         return list(ins[1])
@@ -2031,6 +2118,8 @@ def _uses(ins) -> list:
         return list(ins[3])
     if op in ("multi", "module"):
         return [ins[3]]
+    if op == "builtin":
+        return list(ins[4])
     if op in ("call", "async", "remote", "ckpt"):
         return list(_sub_block(ins)["params"])
     if op in ("hook", "nodehook", "keep", "plain_hook", "post_acc"):
@@ -2104,6 +2193,8 @@ def _rename(prog: dict, old: int, new: int) -> dict:
                 ins = (ins[0], sub(ins[1])) + ins[2:]
             elif ins[0] == "inplace":
                 ins = (ins[0], sub(ins[1]), ins[2], [sub(z) for z in ins[3]], ins[4])
+            elif ins[0] == "builtin":
+                ins = ins[:4] + ([sub(x) for x in ins[4]],)
             body.append(ins)
         block["body"] = body
     prog["roots"] = prog["main"]["returns"]

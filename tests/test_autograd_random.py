@@ -65,18 +65,29 @@ THREAD_SEEDS = {2: [357, 338], 3: [355, 451, 342]}
 # (tests/random_round2.py; issue 34)
 ROUND2 = "round2,plain_thread=0.5"
 ROUND2_SEEDS = {2: [7351, 7302, 7305], 3: [7449, 7416]}
+
+
+# world size -> seeds, run with PARAMS: nn.Parameters over RPC (tests/random_params.py):
+# sent bare (a new leaf on the receiver, no gradient back), as a view and flagged
+# _is_param (linked), returned bare, held in an RRef, as a builtin's argument (linked)
+PARAMS = "params"
+PARAM_SEEDS = {2: [9625, 9632], 3: [9557, 9562]}
+# (chosen in a greedy cover; in each world size, an oracle that does not convert a bare
+# Parameter (or that takes an _is_param tensor for one) has other gradients:
+# test_param_oracle_is_torchs_rule)
 # (chosen in a greedy cover; on 726a179 programs like these broke torch's rules: a
 # post-accumulate-grad hook run by the pass, a kept gradient not added into in place)
 
 
 def _programs():
     """(program, its feature weights) for every fixed seed."""
-    threads, round2 = rp.parse_features(THREADS), rp.parse_features(ROUND2)
+    threads, round2, params = rp.parse_features(THREADS), rp.parse_features(ROUND2), rp.parse_features(PARAMS)
     return ([(rp.generate(s, w, CLASSIC), CLASSIC) for w, seeds in SEEDS.items() for s in seeds]
             + [(rp.generate(s, w, rp.COMPANY), rp.COMPANY) for w, seeds in FEATURE_SEEDS.items()
                for s in seeds]
             + [(rp.generate(s, w, threads), threads) for w, seeds in THREAD_SEEDS.items() for s in seeds]
-            + [(rp.generate(s, w, round2), round2) for w, seeds in ROUND2_SEEDS.items() for s in seeds])
+            + [(rp.generate(s, w, round2), round2) for w, seeds in ROUND2_SEEDS.items() for s in seeds]
+            + [(rp.generate(s, w, params), params) for w, seeds in PARAM_SEEDS.items() for s in seeds])
 
 
 def test_seeds_cover_every_feature():
@@ -237,6 +248,49 @@ def test_random_programs_round2(world):
                  "programs with issue 34's patterns differ", f" --features {ROUND2}")
 
 
+@pytest.mark.parametrize("world", sorted(PARAM_SEEDS))
+def test_random_programs_params(world):
+    """nn.Parameters over RPC by torch's rule: a bare one arrives as a new leaf (its
+    gradient in the receiver's context, none back to the sender); a view, a tensor
+    flagged _is_param and a builtin's Parameter argument are linked."""
+    _run_checked(world, PARAM_SEEDS[world], {"features": rp.parse_features(PARAMS)},
+                 "programs sending nn.Parameters differ", f" --features {PARAMS}")
+
+
+def test_param_oracle_is_torchs_rule(monkeypatch):
+    """The oracle of PARAM_SEEDS is not vacuous: without its conversion of bare
+    Parameters (or taking an _is_param tensor for a Parameter) the gradients of the
+    senders' leaves differ, in every world size."""
+    import random_params as rpp
+    real = rpp.cross1
+
+    def named(out):
+        return {k: g for k, g in out["grads"].items() if not k[1].startswith("recv.") and g is not None}
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.allclose(a[k], b[k]) for k in a)
+
+    def as_isinstance(v):
+        if isinstance(v, torch.nn.Parameter):
+            return torch.nn.Parameter(v.detach().clone(), requires_grad=v.requires_grad)
+        return v
+    flagged = set()
+    for world, seeds in PARAM_SEEDS.items():
+        changed = set()
+        for s in seeds:
+            prog = rp.generate(s, world, rp.parse_features(PARAMS))
+            want = named(rp.run_local(prog))
+            for name, fake in (("linked", lambda v: v), ("isinstance", as_isinstance)):
+                monkeypatch.setattr(rpp, "cross1", fake)
+                if not same(want, named(rp.run_local(prog))):
+                    changed.add(name)
+                monkeypatch.setattr(rpp, "cross1", real)
+        assert "linked" in changed, world
+        flagged |= changed
+    assert "isinstance" in flagged
+    assert rpp.cross1 is real
+
+
 # chosen so that the second pass changes the gradients (12 per world size), plus one
 # program each where it does not (linear in its leaves, or no gradient with a graph)
 SECOND_ORDER_SEEDS = {2: [300, 303, 306, 307, 310, 311, 314, 321, 322, 323, 328, 330, 331],
@@ -284,8 +338,9 @@ def test_random_programs_anomaly_in_company():
     """The poison inside a reentrant checkpoint's block (30021/2, every feature on): the
     nested engine call checks for NaN as the executor does, and names PoisonBackward
     (it named CheckpointFunctionBackward)."""
-    res = _run_checked(2, [30021], {"anomaly": True, "features": rp.parse_features("all")},
-                       "poisoned programs misreported", " --anomaly --features all")
+    # (param=0: the program chosen before random_params' feature existed)
+    res = _run_checked(2, [30021], {"anomaly": True, "features": rp.parse_features("all,param=0")},
+                       "poisoned programs misreported", " --anomaly --features all,param=0")
     assert [r for r in res["records"] if not r.get("skipped")]
 
 

@@ -248,17 +248,19 @@ def ddp() -> dict:
 
 
 # programs of tests/random_programs.py covering every feature, as (seed, world, weights):
-# test_autograd_random's FEATURE_SEEDS (issue 18) and THREAD_SEEDS (issue 26)
+# test_autograd_random's FEATURE_SEEDS (issue 18), THREAD_SEEDS (issue 26), PARAM_SEEDS
 PROGRAMS = [(1157, 2, "company"), (1265, 2, "company"), (1280, 2, "company"), (1298, 2, "company"),
             (1406, 3, "company"), (1463, 3, "company"), (1560, 4, "company"), (1610, 4, "company"),
-            (5038, 4, "company"), (357, 2, "threads"), (338, 2, "threads"), (451, 3, "threads")]
+            (5038, 4, "company"), (357, 2, "threads"), (338, 2, "threads"), (451, 3, "threads"),
+            (9625, 2, "params")]
 
 
 def random_programs_local() -> dict:
     """The random-program interpreter's local half (the oracle of test_autograd_random)."""
     import random_programs as rp
     weights = {"company": rp.COMPANY, "threads": rp.parse_features("plain_thread,keep_grad,rendezvous,"
-                                                                    "two_passes=0.3")}
+                                                                    "two_passes=0.3"),
+               "params": rp.parse_features("params")}
     return {f"{s}/{w}": rp.run_local(rp.generate(s, w, weights[k])) for s, w, k in PROGRAMS}
 
 
