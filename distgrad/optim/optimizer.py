@@ -203,7 +203,6 @@ class _LocalOptimizer:
             for lock in reversed(self._locks):
                 lock.release()
 
-
     def _step_twin(self, grads: dict) -> None:
         """One step of the twin with the parameters that have a gradient.
 
