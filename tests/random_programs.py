@@ -391,22 +391,17 @@ class WorkerState:
         with self.lock:
             return self.events.setdefault(key, threading.Event())
 
-    def leaf(self, name: str, shape: tuple, requires_grad: bool) -> torch.Tensor:
-        # get-or-create under the lock: concurrent bodies (rpc_async, remote) may share
-        # a parameter, and both must see the same tensor
+    def leaf(self, name: str, shape: tuple, requires_grad: bool, kind: str | None = None) -> torch.Tensor:
+        """Get-or-create leaf ``name``: a plain tensor, or with ``kind`` an nn.Parameter or
+        ``_is_param`` tensor (random_params.make_leaf)."""
+        # under the lock: concurrent bodies (rpc_async, remote) may share a parameter,
+        # and both must see the same tensor
         with self.lock:
             t = self.leaves.get(name)
             if t is None:
-                t = self.leaves[name] = _named_randn(name, shape).requires_grad_(requires_grad)
-                self._hold_accumulator(t)
-            return t
-
-    def pleaf(self, name: str, shape: tuple, requires_grad: bool, kind: str) -> torch.Tensor:
-        """Get-or-create the nn.Parameter or ``_is_param`` leaf ``name`` (random_params)."""
-        with self.lock:
-            t = self.leaves.get(name)
-            if t is None:
-                t = self.leaves[name] = rt_params.make_leaf(name, shape, requires_grad, kind, _named_randn)
+                t = self.leaves[name] = (
+                    _named_randn(name, shape).requires_grad_(requires_grad) if kind is None
+                    else rt_params.make_leaf(name, shape, requires_grad, kind, _named_randn))
                 self._hold_accumulator(t)
             return t
 
@@ -442,6 +437,11 @@ def run_block(block: dict, values, rt) -> tuple:
     env = dict(zip(block["params"], values))
     state = rt.state(block["worker"])
     rt_params.receive(state, rt_params.param_sites(block), values)
+
+    def bind(outs: list, got) -> None:
+        """Values a message brought back (a reply, a wait, to_here, a chain)."""
+        rt_params.receive(state, rt_params.out_sites(outs), got)
+        env.update(zip(outs, got))
     for ins in block["body"]:
         op = ins[0]
         if op == "leaf":
@@ -449,7 +449,7 @@ def run_block(block: dict, values, rt) -> tuple:
             env[out] = state.leaf(name, tuple(shape), rg)
         elif op == "pleaf":
             _, out, name, shape, rg, kind = ins
-            env[out] = state.pleaf(name, tuple(shape), rg, kind)
+            env[out] = state.leaf(name, tuple(shape), rg, kind)
         elif op == "builtin":
             _, out, worker, name, xs = ins
             xs = [env[r] for r in xs]
@@ -463,25 +463,19 @@ def run_block(block: dict, values, rt) -> tuple:
             env.update(zip(outs, apply_multi(name, env[x], attrs)))
         elif op == "call":
             _, outs, mode, sub = ins
-            got = rt.call(mode, sub, [env[r] for r in sub["params"]], block["worker"])
-            rt_params.receive(state, rt_params.out_sites(outs), got)
-            env.update(zip(outs, got))
+            bind(outs, rt.call(mode, sub, [env[r] for r in sub["params"]], block["worker"]))
         elif op == "async":
             _, fut, sub = ins
             env[fut] = rt.call_async(sub, [env[r] for r in sub["params"]])
         elif op == "wait":
             _, outs, fut = ins
-            got = rt.wait(env.pop(fut))
-            rt_params.receive(state, rt_params.out_sites(outs), got)
-            env.update(zip(outs, got))
+            bind(outs, rt.wait(env.pop(fut)))
         elif op == "remote":
             _, rref, sub = ins
             env[rref] = rt.remote(sub, [env[r] for r in sub["params"]])
         elif op == "to_here":
             _, outs, rref = ins
-            got = rt.to_here(env[rref], block["worker"])
-            rt_params.receive(state, rt_params.out_sites(outs), got)
-            env.update(zip(outs, got))
+            bind(outs, rt.to_here(env[rref], block["worker"]))
         elif op == "stash":
             _, name, x = ins
             state.stash[name] = env[x]
@@ -520,10 +514,8 @@ def run_block(block: dict, values, rt) -> tuple:
         elif op == "chain":
             _, outs, fa, fb, kind = ins
             fa, fb = env.pop(fa), env.pop(fb)
-            got = (rt_round2.chain_dist(fa, fb, kind) if isinstance(rt, DistRuntime)
-                   else rt_round2.chain_local(rt, fa, fb))
-            rt_params.receive(state, rt_params.out_sites(outs), got)
-            env.update(zip(outs, got))
+            bind(outs, rt_round2.chain_dist(fa, fb, kind) if isinstance(rt, DistRuntime)
+                 else rt_round2.chain_local(rt, fa, fb))
         elif op == "post_acc":      # (local autograd: no hook; it changes nothing)
             t = env[ins[1]]
             if isinstance(rt, DistRuntime) and t.requires_grad and t.grad_fn is None:
