@@ -15,6 +15,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -36,8 +37,43 @@ from typing import Any
 SLOW = float(os.environ.get("DISTGRAD_TEST_SLOWDOWN", "3"))
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections and to ``bind(port 0)``."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_HANDED: set[int] = set()   # ports this process already handed out
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port on 127.0.0.1 that is free now and that the kernel will not hand to
+    someone else before the caller binds it.
+
+    A port from ``bind(port 0)`` lies in the ephemeral range, where every outgoing
+    connection of every process (a worker's dial, a store client) may take it between
+    this probe and the caller's bind: CI failed on that once (EADDRINUSE on a store's
+    port). So the port is drawn at random below the ephemeral range, which only an
+    explicit bind takes, and is never handed out twice by one process.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, min(low, 32768)) if low > 20100 else rng.randrange(1024, 20000)
+        if port in _HANDED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
+    with socket.socket() as s:   # a crowded machine: fall back to the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -26,11 +26,11 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import threading
 import time
 
 import torch
+from mp_utils import free_port  # no distgrad: mp_utils imports it only inside workers
 
 SECRET = "e6322fbce9c88c169fbd6b1aba3050223d9e940b978cef4791345bab9c71edef"
 _MEET: list = [None]
@@ -321,9 +321,7 @@ def _worker(rank: int, port: int, impl: str, out) -> None:
 
 def run(impl: str, timeout: float = 90.0) -> dict:
     """The program on two spawned workers of ``impl``; worker0's record."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     ps = [ctx.Process(target=_worker, args=(r, port, impl, out)) for r in range(2)]
