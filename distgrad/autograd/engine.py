@@ -37,6 +37,7 @@ from torch.autograd.graph import GradientEdge
 from ..errors import AnomalyError, BackwardError
 from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
+from ..rpc.pool import follow_intra_op_threads
 from ..rpc.remote_exc import pack_exception, unpack_exception
 from ..trace import recorder as _trace
 from ..trace.clock import local_ns
@@ -83,6 +84,7 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
     prev = (getattr(_tls, "state", None), getattr(_tls, "exp", 0), getattr(_tls, "targets", None),
             getattr(_tls, "shipped", None))
     _tls.state, _tls.exp, _tls.targets, _tls.shipped = state, exp, set(), set()
+    follow_intra_op_threads()  # the user's torch.set_num_threads, as on torch's threads
     state.running += 1
     checkpoints = state.checkpoints
     if checkpoints:

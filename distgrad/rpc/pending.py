@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .pool import follow_intra_op_threads
+
 if TYPE_CHECKING:
     from .agent import RpcAgent
 
@@ -80,6 +82,7 @@ class RpcFuture(torch.futures.Future):
 
 def _settle(fut: torch.futures.Future, value: Any, exc: BaseException | None) -> None:
     """Complete ``fut`` with ``value`` or ``exc`` (running its callbacks here)."""
+    follow_intra_op_threads()  # callbacks may be user code: the user's torch.set_num_threads
     if exc is not None:
         fut.set_exception(exc)
     else:

@@ -20,6 +20,7 @@ import torch
 from ..errors import DistgradError, SerializationError
 from ..wire import Kind, encode, loads
 from . import profiling, script
+from .pool import follow_intra_op_threads
 from .remote_exc import pack_exception
 
 log = logging.getLogger("distgrad.rpc.agent")
@@ -44,6 +45,7 @@ class Serving:
     def _serve_inner(self, peer: int, msg) -> None:
         what, ag_meta, extra = msg.meta
         try:
+            follow_intra_op_threads()  # the user's torch.set_num_threads, as on torch's threads
             hook = self._incoming(peer, ag_meta)
             self._tls.msg = msg
             func, args, kwargs = _load_call(msg, hook)

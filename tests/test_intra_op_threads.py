@@ -1,0 +1,108 @@
+"""A served call, a backward run and a callback use the intra-op thread count the
+user set with ``torch.set_num_threads``, on whichever distgrad thread they run.
+
+torch keeps that count per thread and another thread takes it when ATen first
+initializes it; a distgrad thread that initialized it before the user's call kept
+the old count (and a small matrix product on a Python thread never initializes it:
+MKL then ran with OpenMP's whole team). See ``distgrad/rpc/pool.py``.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from mp_utils import run_workers
+
+THREADS = 4
+_BARRIER = threading.Barrier(THREADS)
+_MAIN: dict = {}
+
+
+def _count_on_busy_thread() -> tuple[str, int]:
+    """Holds its thread until THREADS calls hold one each (so each runs on its own)."""
+    n = torch.get_num_threads()
+    _BARRIER.wait(timeout=30)
+    return threading.current_thread().name, n
+
+
+def _set_on_main(key: str, value) -> None:
+    _MAIN[key] = value
+
+
+def _main_has(key: str) -> bool:
+    return key in _MAIN
+
+
+def _hook_count(out: list):
+    def hook(g):
+        out.append(torch.get_num_threads())
+        return g
+    return hook
+
+
+_HOOKED: list = []
+
+
+def _forward_with_hook(x: torch.Tensor) -> torch.Tensor:
+    w = torch.ones(3, requires_grad=True)
+    w.register_hook(_hook_count(_HOOKED))
+    return x * w
+
+
+def _hooked() -> list:
+    return list(_HOOKED)
+
+
+def _counts(rank: int, world_size: int) -> dict:
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    if rank == 1:
+        # worker1's main thread: set the count once worker0 says its threads ran calls
+        while "n" not in _MAIN:
+            threading.Event().wait(0.01)
+        torch.set_num_threads(_MAIN["n"])
+        _MAIN["set"] = True
+        while not _MAIN.get("done"):
+            threading.Event().wait(0.01)
+        return {}
+
+    def burst():
+        futs = [rpc.rpc_async("worker1", _count_on_busy_thread, timeout=60) for _ in range(THREADS)]
+        return [f.wait() for f in futs]
+
+    before = burst()                       # every one of worker1's serving threads initialized
+    n = max(c for _, c in before) + 1      # a count none of them has
+    rpc.rpc_sync("worker1", _set_on_main, args=("n", n))
+    while not rpc.rpc_sync("worker1", _main_has, args=("set",)):
+        threading.Event().wait(0.01)
+    after = burst()
+    with dist_autograd.context() as cid:   # a backward run on one of those threads
+        x = torch.ones(3, requires_grad=True)
+        y = rpc.rpc_sync("worker1", _forward_with_hook, args=(x,))
+        dist_autograd.backward(cid, [y.sum()])
+    hooked = rpc.rpc_sync("worker1", _hooked)
+    # worker0's callbacks: one runs (its thread takes the count), the user sets
+    # another count on the main thread, the next callback runs with it
+    def callback_count():
+        return rpc.rpc_async("worker1", torch.add, args=(torch.ones(1), 1)).then(
+            lambda f: torch.get_num_threads()).wait()
+    first = callback_count()
+    torch.set_num_threads(first + 1)
+    second = callback_count()
+    rpc.rpc_sync("worker1", _set_on_main, args=("done", True))
+    return {"before": before, "n": n, "after": after, "hooked": hooked,
+            "callbacks": (first, second)}
+
+
+@pytest.mark.timeout(120)
+def test_served_calls_and_backward_take_the_users_set_num_threads():
+    res = run_workers(_counts, world_size=2, timeout=90,
+                      options={"num_worker_threads": THREADS})[0]
+    n = res["n"]
+    assert len({name for name, _ in res["before"]}) == THREADS
+    # the threads that had initialized their count before the user set it take it now
+    assert [c for _, c in res["after"]] == [n] * THREADS, res
+    assert res["hooked"] == [n], res
+    first, second = res["callbacks"]
+    assert second == first + 1, res
