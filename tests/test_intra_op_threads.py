@@ -4,7 +4,8 @@ user set with ``torch.set_num_threads``, on whichever distgrad thread they run.
 torch keeps that count per thread and another thread takes it when ATen first
 initializes it; a distgrad thread that initialized it before the user's call kept
 the old count (and a small matrix product on a Python thread never initializes it:
-MKL then ran with OpenMP's whole team). See ``distgrad/rpc/pool.py``.
+MKL then ran with OpenMP's whole team). The user's own threads keep theirs. See
+``distgrad/intra_op.py``.
 """
 from __future__ import annotations
 
@@ -90,8 +91,22 @@ def _counts(rank: int, world_size: int) -> dict:
     first = callback_count()
     torch.set_num_threads(first + 1)
     second = callback_count()
+    # the user's own thread keeps its count: another user thread sets a new global;
+    # this thread's calls (a reply it may read itself, the backward's share it runs)
+    # leave its own count as the user left it, as torch does
+    mine = torch.get_num_threads()
+    other = threading.Thread(target=torch.set_num_threads, args=(mine + 1,))
+    other.start()
+    other.join()
+    for _ in range(20):
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+    with dist_autograd.context() as cid:
+        x = torch.ones(3, requires_grad=True)
+        y = rpc.rpc_sync("worker1", _forward_with_hook, args=(x,))
+        dist_autograd.backward(cid, [(y * 2).sum()])
+    kept = (mine, torch.get_num_threads())
     rpc.rpc_sync("worker1", _set_on_main, args=("done", True))
-    return {"before": before, "n": n, "after": after, "hooked": hooked,
+    return {"kept": kept, "before": before, "n": n, "after": after, "hooked": hooked,
             "callbacks": (first, second)}
 
 
@@ -103,6 +118,8 @@ def test_served_calls_and_backward_take_the_users_set_num_threads():
     assert len({name for name, _ in res["before"]}) == THREADS
     # the threads that had initialized their count before the user set it take it now
     assert [c for _, c in res["after"]] == [n] * THREADS, res
-    assert res["hooked"] == [n], res
+    assert res["hooked"][0] == n, res
     first, second = res["callbacks"]
     assert second == first + 1, res
+    mine, after_calls = res["kept"]
+    assert after_calls == mine, res

@@ -35,9 +35,9 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from ..errors import AnomalyError, BackwardError
+from ..intra_op import follow_intra_op_threads
 from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
-from ..rpc.pool import follow_intra_op_threads
 from ..rpc.remote_exc import pack_exception, unpack_exception
 from ..trace import recorder as _trace
 from ..trace.clock import local_ns

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .pool import follow_intra_op_threads
+from ..intra_op import follow_intra_op_threads
 
 if TYPE_CHECKING:
     from .agent import RpcAgent

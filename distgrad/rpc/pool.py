@@ -13,23 +13,9 @@ from collections.abc import Callable
 from queue import Empty, SimpleQueue
 from typing import Any
 
-import torch
+from ..intra_op import mark_distgrad_thread
 
 log = logging.getLogger(__name__)
-
-
-# torch's intra-op thread count is kept per thread: ``torch.set_num_threads(n)`` sets
-# the calling thread's OpenMP and MKL counts and a global, and another thread reads
-# the global only when ATen initializes it (its engine and inter-op threads at their
-# start, any thread at its first large ``parallel_for``). A small matrix product
-# initializes nothing: on a Python thread MKL then runs with OpenMP's default team
-# (every core) where torch's threads run with the user's ``n``. On 2 cores a
-# ``Linear(512, 10)`` backward on a distgrad thread took 2.5x its time on torch's
-# (the team's spin-waits, next to other processes, for a 10x64 @ 64x512 product).
-# So a distgrad thread takes the global before it runs a served call, a backward
-# run or a future's callbacks (``at::init_num_threads``: 0.1 us), which also follows
-# a later ``torch.set_num_threads`` on any thread.
-follow_intra_op_threads = torch.init_num_threads
 
 
 class WorkerPool:
@@ -60,6 +46,7 @@ class WorkerPool:
         t.start()
 
     def _work(self) -> None:
+        mark_distgrad_thread()
         q = self._q
         while True:
             item = q.get()

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from ..errors import DistgradError, SerializationError
+from ..intra_op import follow_intra_op_threads
 from ..wire import Kind, encode, loads
 from . import profiling, script
-from .pool import follow_intra_op_threads
 from .remote_exc import pack_exception
 
 log = logging.getLogger("distgrad.rpc.agent")

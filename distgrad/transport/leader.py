@@ -35,6 +35,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..intra_op import mark_distgrad_thread
+
 log = logging.getLogger(__name__)
 
 Work = tuple  # (fn, args)
@@ -121,6 +123,7 @@ class LeaderFollowers:
             self._spawn()
 
     def _run(self) -> None:
+        mark_distgrad_thread()
         while True:
             with self._lock:
                 while True:
@@ -151,6 +154,7 @@ class LeaderFollowers:
         kernel wakes one waiter per ready socket. The last thread waiting never
         leaves to run user code unless another can take its place (started here),
         and with every thread busy it keeps reading and queues the work."""
+        mark_distgrad_thread()
         keep_reading = False
         local = self._local
         with self._lock:
