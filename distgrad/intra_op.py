@@ -3,8 +3,8 @@
 torch keeps that count per thread: ``torch.set_num_threads(n)`` sets the calling
 thread's OpenMP and MKL counts and a global, and another thread reads the global
 only when ATen initializes it (its engine and inter-op threads at their start, any
-thread at its first large ``parallel_for``). A small matrix product initializes
-nothing: on a Python thread MKL then runs with OpenMP's default team (every core)
+other thread at its first ``parallel_for`` or ``torch.get_num_threads()``). A matrix
+product initializes nothing: on a Python thread MKL then runs with OpenMP's default team (every core)
 where torch's threads run with the user's ``n``. On 2 cores a ``Linear(512, 10)``
 backward on a distgrad thread took 2.5x its time on torch's (the team's
 spin-waits, next to other processes, for a 10x64 @ 64x512 product); and a distgrad
@@ -12,7 +12,10 @@ thread that had initialized its count before the user set one kept the old one.
 
 So a thread distgrad started takes the global before it runs a served call, a
 backward run or a future's callbacks (``at::init_num_threads``, about 0.1 us),
-which also follows a later ``torch.set_num_threads`` made on any thread. A thread
+which also follows a later ``torch.set_num_threads`` made on any thread. That is
+torch's distributed backward (its inter-op threads took the global at their start)
+and goes further than torch's RPC serving threads, which keep the count they first
+took: a later ``set_num_threads`` does not reach those (docs/compatibility.md). A thread
 distgrad did not start (the user's own, where a caller reads its reply or runs its
 share of a backward) is never touched: its count stays what the user left.
 

@@ -27,6 +27,11 @@ def _count_on_busy_thread() -> tuple[str, int]:
     return threading.current_thread().name, n
 
 
+def _slow_add(x: torch.Tensor) -> torch.Tensor:
+    threading.Event().wait(0.3)
+    return x + 1
+
+
 def _set_on_main(key: str, value) -> None:
     _MAIN[key] = value
 
@@ -68,6 +73,17 @@ def _counts(rank: int, world_size: int) -> dict:
             threading.Event().wait(0.01)
         return {}
 
+    # worker0's callbacks, first (one thread of distgrad's runs them then): one runs
+    # (its thread takes the count), the user sets another count on the main thread,
+    # the next callback runs with it. Registered before the reply comes (the call
+    # sleeps), so a distgrad thread completes the future and runs them.
+    def callback_count():
+        return rpc.rpc_async("worker1", _slow_add, args=(torch.ones(1),)).then(
+            lambda f: (threading.current_thread().name, torch.get_num_threads())).wait()
+    first = callback_count()
+    torch.set_num_threads(first[1] + 1)
+    second = callback_count()
+
     def burst():
         futs = [rpc.rpc_async("worker1", _count_on_busy_thread, timeout=60) for _ in range(THREADS)]
         return [f.wait() for f in futs]
@@ -83,14 +99,6 @@ def _counts(rank: int, world_size: int) -> dict:
         y = rpc.rpc_sync("worker1", _forward_with_hook, args=(x,))
         dist_autograd.backward(cid, [y.sum()])
     hooked = rpc.rpc_sync("worker1", _hooked)
-    # worker0's callbacks: one runs (its thread takes the count), the user sets
-    # another count on the main thread, the next callback runs with it
-    def callback_count():
-        return rpc.rpc_async("worker1", torch.add, args=(torch.ones(1), 1)).then(
-            lambda f: torch.get_num_threads()).wait()
-    first = callback_count()
-    torch.set_num_threads(first + 1)
-    second = callback_count()
     # the user's own thread keeps its count: another user thread sets a new global;
     # this thread's calls (a reply it may read itself, the backward's share it runs)
     # leave its own count as the user left it, as torch does
@@ -120,6 +128,7 @@ def test_served_calls_and_backward_take_the_users_set_num_threads():
     assert [c for _, c in res["after"]] == [n] * THREADS, res
     assert res["hooked"][0] == n, res
     first, second = res["callbacks"]
-    assert second == first + 1, res
+    assert first[0].startswith("distgrad") and second[0] == first[0], res
+    assert second[1] == first[1] + 1, res
     mine, after_calls = res["kept"]
     assert after_calls == mine, res

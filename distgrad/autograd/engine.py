@@ -84,7 +84,7 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
     prev = (getattr(_tls, "state", None), getattr(_tls, "exp", 0), getattr(_tls, "targets", None),
             getattr(_tls, "shipped", None))
     _tls.state, _tls.exp, _tls.targets, _tls.shipped = state, exp, set(), set()
-    follow_intra_op_threads()  # the user's torch.set_num_threads, as on torch's threads
+    follow_intra_op_threads()  # the global torch.set_num_threads (distgrad/intra_op.py)
     state.running += 1
     checkpoints = state.checkpoints
     if checkpoints:

@@ -82,7 +82,7 @@ class RpcFuture(torch.futures.Future):
 
 def _settle(fut: torch.futures.Future, value: Any, exc: BaseException | None) -> None:
     """Complete ``fut`` with ``value`` or ``exc`` (running its callbacks here)."""
-    follow_intra_op_threads()  # callbacks may be user code: the user's torch.set_num_threads
+    follow_intra_op_threads()  # callbacks are user code (distgrad/intra_op.py)
     if exc is not None:
         fut.set_exception(exc)
     else:

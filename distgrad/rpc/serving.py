@@ -45,7 +45,7 @@ class Serving:
     def _serve_inner(self, peer: int, msg) -> None:
         what, ag_meta, extra = msg.meta
         try:
-            follow_intra_op_threads()  # the user's torch.set_num_threads, as on torch's threads
+            follow_intra_op_threads()  # the global torch.set_num_threads (distgrad/intra_op.py)
             hook = self._incoming(peer, ag_meta)
             self._tls.msg = msg
             func, args, kwargs = _load_call(msg, hook)
