@@ -37,14 +37,13 @@ from typing import Any
 SLOW = float(os.environ.get("DISTGRAD_TEST_SLOWDOWN", "3"))
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The ports the kernel hands to outgoing connections and to ``bind(port 0)``."""
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections and to ``bind(port 0)``."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 _HANDED: set[int] = set()   # ports this process already handed out
@@ -60,10 +59,11 @@ def free_port() -> int:
     port). So the port is drawn at random below the ephemeral range, which only an
     explicit bind takes, and is never handed out twice by one process.
     """
-    low, _ = _ephemeral_range()
+    high = min(_ephemeral_low(), 32768)   # exclusive: the ephemeral range starts there
+    low = 20000 if high > 20100 else 1024
     rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(20000, min(low, 32768)) if low > 20100 else rng.randrange(1024, 20000)
+    for _ in range(200 if high > low else 0):   # no room below it: the kernel's choice
+        port = rng.randrange(low, high)
         if port in _HANDED:
             continue
         with socket.socket() as s:
