@@ -179,9 +179,11 @@ def _die_with_parent():
 
 
 def _worker_entry(impl, rank, world_size, port, worker_fn, result_q,
-                  rpc_timeout, num_worker_threads):
+                  rpc_timeout, num_worker_threads, prepare=None):
     """Body of every spawned worker process (module-level => picklable)."""
     _die_with_parent()
+    if prepare is not None:
+        prepare()
     rpc = None
     initialized = False
     import warnings
@@ -267,7 +269,7 @@ def _reap(procs, grace=5.0):
 
 def run_cluster(impl, world_size, worker_fn, timeout=300.0, *,
                 rpc_timeout=120.0, num_worker_threads=16,
-                shutdown_grace=20.0, env=None):
+                shutdown_grace=20.0, env=None, prepare=None):
     """Spawn a fresh ``world_size`` cluster of ``impl`` on 127.0.0.1.
 
     Rank 0 runs ``worker_fn(rpc_module)`` after ``init_rpc`` and its returned
@@ -276,7 +278,9 @@ def run_cluster(impl, world_size, worker_fn, timeout=300.0, *,
     ``shutdown_s``).  Raises RuntimeError with the worker traceback(s) on
     failure, TimeoutError if rank 0 produces nothing within ``timeout`` s.
     Workers are always terminated (then killed) before returning.
-    ``env``: extra environment variables for the workers only.
+    ``env``: extra environment variables for the workers only. ``prepare``: a
+    picklable callable every worker runs first, before ``init_rpc`` (for instance
+    ``torch.set_num_threads``).
     """
     ctx = mp.get_context("spawn")
     result_q = ctx.Queue()
@@ -290,7 +294,7 @@ def run_cluster(impl, world_size, worker_fn, timeout=300.0, *,
         for rank in range(world_size):
             _spawn(ctx, procs, env, target=_worker_entry,
                    args=(impl, rank, world_size, port, worker_fn, result_q,
-                         rpc_timeout, num_worker_threads),
+                         rpc_timeout, num_worker_threads, prepare),
                    name=f"{impl}-{worker_name(rank)}")
 
         # Wait for rank 0's result (or any error), bounded by `timeout`.

@@ -17,23 +17,20 @@ medians. See docs/architecture.md ("Third round").
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import functools
+import importlib
 import os
-import socket
 import statistics
+import sys
 import time
 
-SECRET = "e6322fbce9c88c169fbd6b1aba3050223d9e940b978cef4791345bab9c71edef"
+_BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+for _p in (_BENCH_DIR, os.path.dirname(_BENCH_DIR)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
-
-def _modules(impl: str):
-    if impl == "torch":
-        import torch.distributed.autograd as dist_autograd
-        import torch.distributed.rpc as rpc
-    else:
-        import distgrad.autograd as dist_autograd
-        import distgrad.rpc as rpc
-    return rpc, dist_autograd
+import common  # noqa: E402
+from autograd_bench import autograd_module_name  # noqa: E402
 
 
 class Stage:
@@ -52,52 +49,40 @@ def stage_forward(rref, x):
     return rref.local_value().net(x)
 
 
-def _worker(rank: int, port: int, impl: str, set_threads: str, steps: int, out) -> None:
+def _one_thread() -> None:
     import torch
-    if set_threads == "main":
-        torch.set_num_threads(1)
-    os.environ.setdefault("DISTGRAD_SECRET", SECRET)
-    rpc, dist_autograd = _modules(impl)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                           num_worker_threads=4)
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
-    if rank == 0:
-        s1 = rpc.remote("worker1", Stage, args=(1, set_threads))
-        s2 = rpc.remote("worker2", Stage, args=(2, set_threads))
-        x = torch.randn(64, 1024)
+    torch.set_num_threads(1)
 
-        def step():
-            with dist_autograd.context() as cid:
-                h = rpc.rpc_sync("worker1", stage_forward, args=(s1, x))
-                h = rpc.rpc_sync("worker2", stage_forward, args=(s2, h))
-                dist_autograd.backward(cid, [h.pow(2).mean()])
-        for _ in range(5):
-            step()
-        t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        out.put(steps / (time.perf_counter() - t))
-    rpc.shutdown()
+
+def drive(rpc, set_threads: str, steps: int) -> dict:
+    """Rank 0: build the stages, time ``steps`` steps after 5 warm ones."""
+    import torch
+    import wide_pipeline as wp  # importable name for the RPC targets
+    dist_autograd = importlib.import_module(autograd_module_name(rpc.__name__))
+    w1, w2 = common.worker_name(1), common.worker_name(2)
+    s1 = rpc.remote(w1, wp.Stage, args=(1, set_threads))
+    s2 = rpc.remote(w2, wp.Stage, args=(2, set_threads))
+    x = torch.randn(64, 1024)
+
+    def step():
+        with dist_autograd.context() as cid:
+            h = rpc.rpc_sync(w1, wp.stage_forward, args=(s1, x))
+            h = rpc.rpc_sync(w2, wp.stage_forward, args=(s2, h))
+            dist_autograd.backward(cid, [h.pow(2).mean()])
+    for _ in range(5):
+        step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return {"steps_per_s": steps / (time.perf_counter() - t)}
 
 
 def run_once(impl: str, set_threads: str, steps: int, timeout: float = 300.0) -> float:
     """Steps/s of one fresh 3-worker cluster of ``impl``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(r, port, impl, set_threads, steps, out))
-          for r in range(3)]
-    for p in ps:
-        p.start()
-    try:
-        return out.get(timeout=timeout)
-    finally:
-        for p in ps:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    res = common.run_cluster(impl, 3, functools.partial(drive, set_threads=set_threads, steps=steps),
+                             timeout=timeout, num_worker_threads=4,
+                             prepare=_one_thread if set_threads == "main" else None)
+    return res["steps_per_s"]
 
 
 def main(argv=None) -> None:
