@@ -32,9 +32,27 @@ for _p in (_BENCH_DIR, os.path.dirname(_BENCH_DIR)):
 import common  # noqa: E402
 from autograd_bench import autograd_module_name  # noqa: E402
 
+_GOMP: list = []
+
+
+def openmp_team() -> int | None:
+    """The calling thread's OpenMP team size (``omp_get_max_threads``), read without
+    initializing ATen's count on it (``torch.get_num_threads()`` would); None where
+    torch's OpenMP runtime is not libgomp (macOS, Windows)."""
+    if not _GOMP:
+        import ctypes
+        try:
+            path = next(line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line)
+            _GOMP.append(ctypes.CDLL(path).omp_get_max_threads)
+        except (OSError, StopIteration):
+            _GOMP.append(None)
+    return _GOMP[0]() if _GOMP[0] is not None else None
+
 
 class Stage:
     def __init__(self, seed: int, set_threads: str):
+        import collections
+
         import torch
         torch.manual_seed(seed)
         if set_threads == "ctor":
@@ -43,10 +61,23 @@ class Stage:
         for _ in range(4):
             layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
         self.net = torch.nn.Sequential(*layers)
+        # the OpenMP team each forward and each backward ran with (see --set-threads ctor)
+        self.teams = {"fwd": collections.Counter(), "bwd": collections.Counter()}
+        self.net[0].weight.register_hook(self._count_bwd)
+
+    def _count_bwd(self, grad):
+        self.teams["bwd"][openmp_team()] += 1
+        return grad
 
 
 def stage_forward(rref, x):
-    return rref.local_value().net(x)
+    stage = rref.local_value()
+    stage.teams["fwd"][openmp_team()] += 1
+    return stage.net(x)
+
+
+def stage_teams(rref) -> dict:
+    return {k: dict(v) for k, v in rref.local_value().teams.items()}
 
 
 def _one_thread() -> None:
@@ -74,15 +105,18 @@ def drive(rpc, set_threads: str, steps: int) -> dict:
     t = time.perf_counter()
     for _ in range(steps):
         step()
-    return {"steps_per_s": steps / (time.perf_counter() - t)}
+    rate = steps / (time.perf_counter() - t)
+    return {"steps_per_s": rate, "teams": [rpc.rpc_sync(w, wp.stage_teams, args=(s,))
+                                           for w, s in ((w1, s1), (w2, s2))]}
 
 
-def run_once(impl: str, set_threads: str, steps: int, timeout: float = 300.0) -> float:
-    """Steps/s of one fresh 3-worker cluster of ``impl``."""
+def run_once(impl: str, set_threads: str, steps: int, timeout: float = 300.0) -> dict:
+    """Steps/s of one fresh 3-worker cluster of ``impl``, and the OpenMP teams its
+    stages' forwards and backwards ran with."""
     res = common.run_cluster(impl, 3, functools.partial(drive, set_threads=set_threads, steps=steps),
                              timeout=timeout, num_worker_threads=4,
                              prepare=_one_thread if set_threads == "main" else None)
-    return res["steps_per_s"]
+    return res
 
 
 def main(argv=None) -> None:
@@ -94,12 +128,17 @@ def main(argv=None) -> None:
     print(f"load average before: {os.getloadavg()}")
     for case in args.set_threads.split(","):
         got: dict[str, list[float]] = {"torch": [], "distgrad": []}
+        teams: dict[str, list] = {"torch": [], "distgrad": []}
         for _ in range(args.repeats):
             for impl in got:
-                got[impl].append(run_once(impl, case, args.steps))
+                res = run_once(impl, case, args.steps)
+                got[impl].append(res["steps_per_s"])
+                teams[impl].append(res["teams"])
         t, d = statistics.median(got["torch"]), statistics.median(got["distgrad"])
         print(f"set_num_threads(1) {case:5s}: torch {t:6.2f} steps/s {got['torch']}, "
               f"distgrad {d:6.2f} {got['distgrad']}, distgrad/torch {d / t:.2f}x", flush=True)
+        for impl in teams:   # {team size: passes} per stage, forward and backward, last run
+            print(f"    OpenMP team by pass, {impl:8s}: {teams[impl][-1]}", flush=True)
     print(f"load average after: {os.getloadavg()}")
 
 
