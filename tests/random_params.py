@@ -163,6 +163,7 @@ def g_param(gen, b) -> None:
         out = gen.tensor(_bcast(gen.shape(ins[0]), gen.shape(ins[1])), gen.rg(x) or gen.rg(y))
         gen.emit(b, ("builtin", out, r.randrange(gen.world), r.choice(sorted(BUILTINS)), ins), out)
         b.own.append(out)
+        gen.received.add(out)
         return
     if kind in ("arg", "view", "flagged"):
         if kind == "flagged":

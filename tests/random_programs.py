@@ -841,6 +841,9 @@ class Generator:
         self.kept_leaves: set = set()                  # leaves a "keep" hook is on
         self.plain_hooks: dict = {}                    # worker -> leaves with a plain_hook
         self.bare: set = set()                         # registers holding an exact nn.Parameter
+        # registers holding a received tensor that is an op result of this block (a
+        # builtin over RPC): its grad_fn is a recv function, not the op's node
+        self.received: set = set()
         self.sites = 0                                 # call blocks given a "site" (param)
 
     # -- registers ---------------------------------------------------------------------
@@ -1274,6 +1277,12 @@ class Generator:
         r = self.rnd
         x = r.choice(self.own_rg(b) + b.leaves)
         kind = "acc" if x in b.leaves else r.choice(["pre", "post"])
+        if kind == "post" and x in self.received:
+            # a post-hook on a recv function scales its grad_inputs, and torch's
+            # RecvRpcBackward has none (its gradients go over the wire): the hook changes
+            # nothing there, where on the local op's node it would scale the op's inputs'
+            # gradients; a pre-hook means the same in both
+            kind = "pre"
         self.emit(b, ("nodehook", x, kind, {"c": r.choice([0.5, 2.0, -1.5])}))
 
     def g_module(self, b):

@@ -12,6 +12,8 @@ What worker0 records, on two workers:
   - calls of a post-accumulate-grad hook over three distributed passes;
   - ``.grad`` of a leaf seen by a watching thread during those passes;
   - a reply's callback that waits for another reply to the same worker;
+  - pre- and post-hooks on a received tensor's recv function (its name, what the hooks
+    saw, the gradient that reaches the sender);
   - nn.Parameters sent both ways (a reply of a server's parameters, a view of one, an
     argument with attributes): their type, leafness, grad_fn, attributes, the
     gradients the server keeps, and the .grad a local backward leaves on them;
@@ -297,6 +299,34 @@ def _optimizer(rpc, dist_autograd) -> dict:
     return out
 
 
+def _recv_node_hooks(rpc, dist_autograd) -> dict:
+    """Hooks on a received tensor's recv function (a builtin over RPC, to worker1 and to
+    worker0 itself): a post-hook sees no gradient to change (torch's RecvRpcBackward
+    returns none: its gradients go over the wire), so the leaf's gradient is unscaled;
+    a pre-hook scales the gradient it ships."""
+    out = {}
+    for dest in ("worker1", "worker0"):
+        for kind in ("post", "pre"):
+            x = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+            seen = []
+            with dist_autograd.context() as cid:
+                y = rpc.rpc_sync(dest, torch.mul, args=(x, torch.tensor([2.0, 3.0, 4.0])))
+                if kind == "post":
+                    def hook(gis, gos, seen=seen):
+                        seen.append([g is None for g in gis] == [True] * len(gis))
+                        return tuple(None if g is None else g * 5 for g in gis)
+                    y.grad_fn.register_hook(hook)
+                else:
+                    def hook(gos, seen=seen):
+                        seen.append(len(gos))
+                        return tuple(g * 3 for g in gos)
+                    y.grad_fn.register_prehook(hook)
+                dist_autograd.backward(cid, [(y * torch.tensor([1.0, 0.5, -1.0])).sum()])
+                out[f"{dest}/{kind}"] = {"grad": _vals(dist_autograd.get_gradients(cid)[x]), "seen": seen,
+                                         "name": y.grad_fn.name()}
+    return out
+
+
 def _worker(rank: int, port: int, impl: str, out) -> None:
     os.environ["DISTGRAD_SECRET"] = SECRET
     torch.set_num_threads(1)
@@ -309,6 +339,7 @@ def _worker(rank: int, port: int, impl: str, out) -> None:
             for name, part in (("kept", lambda: _kept(rpc, dist_autograd)),
                                ("hooks", lambda: _hooks_and_watch(rpc, dist_autograd)),
                                ("chain", lambda: _chain(rpc)),
+                               ("recv_node_hooks", lambda: _recv_node_hooks(rpc, dist_autograd)),
                                ("parameters", lambda: _parameters(rpc, dist_autograd)),
                                ("optimizer", lambda: _optimizer(rpc, dist_autograd))):
                 out.put(json.dumps({"stage": name}))   # where a hang happened, if one does
