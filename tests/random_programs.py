@@ -1799,6 +1799,13 @@ def run_local(prog: dict) -> dict:
                        "grads": {(w, name): t.grad for w, name, t in leaves()}})
         for _, _, t in leaves():
             t.grad = None
+    # the same computation as the distributed run's: after the passes, the gradients the
+    # ("keep", ...) hooks kept change in place (random_threads.run_passes). A gradient
+    # torch's AccumulateGrad took in without a copy (a view of a kept one: stack's,
+    # a sparse embedding's values) changes with it, in local autograd as in torch's
+    # distributed engine; the recorded .grad tensors are those very tensors.
+    for st in rt.states.values():
+        rt_threads.mutate_kept(st.kept)
     counts = collections.Counter()
     for st in rt.states.values():
         counts.update(st.counts)
