@@ -50,14 +50,34 @@ _Parameter = torch.nn.Parameter
 
 
 # -- runtime pieces ---------------------------------------------------------------------
+class _Message(torch.autograd.Function):
+    """A tensor that requires grad crossing a message in the local reference: the same
+    values, and in the backward a gradient in memory of its own, as the gradient a
+    message carries back arrives in a buffer of its own (torch's RPC, to another worker
+    or to itself): a leaf behind it may keep that buffer, never the memory of a
+    gradient a hook kept on the other side."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)   # an absent gradient stays absent (not zeros)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None if g is None else g.clone()
+
+
 def cross1(v):
     """What a message does to one value (torch's rule 1): an exact nn.Parameter arrives
-    as a new leaf Parameter; everything else (tensors, views, ``_is_param`` tensors,
-    RRefs) as a function call passes it."""
+    as a new leaf Parameter; a tensor that requires grad arrives linked, its gradient
+    going back in a buffer of its own (:class:`_Message`); everything else (tensors
+    without grad, RRefs) as a function call passes it."""
     if type(v) is _Parameter:
         new = _Parameter(v.detach().clone(), requires_grad=v.requires_grad)
         new.__dict__.update(v.__dict__)   # its attributes travel with it (``origin``)
         return new
+    if isinstance(v, torch.Tensor) and v.requires_grad and torch.is_grad_enabled():
+        return _Message.apply(v)
     return v
 
 
