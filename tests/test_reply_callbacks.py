@@ -140,8 +140,20 @@ def test_callbacks_registered_while_a_read_completes():
     assert run_workers(_race, world_size=2, timeout=120)[0] == []
 
 
+_GO: dict = {}   # worker1: call i's reply leaves once _release(i) came
+
+
+def _release(i):
+    _GO.setdefault(i, threading.Event()).set()
+
+
 def _slow_plus(x):
-    time.sleep(0.3)
+    # the reply must not leave before the caller registered its callback: a callback
+    # added to a future already done runs at once on the registering thread (torch's
+    # rule), the very thread the test requires it not to run on. A bare 0.3 s sleep
+    # raced that registration (a caller stalled 0.3 s saw its callback on its own thread)
+    assert _GO.setdefault(x, threading.Event()).wait(30), "never released"
+    time.sleep(0.3)  # the reply arrives while the caller waits in wait(), holding the lock
     return x + 1
 
 
@@ -164,6 +176,8 @@ def _callback_thread(rank, world_size):
                 lock.release()
             done.set()
         f.add_done_callback(cb)
+        assert not f.done()   # registered before the reply (which waits for _release)
+        rpc.rpc_sync("worker1", _release, args=(i,))
         with lock:
             value = f.wait()
         out.append((value, done.wait(20) and seen["locked"], seen.get("thread") != threading.get_ident()))
