@@ -29,8 +29,8 @@ def test_confirmation_before_or_after_the_fork():
     ctx.add_unconfirmed(late)
     assert late in ctx.unconfirmed and ctx.debug_info()["num_pending_users"] == 1
     t = threading.Timer(0.3, ctx._on_fork_confirm, args=(2, *late))
+    start = time.monotonic()   # before the timer starts: it fires 0.3 s after this at the earliest
     t.start()
-    start = time.monotonic()
     ctx.wait_confirmed(late, owner=2)          # woken by the confirmation
     # woken at the 0.3 s confirmation; the upper bound a hang guard
     assert late not in ctx.unconfirmed and 0.2 < time.monotonic() - start < 5 * SLOW
@@ -52,8 +52,8 @@ def test_wait_ends_when_the_owner_is_lost_or_at_the_timeout():
         agent.lost[2] = "gone"
         ctx.on_peer_lost(2, "gone")
         told.append(True)
+    start = time.monotonic()   # before the timer starts (as above)
     threading.Timer(0.3, lose).start()
-    start = time.monotonic()
     ctx.wait_confirmed(key, owner=2)
     assert 0.2 < time.monotonic() - start < 5 * SLOW  # at the 0.3 s loss; a hang guard above
     deadline = time.monotonic() + 5
