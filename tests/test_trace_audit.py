@@ -369,10 +369,24 @@ def test_on_signal_handler_only_wakes_a_thread(tmp_path, monkeypatch):
         def no_thread(self):
             raise AssertionError("a thread started in the signal handler")
 
+        # the capture (started by the first signal) lasts until the flood is over: once
+        # the capturing thread got the GIL mid-flood (the main thread preempted for more
+        # than the 5 ms switch interval), a capture that had already failed and ended let
+        # a later signal of the flood start a second one, and fewer than 199 were ignored
+        flood_over = threading.Event()
+        real_start = tr.start
+
+        def start_after_the_flood(*args, **kwargs):
+            assert flood_over.wait(30), "the flood never ended"
+            return real_start(*args, **kwargs)   # (no RPC: it fails)
+        monkeypatch.setattr(tr, "start", start_after_the_flood)
         monkeypatch.setattr(attach, "log", Log())
         monkeypatch.setattr(threading.Thread, "start", no_thread)
-        for _ in range(200):     # a flood: the first asks for a capture, the others are ignored
-            handler(signal.SIGUSR1, None)
+        try:
+            for _ in range(200):     # a flood: the first asks for a capture, the others are ignored
+                handler(signal.SIGUSR1, None)
+        finally:
+            flood_over.set()
         assert _wait_for(lambda: len(on_main) >= 2), on_main
         assert not any(m for m, _ in on_main), on_main          # none logged in the handler
         assert "not written" in on_main[0][1] and "199 signal(s)" in on_main[1][1], on_main
