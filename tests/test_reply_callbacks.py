@@ -75,12 +75,15 @@ def _chain(rank, world_size, how):
     out = []
     for _ in range(4):
         rpc.rpc_sync("worker1", _reset, args=(2 if how == "A" else 3,))
+        # the hold is armed before the calls go out: armed after them (as it was), a
+        # caller stalled for the replies' round trip saw them read unheld, one per
+        # read, in every round ("A": the replies leave as soon as both calls arrive)
+        _HOLD[0] = 0.5
         f1 = rpc.rpc_async("worker1", _pair, args=(1, False))
         f2 = rpc.rpc_async("worker1", _pair, args=(2, how == "A"))
         chained = f1.then(lambda f, f2=f2: f.value() + f2.wait())
         done = threading.Event()
         chained.add_done_callback(lambda _, done=done: done.set())
-        _HOLD[0] = 0.5
         if how == "B":
             assert rpc.rpc_sync("worker1", _slow, timeout=30) == 0
         if not done.wait(15):
