@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import random
 import secrets
+import statistics
 import string
 import struct
 from datetime import timedelta
@@ -117,5 +119,13 @@ def test_secret_strength_sees_repetition_and_words_of_any_script():
         assert secret_bits(secret) < 128, secret[:40]
     assert secret_bits(b"") == 0
     assert secret_bits(os.urandom(1 << 20)) > 8_000_000   # random: no repeats to take away
-    token = secrets.token_hex(32).encode()
-    assert secret_bits(token * 2) < secret_bits(token) + 20   # the copy is nearly free
+    # the copy is nearly free: a secret said twice costs about 20 bits more than once
+    # (against ~320 for the token). Fixed tokens (a seeded draw), not fresh ones: over
+    # fresh tokens the cost has a median of 19.9 bits and a tail (1.5 % above 20, up
+    # to 31 in 3000 draws), which made a bound of 20 on one fresh token fail at random
+    rnd = random.Random(35)
+    costs = []
+    for _ in range(64):
+        token = bytes(rnd.getrandbits(8) for _ in range(32)).hex().encode()
+        costs.append(secret_bits(token * 2) - secret_bits(token))
+    assert statistics.median(costs) < 21 and max(costs) < 40, sorted(costs)
