@@ -4,8 +4,8 @@ Examples::
 
     distgrad demo                                  # train the demo on a 4-process local cluster
     distgrad demo --workers 5 --steps 300 --out /tmp/demo
-    distgrad launch --nproc-per-node 2 train.py    # torchrun --standalone --nproc-per-node 2 --tee 3
-    distgrad launch --nnodes 1:4 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \\
+    distgrad launch --nproc-per-node 2 train.py    # torchrun --nproc-per-node 2 --tee 3, one node
+    distgrad launch --nnodes 1:4 --nproc-per-node 2 --max-restarts 3 \\
         --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job1 train.py   # elastic, as torchrun
     distgrad store --port 29500                    # a store that outlives a dynamic group's members
     distgrad trace-plot trace.json -o step.png     # draw a distgrad.trace file, print its summary
@@ -41,9 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "--rdzv-backend/--rdzv-endpoint/--rdzv-id, --log-dir, --redirects, --tee, "
                     "--local-ranks-filter, -m, ...). distgrad adds: DISTGRAD_SECRET generated when "
                     "unset on a one-node job; --tee 3 with lines prefixed '[rank<R>]: ' unless "
-                    "--tee/--redirects is given; --standalone with MASTER_ADDR 127.0.0.1 (or "
-                    "--master-addr) and a free port on one node without --rdzv-endpoint or "
-                    "--master-port. Exit code: the first failed worker's.")
+                    "--tee/--redirects is given; --rdzv-backend distgrad unless another is named "
+                    "(torch's dynamic rendezvous with its state as sealed JSON: nothing read from "
+                    "a store is unpickled; on one node it stays in the agent, and the workers' "
+                    "store listens on MASTER_ADDR 127.0.0.1 or --master-addr alone). Exit code: "
+                    "the first failed worker's.")
     store = sub.add_parser(
         "store", help="serve a torch.distributed TCPStore for dynamic groups (until interrupted)",
         description="Serve the rendezvous store of a dynamic group (init_rpc without world_size) "

@@ -93,7 +93,7 @@ def _read_pids(pid_dir: Path, n: int, timeout: float = 30) -> list[int]:
 
 @pytest.mark.timeout(60)
 def test_env_vars_args_secret_and_prefix(tmp_path: Path) -> None:
-    # one node, nothing given: torchrun --standalone, MASTER_ADDR 127.0.0.1, a free port
+    # one node, nothing given: the distgrad rendezvous in the agent, MASTER_ADDR 127.0.0.1, a free port
     res = _run(["--nproc-per-node", "3", str(SCRIPTS / "print_env.py"), "--foo", "bar baz", "-x"],
                tmp_path)
     assert res.returncode == 0, res.stderr
@@ -225,7 +225,10 @@ def test_torch_rpc_script_under_torchrun(tmp_path: Path) -> None:
     (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is out of range for --nnodes 2"),
     (["--nnodes", "2", "--node-rank", "-1"], "--node-rank -1 is out of range"),
     (["--nnodes", "2", "--node_rank", "1"], "--node-rank 1 of --nnodes 2 needs --master-addr"),
-    (["--nnodes", "1:4"], "--nnodes 1:4 is an elastic range: give --rdzv-backend c10d"),
+    (["--nnodes", "1:4"], "--nnodes 1:4: several nodes meet at --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "1:4", "--rdzv-endpoint", "h:1"], "--nnodes 1:4: give --rdzv-id JOB"),
+    (["--nnodes", "1:4", "--rdzv-backend", "static"], "--nnodes 1:4 is an elastic range"),
+    (["--nnodes", "2", "--standalone"], "--standalone is one node"),
     (["--nnodes", "0"], "--nnodes 0: need 1 <= MIN <= MAX"),
     (["--nnodes", "3:2"], "--nnodes 3:2: need 1 <= MIN <= MAX"),
     (["--nnodes", "two"], "--nnodes must be N or MIN:MAX"),
@@ -256,17 +259,23 @@ def test_cli_launch_is_torchruns_parser() -> None:
     assert cli.keys() == torchrun.keys()  # every torchrun option, no more
     # distgrad's defaults differ only where "not given" must be seen (filled in by launch)
     assert {k for k in cli if cli[k] != torchrun[k]} == {"tee", "master_addr"}
+    # ... and the rendezvous backend, when none is named (distgrad's, in launch)
+    plain = ["train.py"]
+    assert vars(build_launch_parser().parse_args(plain))["rdzv_backend"] is None
+    assert vars(get_args_parser().parse_args(plain))["rdzv_backend"] == "static"
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("front", ["torchrun", "distgrad launch"])
 def test_elastic_restart_after_a_lost_rank(tmp_path: Path, front: str) -> None:
-    """torchrun --nnodes 1:2 --max-restarts 1 (c10d rendezvous): rank 1 SIGKILLs itself
-    in the middle of attempt 0; the agent tears the group down and restarts it, and
-    attempt 1 comes back as a fresh distgrad group on the same agent store."""
+    """--nnodes 1:2 --max-restarts 1 (torchrun: its c10d rendezvous; distgrad launch:
+    the distgrad one, by default): rank 1 SIGKILLs itself in the middle of attempt
+    0; the agent tears the group down and restarts it, and attempt 1 comes back as
+    a fresh distgrad group on the same agent store."""
+    backend = ["--rdzv-backend", "c10d"] if front == "torchrun" else ["--rdzv-id", "job3"]
     cmd = (TORCHRUN if front == "torchrun" else [sys.executable, "-m", "distgrad", "launch"]) + [
         "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        *backend, "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
         # the round closes once min nodes joined and last_call passed (30 s by default)
         "--rdzv-conf", "last_call_timeout=1", "--monitor-interval", "0.1",
         str(SCRIPTS / "elastic_restart.py"), str(tmp_path)]

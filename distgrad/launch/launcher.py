@@ -15,10 +15,16 @@ adds before handing over:
   given, with the line prefix ``[rank<global rank>]: `` (e.g. ``[rank0]: loss
   0.25``) unless ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` is set (torchrun's
   own prefix is ``[default0]:``, role and local rank).
-- One node and no rendezvous given (no ``--rdzv-endpoint``, no
-  ``--master-port``): ``--standalone`` with ``--local-addr`` defaulting to
-  ``--master-addr`` (127.0.0.1), so workers get MASTER_ADDR=127.0.0.1 and a
-  free MASTER_PORT where the agent hosts the store.
+- The rendezvous: ``--rdzv-backend distgrad`` unless another is named
+  (:mod:`.elastic_rdzv`: torch's dynamic rendezvous, its state kept as sealed
+  JSON; nothing read from a store is unpickled). One node and no endpoint
+  (the default, and ``--standalone``): the state stays in the agent, and the
+  workers' store listens on ``--master-addr`` (127.0.0.1) alone, so workers get
+  MASTER_ADDR=127.0.0.1 and a free MASTER_PORT. Elastic or several nodes:
+  ``--rdzv-endpoint HOST:PORT`` and ``--rdzv-id``. A fixed node count with
+  ``--master-port`` (or several nodes without an endpoint) is torchrun's
+  static rendezvous. ``--rdzv-backend c10d`` (or etcd) runs with a warning:
+  torch's agent unpickles its state from its store.
 - Arguments that cannot work are refused with a message (exit code 2); a
   failed worker makes the launch exit with that worker's exit code (128 +
   signal for a signal; torchrun exits 1), a signal to the launcher with
@@ -29,7 +35,7 @@ Example::
     python -m distgrad.launch --nproc-per-node 2 train.py --epochs 3
     # elastic, 1 to 4 nodes, restart the group up to 3 times (same line on every node):
     DISTGRAD_SECRET=... distgrad launch --nnodes 1:4 --nproc-per-node 2 --max-restarts 3 \\
-        --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job1 train.py
+        --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job1 train.py
 """
 from __future__ import annotations
 
@@ -37,9 +43,11 @@ import argparse
 import os
 import secrets
 import sys
+import uuid
 from collections.abc import Sequence
 
 from ..transport.handshake import GOOD_SECRET_HINT, secret_bits
+from .elastic_rdzv import NAME, register
 
 _PREFIX_TEMPLATE = "[rank${rank}]: "
 _DEVICE_COUNTS = ("auto", "cpu", "gpu", "xpu")
@@ -63,10 +71,12 @@ def build_parser(prog: str = "python -m distgrad.launch") -> argparse.ArgumentPa
     parser = get_args_parser()
     parser.prog = prog
     parser.description = ("torchrun (torch.distributed.run) with a generated DISTGRAD_SECRET, "
-                          "rank-prefixed output (--tee 3) and --standalone on one node.")
+                          "rank-prefixed output (--tee 3) and a rendezvous that unpickles nothing "
+                          "(--rdzv-backend distgrad, the default).")
     # None = "not given" (torchrun's env action reads PET_<NAME> the same way)
     parser.set_defaults(tee=os.environ.get("PET_TEE"),
-                        master_addr=os.environ.get("PET_MASTER_ADDR"))
+                        master_addr=os.environ.get("PET_MASTER_ADDR"),
+                        rdzv_backend=os.environ.get("PET_RDZV_BACKEND"))
     return parser
 
 
@@ -92,10 +102,21 @@ def _check(args: argparse.Namespace) -> int:
         raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise LaunchError(f"--master-port must be in 1..65535, got {args.master_port}")
-    static = args.rdzv_backend == "static" and not args.standalone
+    if args.standalone:   # torchrun's --standalone: one node on localhost, a fresh run id
+        if n_max != 1:
+            raise LaunchError(f"--standalone is one node; --nnodes {args.nnodes} asks for more")
+        args.standalone = False
+        args.rdzv_backend, args.rdzv_endpoint = NAME, ""
+        args.rdzv_id = str(uuid.uuid4())
+    backend = args.rdzv_backend
+    if backend is None:   # not given: distgrad's rendezvous unless a static one is asked for
+        backend = "static" if (n_min == n_max and (n_max > 1 or args.master_port is not None)
+                               and not args.rdzv_endpoint) else NAME
+        args.rdzv_backend = backend
+    static = backend == "static"
     if static and n_min != n_max:
-        raise LaunchError(f"--nnodes {args.nnodes} is an elastic range: give --rdzv-backend c10d "
-                          "--rdzv-endpoint HOST:PORT (static rendezvous needs a fixed count)")
+        raise LaunchError(f"--nnodes {args.nnodes} is an elastic range: give --rdzv-endpoint "
+                          "HOST:PORT (the static rendezvous needs a fixed count)")
     if static and not 0 <= args.node_rank < n_max:
         raise LaunchError(f"--node-rank {args.node_rank} is out of range for --nnodes "
                           f"{args.nnodes} (0 <= node rank < nnodes)")
@@ -103,10 +124,23 @@ def _check(args: argparse.Namespace) -> int:
         raise LaunchError(f"--node-rank {args.node_rank} of --nnodes {args.nnodes} needs "
                           "--master-addr: the address of node 0, whose agent hosts the store")
     master_addr = args.master_addr or "127.0.0.1"
-    if static and n_max == 1 and not args.rdzv_endpoint and args.master_port is None:
-        args.standalone = True
-    if args.standalone and args.local_addr is None:
-        args.local_addr = master_addr  # what workers get as MASTER_ADDR (else the FQDN)
+    if backend == NAME:
+        if n_max > 1 and not args.rdzv_endpoint:
+            raise LaunchError(f"--nnodes {args.nnodes}: several nodes meet at --rdzv-endpoint "
+                              "HOST:PORT (the agent on HOST hosts the rendezvous store)")
+        if args.rdzv_id == "none":
+            if n_max > 1:
+                raise LaunchError(f"--nnodes {args.nnodes}: give --rdzv-id JOB, the same on "
+                                  "every node (it names this job's rendezvous)")
+            args.rdzv_id = str(uuid.uuid4())
+        if n_max == 1 and args.local_addr is None:
+            args.local_addr = master_addr   # the workers' store: 127.0.0.1 by default
+    elif backend != "static":
+        print(f"distgrad launch: warning: --rdzv-backend {backend}: torch's agent keeps its "
+              "rendezvous state in its store as a pickle and unpickles what it reads there: "
+              "anyone who can write to that store (whoever reaches its port) runs code as this "
+              f"user. Use --rdzv-backend {NAME} (the default), which keeps it as sealed JSON",
+              file=sys.stderr, flush=True)
     args.master_addr = master_addr
     if args.tee is None:
         args.tee = "0" if args.redirects != "0" else "3"
@@ -127,7 +161,10 @@ def launch(args: argparse.Namespace) -> int:
         return 2
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import run
+
+    register()   # --rdzv-backend distgrad (the default)
 
     added = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": _PREFIX_TEMPLATE}
     if max_nodes == 1:
@@ -150,6 +187,10 @@ def launch(args: argparse.Namespace) -> int:
         print(e.format_msg(), file=sys.stderr, flush=True)
         code = e.get_first_failure()[1].exitcode  # the root cause; < 0: killed by a signal
         return code if code > 0 else 128 - code if code < 0 else 1
+    except RendezvousError as e:
+        print(f"distgrad launch: the rendezvous failed ({type(e).__name__}): {e}",
+              file=sys.stderr, flush=True)
+        return 1
     except SignalException as e:
         print(f"distgrad launch: received {e.sigval.name}; the workers were stopped",
               file=sys.stderr, flush=True)

@@ -1,0 +1,429 @@
+"""torchrun's elastic rendezvous with nothing unpickled from a store: the ``distgrad`` backend.
+
+torch's ``c10d`` backend keeps the rendezvous state as a base64 pickle in a
+TCPStore that torch binds on every interface, and every agent ``pickle.loads``
+what it reads there every few seconds: whoever reaches that port (another
+local user, another host; the key name is listed by ``list_keys()``) runs
+code in the agent. The ``distgrad`` backend keeps torch's own rendezvous
+logic (``DynamicRendezvousHandler``: rounds, ``--nnodes MIN:MAX``, restarts,
+a node joining, heartbeats, ``last_call_timeout``...), and changes where its
+state lives and what it looks like there:
+
+- the state is JSON (:func:`state_to_json`), sealed under the key distgrad
+  derives from the stretched ``DISTGRAD_SECRET`` (:class:`~.sealed.StoreSeal`),
+  bound to the run id and the key, and versioned: every write is the previous
+  version plus one (a compare-and-set), and an agent refuses a version below
+  one it has seen, or the same version with other contents (a rollback or a
+  replay), and a missing state once it saw one;
+- the handler turns what it reads into torch's state object itself, from
+  checked JSON; the pickle torch's state holder loads is one this process
+  made from it (:meth:`SealedStateBackend.get_state`);
+- a forged, altered or rolled-back state fails the rendezvous with
+  ``RendezvousStateError`` naming the key and the store (the launch exits
+  with a clear error; no code runs);
+- one node and no endpoint: the state lives in this process (a ``HashStore``),
+  so the rendezvous has no port at all; otherwise the agent that hosts the
+  endpoint binds the address named (``--rdzv-endpoint``), not the wildcard
+  (:func:`~.listen.host_store`);
+- the store the workers get (torchrun's shared agent store, MASTER_ADDR /
+  MASTER_PORT) is bound on this node's address (``--local-addr``), not the
+  wildcard; distgrad's workers seal every entry they keep there.
+
+``distgrad launch`` uses it by default; torchrun can too, by name
+(``torchrun --rdzv-backend distgrad ...``: the ``torchrun.handlers`` entry
+point). Without ``DISTGRAD_SECRET`` the state is still JSON (no code can run)
+but unauthenticated; ``distgrad launch`` makes a secret on one node and warns
+on several.
+
+Example::
+
+    >>> from torch.distributed.elastic.rendezvous import RendezvousParameters
+    >>> register()
+    >>> params = RendezvousParameters("distgrad", "", "job1", 1, 1)
+    >>> handler = create_handler(params)     # one node: no port
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import pickle
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousParameters,
+    RendezvousStateError,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    Token,
+    _NodeDesc,
+    _RendezvousState,
+)
+from torch.distributed.elastic.rendezvous.utils import (
+    _matches_machine_hostname,
+    parse_rendezvous_endpoint,
+)
+
+from ..errors import ProtocolError
+from .listen import host_store
+from .rendezvous import describe, peek
+from .sealed import StoreSeal
+
+log = logging.getLogger(__name__)
+
+NAME = "distgrad"
+DEFAULT_PORT = 29400
+_MAX_NODES = 100_000     # entries per list in a state (a bound on what is parsed)
+_MAX_ADDR = 1024
+
+
+def _secret() -> bytes | None:
+    # read, not popped (transport.auth.secret_from_env pops it): the agent's
+    # environment is its workers', started after this
+    value = os.environ.get("DISTGRAD_SECRET")
+    return os.fsencode(value) if value else None
+
+
+# -- the state as JSON ------------------------------------------------------------
+
+def _node(n: _NodeDesc) -> list:
+    return [n.addr, n.pid, n.local_id]
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_US = timedelta(microseconds=1)
+
+
+def _time(t: datetime) -> int:
+    """``t`` (timezone-aware, as torch's rendezvous keeps it) in microseconds since
+    the epoch: exact both ways."""
+    return (t - _EPOCH) // _US
+
+
+def state_to_json(state: _RendezvousState) -> dict:
+    """torch's rendezvous state as JSON data (raises TypeError on a field this
+    version of distgrad does not know: a torch that added one needs a new mapping)."""
+    fields = dict(vars(state))
+    known = {"round", "complete", "deadline", "closed", "participants", "wait_list",
+             "redundancy_list", "last_heartbeats"}
+    if set(fields) - known:
+        raise TypeError(f"torch's rendezvous state has fields distgrad cannot keep as JSON: "
+                        f"{sorted(set(fields) - known)}")
+    return {
+        "round": state.round,
+        "complete": state.complete,
+        "deadline": None if state.deadline is None else _time(state.deadline),
+        "closed": state.closed,
+        "participants": sorted([*_node(n), r] for n, r in state.participants.items()),
+        "wait_list": sorted(_node(n) for n in state.wait_list),
+        "redundancy_list": sorted(_node(n) for n in getattr(state, "redundancy_list", ())),
+        "last_heartbeats": sorted([*_node(n), _time(t)]
+                                  for n, t in state.last_heartbeats.items()),
+    }
+
+
+class _Bad(ValueError):
+    pass
+
+
+def _int(v: Any, what: str) -> int:
+    if type(v) is not int or not -2**63 <= v < 2**63:
+        raise _Bad(f"{what}: expected an integer, found {v!r:.60}")
+    return v
+
+
+def _micros(v: Any, what: str) -> int:
+    if type(v) is not int or not 0 <= v < 2**53:
+        raise _Bad(f"{what}: expected a time in microseconds since 1970, found {v!r:.60}")
+    return v
+
+
+def _bool(v: Any, what: str) -> bool:
+    if type(v) is not bool:
+        raise _Bad(f"{what}: expected true or false, found {v!r:.60}")
+    return v
+
+
+def _list(v: Any, what: str, width: int) -> list:
+    if type(v) is not list or len(v) > _MAX_NODES:
+        raise _Bad(f"{what}: expected a list of at most {_MAX_NODES} entries")
+    for e in v:
+        if type(e) is not list or len(e) != width:
+            raise _Bad(f"{what}: expected entries of {width} values, found {e!r:.60}")
+    return v
+
+
+def _desc(e: list, what: str) -> _NodeDesc:
+    if type(e[0]) is not str or len(e[0]) > _MAX_ADDR:
+        raise _Bad(f"{what}: a node's address must be a string of at most {_MAX_ADDR} characters")
+    return _NodeDesc(e[0], _int(e[1], what), _int(e[2], what))
+
+
+def _when(t: int) -> datetime:
+    return _EPOCH + t * _US
+
+
+def state_from_json(data: Any) -> _RendezvousState:
+    """torch's rendezvous state from :func:`state_to_json`'s data; raises ValueError
+    saying what is wrong with data that is not such a state."""
+    if type(data) is not dict or set(data) != {"round", "complete", "deadline", "closed",
+                                              "participants", "wait_list", "redundancy_list",
+                                              "last_heartbeats"}:
+        raise _Bad(f"not a rendezvous state: {data!r:.80}")
+    state = _RendezvousState()
+    state.round = _int(data["round"], "round")
+    state.complete = _bool(data["complete"], "complete")
+    deadline = data["deadline"]
+    state.deadline = None if deadline is None else _when(_micros(deadline, "deadline"))
+    state.closed = _bool(data["closed"], "closed")
+    state.participants = {_desc(e, "participants"): _int(e[3], "participants")
+                          for e in _list(data["participants"], "participants", 4)}
+    state.wait_list = {_desc(e, "wait_list") for e in _list(data["wait_list"], "wait_list", 3)}
+    redundant = {_desc(e, "redundancy_list")
+                 for e in _list(data["redundancy_list"], "redundancy_list", 3)}
+    if hasattr(state, "redundancy_list"):
+        state.redundancy_list = redundant
+    state.last_heartbeats = {_desc(e, "last_heartbeats"): _when(_micros(e[3], "last_heartbeats"))
+                             for e in _list(data["last_heartbeats"], "last_heartbeats", 4)}
+    return state
+
+
+class _OwnStateUnpickler(pickle.Unpickler):
+    """Loads the state torch's holder pickled in this process (set_state's input),
+    and nothing but the classes such a state is made of."""
+
+    _ALLOWED = {
+        ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+        ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+        ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta"),
+        ("builtins", "set"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"not part of a rendezvous state: {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _own_state(bits: bytes) -> _RendezvousState:
+    state = _OwnStateUnpickler(io.BytesIO(bits)).load()
+    if not isinstance(state, _RendezvousState):
+        raise RendezvousStateError(f"not a rendezvous state: {type(state).__name__}")
+    return state
+
+
+# -- the backend ------------------------------------------------------------------
+
+class SealedStateBackend(RendezvousBackend):
+    """A ``RendezvousBackend`` keeping torch's rendezvous state as sealed, versioned
+    JSON under ``distgrad/rdzv/<run id>/state`` in ``store`` (see the module
+    docstring). ``secret`` None: read ``DISTGRAD_SECRET`` (not removed from the
+    environment).
+
+    Example::
+
+        >>> backend = SealedStateBackend(dist.HashStore(), "job1", b"s3cret")
+        >>> backend.get_state() is None          # no state yet
+        True
+    """
+
+    def __init__(self, store: dist.Store, run_id: str, secret: bytes | None = None) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._store = store
+        self._run_id = run_id
+        self._key = f"distgrad/rdzv/{run_id}/state"
+        self._seal = StoreSeal(secret if secret is not None else _secret(), describe(store),
+                               attempt=f"rdzv|{run_id}")
+        self._seen = 0                      # the newest version read or written
+        self._seen_digest = b""
+        if not self._seal.authenticated:
+            log.warning("distgrad rendezvous %r: no DISTGRAD_SECRET: its state in %s is JSON (no "
+                        "code can run from it) but not authenticated: anyone who reaches the "
+                        "store can change the group", run_id, self._seal.where)
+
+    @property
+    def name(self) -> str:
+        """See base class."""
+        return NAME
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """See base class. Raises RendezvousStateError on a state that is forged,
+        altered, rolled back or gone."""
+        raw = self._call(peek, self._store, self._key)
+        if raw is None:
+            if self._seen:
+                raise self._tampered(f"the state (version {self._seen} when last read) was "
+                                     "deleted")
+            return None
+        return self._decode(raw)
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        """See base class: a compare-and-set from ``token`` (the raw value last read)."""
+        if token is not None and not isinstance(token, bytes):
+            got = self.get_state()
+            return None if got is None else (*got, False)
+        version = self._seen + 1
+        value = {"v": version, "state": state_to_json(_own_state(state))}
+        raw = self._seal.seal(self._key, value)
+        current = self._call(self._store.compare_set, self._key, token or b"", raw)
+        current = bytes(current)
+        if current == raw:
+            self._note(version, raw)
+            return pickle.dumps(state_from_json(value["state"])), raw, True
+        if not token and current == b"":   # torch's stores: missing key, empty expected
+            return None
+        bits, now = self._decode(current)
+        return bits, now, False
+
+    def _decode(self, raw: bytes) -> tuple[bytes, Token]:
+        try:
+            value = self._seal.open(self._key, raw, _check_value)
+        except ProtocolError as e:
+            raise RendezvousStateError(f"distgrad rendezvous {self._run_id!r}: {e}") from None
+        if value is None:
+            raise self._tampered(self._seal.tampered.get(self._key, "failed authentication"))
+        version = value["v"]
+        digest = hashlib.sha256(raw).digest()
+        if version < self._seen:
+            raise self._tampered(f"rolled back to version {version} after version {self._seen} "
+                                 "was read (an old state replayed)")
+        if version == self._seen and digest != self._seen_digest:
+            raise self._tampered(f"two different states of version {version} (a replayed or "
+                                 "forked state)")
+        state = state_from_json(value["state"])
+        self._note(version, raw)
+        return pickle.dumps(state), raw
+
+    def _note(self, version: int, raw: bytes) -> None:
+        self._seen = version
+        self._seen_digest = hashlib.sha256(raw).digest()
+
+    def _tampered(self, what: str) -> RendezvousStateError:
+        return RendezvousStateError(
+            f"distgrad rendezvous {self._run_id!r}: its state under {self._key!r} in "
+            f"{self._seal.where} was tampered with: {what}. Someone who can reach that store "
+            "wrote to it; the rendezvous stops here (nothing read from it was run). Keep the "
+            "store's port away from untrusted users, and set the same DISTGRAD_SECRET on every "
+            "node")
+
+    @staticmethod
+    def _call(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (ValueError, RuntimeError, TimeoutError) as e:
+            raise RendezvousConnectionError(
+                f"the connection to the distgrad rendezvous store has failed: {e}") from e
+
+
+def _check_value(value: Any) -> str | None:
+    if type(value) is not dict or set(value) != {"v", "state"}:
+        return f"expected {{'v': int, 'state': {{...}}}}, found {value!r:.80}"
+    if type(value["v"]) is not int or value["v"] < 1:
+        return f"a version must be an integer >= 1, found {value['v']!r:.40}"
+    try:
+        state_from_json(value["state"])
+    except _Bad as e:
+        return str(e)
+    return None
+
+
+# -- the handler --------------------------------------------------------------------
+
+class DistgradRendezvousHandler(DynamicRendezvousHandler):
+    """torch's ``DynamicRendezvousHandler`` whose shared store for the workers
+    (MASTER_ADDR:MASTER_PORT) listens on this node's address only."""
+
+    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
+        return host_store(master_addr, master_port, None, timedelta(seconds=300),
+                          multi_tenant=True)
+
+
+def _store(params: RendezvousParameters) -> dist.Store:
+    """Where the state lives: in this process for one node without an endpoint;
+    else a TCPStore at the endpoint, hosted (bound on that address alone) by the
+    agent whose host it names."""
+    if not params.endpoint.strip():
+        if params.max_nodes != 1:
+            raise ValueError(f"the distgrad rendezvous of up to {params.max_nodes} nodes needs "
+                             "--rdzv-endpoint HOST:PORT (the agent on HOST hosts the store)")
+        return dist.HashStore()   # one node: nothing to reach, nothing listens
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    configured = params.get_as_bool("is_host")
+    is_host = configured if configured is not None else _matches_machine_hostname(host)
+    read_timeout = params.get_as_int("read_timeout", 60)
+    if read_timeout is None or read_timeout <= 0:
+        raise ValueError("The read timeout must be a positive integer.")
+    timeout = timedelta(seconds=read_timeout)
+    if is_host:
+        try:
+            store = host_store(host, port, None, timeout, multi_tenant=True)
+            log.info("process %d hosts the distgrad rendezvous store on %s:%d", os.getpid(),
+                     host, store.port)
+            return store
+        except Exception as e:  # noqa: BLE001 - another agent on this host has it: join it
+            if configured:
+                raise RendezvousConnectionError(
+                    f"cannot host the distgrad rendezvous store on {host}:{port}: {e}") from e
+    try:
+        return dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+    except (ValueError, RuntimeError, TimeoutError) as e:
+        raise RendezvousConnectionError(
+            f"cannot reach the distgrad rendezvous store at {host}:{port}: {e}") from e
+
+
+def _timeout(params: RendezvousParameters, key: str) -> timedelta | None:
+    value = params.get_as_int(key + "_timeout")
+    return None if value is None else timedelta(seconds=value)
+
+
+def create_handler(params: RendezvousParameters) -> DistgradRendezvousHandler:
+    """The ``distgrad`` rendezvous handler for torchrun's agent. Takes torch's
+    ``c10d`` options (``--rdzv-conf``): ``join_timeout``, ``last_call_timeout``,
+    ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
+    ``keep_alive_max_attempt``, ``read_timeout``, ``is_host``.
+
+    Example::
+
+        >>> handler = create_handler(RendezvousParameters("distgrad", "10.0.0.1:29400",
+        ...                                               "job1", 1, 4, last_call_timeout=2))
+    """
+    store = _store(params)
+    backend = SealedStateBackend(store, params.run_id)
+    timeout = RendezvousTimeout(_timeout(params, "join"), _timeout(params, "last_call"),
+                                _timeout(params, "close"), _timeout(params, "heartbeat"))
+    keep_alive = params.get_as_int("keep_alive_interval", 5)
+    attempts = params.get_as_int("keep_alive_max_attempt", 3)
+    if keep_alive is None or attempts is None:
+        raise TypeError("keep_alive_interval and keep_alive_max_attempt must be integers")
+    return DistgradRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
+        timeout, keep_alive_interval=keep_alive, keep_alive_max_attempt=attempts)
+
+
+def register() -> None:
+    """Add the ``distgrad`` backend to torch's rendezvous registry (once).
+
+    Example::
+
+        >>> register()
+        >>> # torchrun --rdzv-backend distgrad ... now finds it in this process
+    """
+    try:
+        rendezvous_handler_registry.register(NAME, create_handler)
+    except ValueError:
+        pass   # already registered (with this creator, or a plugin's)
+
+
+def torchrun_plugin():
+    """The ``torchrun.handlers`` entry point: torchrun calls it and registers what it
+    returns under the entry point's name, ``distgrad``."""
+    return create_handler
