@@ -58,7 +58,11 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
     rendezvous_handler_registry,
 )
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -340,11 +344,34 @@ def _check_value(value: Any) -> str | None:
 
 class DistgradRendezvousHandler(DynamicRendezvousHandler):
     """torch's ``DynamicRendezvousHandler`` whose shared store for the workers
-    (MASTER_ADDR:MASTER_PORT) listens on this node's address only."""
+    (MASTER_ADDR:MASTER_PORT) listens on this node's address only, and whose
+    rank 0 publishes that store's address in every round, and every other rank
+    reads it in every round.
+
+    torch 2.13's handler publishes it only in the round where rank 0 first
+    created the store, and reads it only in a node's first round: when a node
+    joins a running group (``--nnodes 1:2``) and rank 0 stays rank 0, the newcomer
+    waits for the address in the new round until the store's timeout and the
+    launch fails, on torch's ``c10d`` backend too; a node that was rank 0 and is
+    no longer would send its workers to its own old store."""
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
         return host_store(master_addr, master_port, None, timedelta(seconds=300),
                           multi_tenant=True)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class."""
+        info = super().next_rendezvous()
+        where = info.bootstrap_store_info
+        if not self.use_agent_store or where is None:
+            return info   # torch built it in this round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+        if info.rank == 0:
+            info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, where.master_addr.encode())
+            info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(where.master_port).encode())
+            return info
+        where = RendezvousStoreInfo.build(info.rank, info.store, local_addr=self._this_node.addr)
+        self._bootstrap_store_info = where
+        return RendezvousInfo(info.store, info.rank, info.world_size, where)
 
 
 def _store(params: RendezvousParameters) -> dist.Store:
