@@ -240,7 +240,8 @@ def test_elastic_two_node_rendezvous_against_a_stranger(tmp_path: Path, backend:
         _wait_files([tmp_path / "ready0.0", tmp_path / "ready1.0"], procs, 120)
         if backend == "distgrad":   # the rendezvous store listens where it was told
             hosts = set().union(*(_listening(p.pid) for p in procs))
-            assert f"0100007F:{port:04X}" in hosts and f"00000000:{port:04X}" not in hosts
+            assert f"0100007F:{port:04X}" in hosts, hosts
+            assert not {f"00000000:{port:04X}", f"{'0' * 32}:{port:04X}"} & hosts, hosts
         seen = _stranger(tmp_path, 8.0, [p.pid for p in procs])
         assert f"{port}" in seen, seen
         (tmp_path / "go").touch()
@@ -291,3 +292,26 @@ def test_a_node_joining_restarts_the_group(tmp_path: Path) -> None:
     assert "world=1 attempt=0 group=0/1" in out, story
     assert "DONE rank=0 world=2" in out and "DONE rank=1 world=2" in out, story
     assert "DONE rank=0 world=1" not in out, story
+
+
+@pytest.mark.timeout(120)
+def test_static_one_node_store_listens_on_the_address_named(tmp_path: Path) -> None:
+    """``--master-port`` on one node is torchrun's static rendezvous: its store is
+    bound on ``--master-addr`` (127.0.0.1) alone, not torch's every interface."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "distgrad.launch", "--nproc-per-node", "2", "--master-port",
+           str(port), str(SCRIPTS / "rdzv_victim.py"), str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_files([tmp_path / "ready0.0", tmp_path / "ready1.0"], [proc], 90)
+        addrs = _listening(proc.pid)
+        assert f"0100007F:{port:04X}" in addrs, addrs
+        assert not [a for a in addrs if a.startswith(("00000000:", "00000000000000000000000000000000:"))]
+        (tmp_path / "go").touch()
+        [(rc, out, err)] = _finish([proc], 90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, err[-3000:]
+    assert "[rank0]: DONE rank=0" in out and "[rank1]: DONE rank=1" in out

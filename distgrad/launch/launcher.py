@@ -123,6 +123,7 @@ def _check(args: argparse.Namespace) -> int:
     if static and args.node_rank > 0 and args.master_addr is None and not args.rdzv_endpoint:
         raise LaunchError(f"--node-rank {args.node_rank} of --nnodes {args.nnodes} needs "
                           "--master-addr: the address of node 0, whose agent hosts the store")
+    named_addr = args.master_addr is not None
     master_addr = args.master_addr or "127.0.0.1"
     if backend == NAME:
         if n_max > 1 and not args.rdzv_endpoint:
@@ -142,6 +143,11 @@ def _check(args: argparse.Namespace) -> int:
               f"user. Use --rdzv-backend {NAME} (the default), which keeps it as sealed JSON",
               file=sys.stderr, flush=True)
     args.master_addr = master_addr
+    # the static rendezvous's store, hosted by node 0: bound here on the address
+    # named (torch's would listen on every interface), then shared by torch's
+    # multi_tenant TCPStore on the same port in this process. Node 0 of several
+    # without --master-addr keeps torch's wildcard: others must reach it somehow.
+    args.distgrad_host_store = static and args.node_rank == 0 and (n_max == 1 or named_addr)
     if args.tee is None:
         args.tee = "0" if args.redirects != "0" else "3"
     return n_max
@@ -180,7 +186,10 @@ def launch(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     added = {k: v for k, v in added.items() if k not in os.environ}
     os.environ.update(added)  # the agent's environment is the workers'
+    held = None
     try:
+        if getattr(args, "distgrad_host_store", False):
+            held = _host_static_store(args)
         record(run)(args)
         return 0
     except ChildFailedError as e:
@@ -196,8 +205,20 @@ def launch(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     finally:
+        del held
         for key in added:
             os.environ.pop(key, None)
+
+
+def _host_static_store(args: argparse.Namespace):
+    """Host the static rendezvous's store on ``--master-addr`` alone (torch's agent
+    then opens its multi_tenant store on the same port and shares this server)."""
+    from datetime import timedelta
+
+    from .listen import host_store
+
+    port = args.master_port if args.master_port is not None else 29500
+    return host_store(args.master_addr, port, None, timedelta(seconds=300), multi_tenant=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
