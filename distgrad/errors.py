@@ -17,6 +17,10 @@ name in ``.worker_name`` and in the message.
     │   │                                    store entries)
     │   └── StoreTamperedError               rendezvous store entries failed their
     │                                        check (forged, replayed, deleted)
+    ├── ContextReleasedError                 a reply that requires grad, made in a
+    │                                        distributed autograd context released
+    │                                        meanwhile (torch's "Couldn't find
+    │                                        autograd context data")
     ├── IncarnationsExhaustedError           a dynamic group's rank was held by as
     │                                        many processes as its ids allow
     └── SerializationError (also TypeError)  an argument or result cannot be
@@ -155,6 +159,21 @@ class IncarnationsExhaustedError(DistgradError):
 
     def __reduce__(self):
         return (type(self), (self.args[0], self.worker_name, self.rank, self.limit))
+
+
+class ContextReleasedError(DistgradError):
+    """A message that requires grad, made inside a distributed autograd context that
+    was released meanwhile (its ``with`` block ended on the caller while the call
+    still ran): torch's "Couldn't find autograd context data for current autograd
+    context id". The caller's ``wait()`` raises it; nothing is sent cut off from
+    the graph.
+
+    Example::
+
+        >>> with dist_autograd.context():
+        ...     fut = rpc.rpc_async("worker1", slow_mul, args=(x,))   # block ends first
+        >>> fut.wait()   # raises ContextReleasedError (a RuntimeError)
+    """
 
 
 class SerializationError(DistgradError, TypeError):

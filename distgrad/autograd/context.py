@@ -11,6 +11,7 @@ leaves.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import sys
 import threading
@@ -21,6 +22,8 @@ import torch
 
 from ..ids import COUNTER_BITS as _COUNTER_BITS
 from ..ids import COUNTER_MASK as _COUNTER_MASK
+
+_GONE_KEPT = 1 << 16   # released context ids remembered (8 bytes and a link each)
 
 
 class DistAutogradContext:
@@ -350,6 +353,11 @@ class Container:
         self._counter = itertools.count()
         self._msg_counter = itertools.count()
         self._tls = threading.local()
+        # ids released here, newest last (bounded): a request or reply read after its
+        # context's release (read together with it, or still in flight) finds the
+        # context released, instead of making it anew (a context no one would ever
+        # release, and a reply cut off from the graph). Ids are never reused.
+        self._gone: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     def init(self, worker_id: int, first: int = 0, end: int = 1 << _COUNTER_BITS) -> None:
         """Number this worker's contexts and messages from ``first`` up to ``end``
@@ -394,8 +402,14 @@ class Container:
         return (self.worker_id << _COUNTER_BITS) + n
 
     def get_or_create(self, context_id: int) -> DistAutogradContext:
+        """The context ``context_id``, made here when it is new; a context released
+        here lately comes back released (not kept: see ``_gone``)."""
         with self.lock:
             ctx = self.contexts.get(context_id)
+            if ctx is None and context_id in self._gone:
+                ctx = DistAutogradContext(context_id)
+                ctx.released = True
+                return ctx
             if ctx is None:
                 n = context_id & _COUNTER_MASK
                 if context_id >> _COUNTER_BITS == self.worker_id and \
@@ -418,6 +432,7 @@ class Container:
         """Drop the context here; returns it (None when unknown)."""
         with self.lock:
             ctx = self.contexts.pop(context_id, None)
+            self._bury(context_id)
         if ctx is not None:
             ctx.released = True
         cur = getattr(self._tls, "current", None)
@@ -441,11 +456,23 @@ class Container:
         self._tls.current = ctx
         return prev
 
-    def clear(self) -> None:
+    def clear(self, keep_own: bool = False) -> None:
+        """Release every context; with ``keep_own``, all but those this worker
+        created (their ``with`` blocks release them)."""
         with self.lock:
-            for ctx in self.contexts.values():
+            for cid, ctx in list(self.contexts.items()):
+                if keep_own and cid >> _COUNTER_BITS == self.worker_id:
+                    continue
                 ctx.released = True
-            self.contexts.clear()
+                del self.contexts[cid]
+                self._bury(cid)
+
+    def _bury(self, context_id: int) -> None:
+        """Remember ``context_id`` as released (the newest _GONE_KEPT ids); under lock."""
+        self._gone[context_id] = None
+        self._gone.move_to_end(context_id)
+        while len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
 
 
 CONTAINER = Container()

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ContextReleasedError
 from ..ids import agent_range
 from ..rpc.agent import agent_or_none
 from ..rpc.extensions import AgentExtension, register_extension
@@ -64,11 +65,15 @@ class AutogradExtension(AgentExtension):
         if not only_grad:  # a call under a context makes its receiver known (torch's rule)
             with ctx.lock:
                 ctx.known_workers.add(dest)
-        if ctx.released:
-            return None
         # an nn.Parameter travels as a new leaf (torch pickles its .data and rebuilds a
         # Parameter): no gradient flows back through it, in torch as here
         rg = [t for t in tensors if t.requires_grad and type(t) is not _Parameter]
+        if ctx.released:
+            if rg and torch.is_grad_enabled():   # torch: the context's data is gone
+                raise ContextReleasedError(
+                    "Couldn't find autograd context data for current autograd context id "
+                    f"{ctx.id}: it was released while this call ran", self.agent.name)
+            return None
         if not rg or not torch.is_grad_enabled():
             if only_grad:  # torch sends no autograd information with it
                 return None
@@ -132,7 +137,10 @@ class AutogradExtension(AgentExtension):
         return debug_info()
 
     def on_shutdown(self) -> None:
-        CONTAINER.clear()
+        # torch's container outlives the agent: a context this worker opened stays
+        # until its block ends (get_gradients works after shutdown); contexts of
+        # other workers' passes go, since no release can reach them any more
+        CONTAINER.clear(keep_own=True)
         ddp.detach()
 
 

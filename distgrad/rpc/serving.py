@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DistgradError, SerializationError
+from ..errors import ContextReleasedError, DistgradError, SerializationError
 from ..intra_op import follow_intra_op_threads
 from ..wire import Kind, encode, loads
 from . import profiling, script
@@ -97,7 +97,7 @@ class Serving:
             if exc is None:
                 try:
                     self._send_reply(peer, msg.rid, value, ctx)
-                except SerializationError as e:
+                except (SerializationError, ContextReleasedError) as e:
                     self._send_error(peer, msg.rid, e, ctx)
             else:
                 self._send_error(peer, msg.rid, exc, ctx)

@@ -1,0 +1,56 @@
+"""A distributed autograd context's lifetime as torch's: a context this worker
+opened survives rpc.shutdown() (torch's container is not the agent's), and a reply
+that requires grad made in a context released meanwhile is an error at the
+caller, never a tensor cut off from the graph (real workers, spawn)."""
+import time
+
+import pytest
+import torch
+from mp_utils import run_workers
+
+import distgrad.autograd as dist_autograd
+import distgrad.rpc as rpc
+from distgrad.errors import ContextReleasedError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _slow_mul(t):
+    time.sleep(0.5)
+    return t * 2
+
+
+def _release_while_running(rank, world):
+    if rank != 0:
+        return None
+    x = torch.ones(3, requires_grad=True)
+    with dist_autograd.context():
+        fut = rpc.rpc_async("worker1", _slow_mul, args=(x,))
+    try:
+        got = fut.wait()
+    except RuntimeError as e:
+        return type(e).__name__, str(e)
+    return "returned", (got.requires_grad, got.grad_fn is None)
+
+
+def test_reply_for_a_released_context_is_an_error_at_the_caller():
+    out = run_workers(_release_while_running, world_size=2)
+    kind, what = out[0]
+    assert kind == ContextReleasedError.__name__, out[0]
+    assert "Couldn't find autograd context data" in what and "worker1" in what
+
+
+def _context_survives_shutdown(rank, world):
+    x = torch.ones(3, requires_grad=True)
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker0", torch.mul, args=(x, 2))
+        dist_autograd.backward(cid, [y.sum()])
+        rpc.shutdown()
+        grad = dist_autograd.get_gradients(cid)[x].tolist()
+        n = int(dist_autograd._get_debug_info()["num_autograd_contexts"])
+    return grad, n, int(dist_autograd._get_debug_info()["num_autograd_contexts"])
+
+
+def test_an_open_context_survives_shutdown():
+    out = run_workers(_context_survives_shutdown, world_size=1, init=True, graceful=True)
+    assert out[0] == ([2.0, 2.0, 2.0], 1, 0)
