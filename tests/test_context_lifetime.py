@@ -54,3 +54,49 @@ def _context_survives_shutdown(rank, world):
 def test_an_open_context_survives_shutdown():
     out = run_workers(_context_survives_shutdown, world_size=1, init=True, graceful=True)
     assert out[0] == ([2.0, 2.0, 2.0], 1, 0)
+
+
+def _hooks_see_no_context(rank, world, want):
+    import clean_ref
+    import context_ref
+    if rank != 0:
+        return None
+    seen = {}
+
+    def hook(name):
+        def fn(g):
+            try:
+                dist_autograd._current_context()
+                seen[name + "_current"] = "a context"
+            except RuntimeError as e:
+                seen[name + "_current"] = str(e)
+            try:
+                with dist_autograd.context() as own:
+                    seen[name + "_own"] = own != cid
+            except RuntimeError as e:
+                seen[name + "_own"] = str(e)
+        return fn
+
+    with dist_autograd.context() as cid:
+        (x1, x2), a, b, remote = context_ref.hook_program(
+            lambda to, fn, args: rpc.rpc_sync(to, fn, args=args))
+        a.register_hook(hook("local"))     # runs in the root's share, on the caller's thread
+        b.register_hook(hook("returned"))  # runs once the gradient came back over RPC
+        dist_autograd.backward(cid, [a.sum() + remote(b).sum()])
+        grads = dist_autograd.get_gradients(cid)
+        got = [grads[x1], grads[x2]]
+    want = clean_ref.unpack(want)
+    return seen, all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_backward_hooks_run_outside_any_context():
+    """torch's engine threads run a pass's hooks with no current distributed autograd
+    context: _current_context() raises, and a hook may open a context of its own."""
+    import clean_ref
+    import context_ref
+    want = clean_ref.pack(clean_ref.reference(context_ref.local_grads))
+    seen, exact = run_workers(_hooks_see_no_context, world_size=2, args=(want,))[0]
+    assert exact
+    for where in ("local", "returned"):
+        assert "doesn't have a valid autograd context" in seen[f"{where}_current"], seen
+        assert seen[f"{where}_own"] is True, seen

@@ -99,9 +99,14 @@ def _backward(ctx: Any, *args: Any) -> Any:
         return _saved["backward"].__func__(ctx, *args)
     prev = getattr(_tls, "frame", None)
     _tls.frame = {"state": state, "inputs": []}
+    # the block is recomputed in the pass's context (a pass's nodes run with none
+    # current): an RPC in it records a recv function, which the nested backward
+    # refuses with the error that names use_reentrant=False
+    outer_ctx = CONTAINER.set_current(state.ctx)
     try:
         return _saved["backward"].__func__(ctx, *args)
     finally:
+        CONTAINER.set_current(outer_ctx)
         _tls.frame = prev
 
 

@@ -84,6 +84,10 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
     prev = (getattr(_tls, "state", None), getattr(_tls, "exp", 0), getattr(_tls, "targets", None),
             getattr(_tls, "shipped", None))
     _tls.state, _tls.exp, _tls.targets, _tls.shipped = state, exp, set(), set()
+    # torch's engine threads run a pass's nodes and hooks outside any distributed
+    # autograd context: a hook finds none current, may open its own, and its RPCs
+    # carry none (the caller's thread, or a served request's, has one set)
+    outer_ctx = CONTAINER.set_current(None)
     follow_intra_op_threads()  # the global torch.set_num_threads (distgrad/intra_op.py)
     state.running += 1
     checkpoints = state.checkpoints
@@ -102,6 +106,7 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
         if checkpoints:
             _checkpoint.leave(state, checkpoints)
         state.running -= 1
+        CONTAINER.set_current(outer_ctx)
         exp, targets = _tls.exp, _tls.targets
         _tls.state, _tls.exp, _tls.targets, _tls.shipped = prev
         if tr is not None:
@@ -416,6 +421,7 @@ def _run_alone(state: PassState, roots: list, grads: list,
     prev = (getattr(_tls, "state", None), getattr(_tls, "exp", 0), getattr(_tls, "targets", None),
             getattr(_tls, "shipped", None))
     _tls.state, _tls.exp, _tls.targets, _tls.shipped = state, 0, set(), set()
+    outer_ctx = CONTAINER.set_current(None)   # no current context in a pass (see _run)
     state.running += 1
     checkpoints = state.checkpoints
     if checkpoints:
@@ -431,6 +437,7 @@ def _run_alone(state: PassState, roots: list, grads: list,
         if checkpoints:
             _checkpoint.leave(state, checkpoints)
         state.running -= 1
+        CONTAINER.set_current(outer_ctx)
         _tls.state, _tls.exp, _tls.targets, _tls.shipped = prev
         state.finished = True
         ENGINE.finish(state)
