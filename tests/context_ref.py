@@ -18,3 +18,23 @@ def local_grads():
     (x1, x2), a, b, remote = hook_program(lambda to, fn, args: fn(*args))
     (a.sum() + remote(b).sum()).backward()
     return [x1.grad, x2.grad]
+
+
+def slow_hook_program(call, sleep):
+    """x1 * 2 here with a hook that takes ``sleep`` seconds; x2 * 3 sent and back; x3
+    both used here and sent (the caller's share is then a shared pass)."""
+    x1 = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    x2 = torch.tensor([3.0, -1.0], dtype=torch.float64, requires_grad=True)
+    x3 = torch.tensor([0.5, 4.0], dtype=torch.float64, requires_grad=True)
+    a = x1 * 2
+    a.register_hook(lambda g: sleep())
+    s = x3 * 1
+    loss = (a.sum() + call("worker1", torch.mul, (x2 * 3, x2)).sum() + s.sum()
+            + call("worker1", torch.mul, (s, s)).sum())
+    return (x1, x2, x3), loss
+
+
+def slow_hook_grads():
+    leaves, loss = slow_hook_program(lambda to, fn, args: fn(*args), lambda: None)
+    loss.backward()
+    return [t.grad for t in leaves]

@@ -100,3 +100,31 @@ def test_backward_hooks_run_outside_any_context():
     for where in ("local", "returned"):
         assert "doesn't have a valid autograd context" in seen[f"{where}_current"], seen
         assert seen[f"{where}_own"] is True, seen
+
+
+def _slow_hook(rank, world, want):
+    import clean_ref
+    import context_ref
+    if rank != 0:
+        return None
+    with dist_autograd.context() as cid:
+        leaves, loss = context_ref.slow_hook_program(
+            lambda to, fn, args: rpc.rpc_sync(to, fn, args=args), lambda: time.sleep(3.0))
+        t0 = time.monotonic()
+        dist_autograd.backward(cid, [loss])
+        took = time.monotonic() - t0
+        grads = dist_autograd.get_gradients(cid)
+        got = [grads[t] for t in leaves]
+    return took, all(torch.equal(g, w) for g, w in zip(got, clean_ref.unpack(want)))
+
+
+def test_a_slow_hook_in_a_shared_pass_does_not_stop_reading():
+    """A 3 s hook on the initiator while its shared region runs (heartbeat deadline
+    1 s): reports and heartbeats are read meanwhile, so the peer never declares it
+    lost; the pass just takes longer, as on torch."""
+    import clean_ref
+    import context_ref
+    want = clean_ref.pack(clean_ref.reference(context_ref.slow_hook_grads))
+    took, exact = run_workers(_slow_hook, world_size=2, args=(want,), timeout=90,
+                              options={"heartbeat_interval": 0.2, "heartbeat_deadline": 1.0})[0]
+    assert exact and took >= 3.0

@@ -171,7 +171,7 @@ def _returned(pass_id: tuple, worker: int, exp: int, blocked: bool, targets: set
     state = ENGINE.initiated.get(pass_id)
     if state is None:
         return  # finished (an error came first)
-    with state.lock:
+    with state.term_lock:
         if state.finished:
             return
         if err is None:
@@ -204,7 +204,7 @@ def _returned(pass_id: tuple, worker: int, exp: int, blocked: bool, targets: set
 
 def _fail(state: PassState, err: BaseException) -> None:
     """Initiator: end ``state`` with ``err`` unless it already ended."""
-    with state.lock:
+    with state.term_lock:
         if state.finished:
             return
         state.finished = True
@@ -215,7 +215,7 @@ def _abort(state: PassState) -> None:
     """Initiator: the pass failed; every participant stops running it."""
     state.aborted = True
     agent, me = _agent(), CONTAINER.worker_id
-    with state.lock:
+    with state.term_lock:
         others = [w for w in state.participants if w != me and w not in agent.lost]
     for w in others:
         agent.send_control(w, "ag_abort", state.ctx.id, state.pass_id)
@@ -234,7 +234,7 @@ def on_abort(sender: int, context_id: int, pass_id: tuple) -> None:
 def fail_passes(peer: int, err_for: Any) -> None:
     """``peer`` is lost: fail the passes started here that it took part in."""
     for state in list(ENGINE.initiated.values()):
-        with state.lock:
+        with state.term_lock:
             involved = peer in state.participants
         if involved:
             _fail(state, err_for(peer))
@@ -381,7 +381,7 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
             return
         rounds[0] += 1
         if rounds[0] > _MAX_RESUMES:
-            with state.lock:
+            with state.term_lock:
                 state.finished = True
             finish(RuntimeError(f"distributed backward in context {ctx.id} did not settle: "
                                 f"workers {sorted(blocked)} still wait for gradients"))

@@ -92,7 +92,11 @@ class PassState(Executor):
         self.discovered: set[int] = set()
         self.running = 0
         self.ddp_held: dict = {}        # AccumulateGrad node of a DDP parameter -> gradient
-        # initiator only: termination (see "execution and termination" in .engine)
+        # initiator only: termination (see "execution and termination" in .engine),
+        # under a lock of its own that no node, hook or user code ever holds: a report
+        # read on a reading thread must never wait for a pass (the reading, and with it
+        # the heartbeats, would stop while a slow hook runs under ``lock``)
+        self.term_lock = threading.Lock()
         self.weight = Fraction(0)       # returned in this round
         self.round_blocked: set = set()  # workers that reported waiting nodes in it
         self.ddp_holders: set = set()   # workers that reported holding DDP gradients
