@@ -256,10 +256,10 @@ def test_elastic_two_node_rendezvous_against_a_stranger(tmp_path: Path, backend:
         assert all("unpickles what it reads" in err for _, _, err in results)
         return
     assert not (tmp_path / "pwned").exists(), story
-    for rc, _, err in results:
-        assert rc == 0 or "was tampered with" in err, story
-    assert any("distgrad rendezvous 'job7'" in err and "tampered with" in err
-               for _, _, err in results), story
+    # an agent that read the forged state stops with an error naming it (the other may
+    # first lose its peer's workers, then fail on that)
+    assert any(rc == 1 and "distgrad rendezvous 'job7'" in err and "was tampered with" in err
+               for rc, _, err in results), story
 
 
 @pytest.mark.timeout(200)
