@@ -508,6 +508,27 @@ def test_without_a_secret_nothing_is_unpickled_either(tmp_path):
     assert "malformed" in out and "not a distgrad entry" in out, out
 
 
+def test_a_deleted_member_table_fails_the_next_joiner_and_splits_nothing():
+    """Issue 42, item 2, through init_rpc: ``distgrad store`` serves a dynamic group; once
+    d0 joined, a store writer deletes the member table. d1 (rank None) must not start a
+    group of its own on d0's rank: it fails within its timeout with StoreTamperedError
+    naming the table and the store, and nothing it did lists it. (Before: d1 started as
+    rank 0 of a group of one, and d0's leave then took d1 out of the table.)"""
+    port = free_port()
+    key = "distgrad/0/dyn/members"
+    with distgrad_store(port):
+        store = _client(port)
+        results = _two_joiners(port, store, port, {"DISTGRAD_STORE_HOSTED": "1"},
+                               lambda: store.delete_key(key))
+        assert not store.check([key])   # nobody wrote a table in its place
+    first, second = results[0]["rounds"][0], results[1]["rounds"][0]
+    assert first["ok"] and first["calls"] == [], first
+    assert not second["ok"] and "StoreTamperedError" in second["error"], second
+    assert key in second["error"] and f"tcp://127.0.0.1:{port}" in second["error"], second
+    assert "deleted" in second["error"], second
+    _clean_start_or_tampered(results[1])
+
+
 def test_unit_forged_moved_or_replayed_shutdown_flags_are_not_counted():
     """Issue 42, item 4: the survivors' shutdown barrier counted any value under
     ``shutdown/arrived/<rank>``. A flag in the old format, one sealed with another key,
