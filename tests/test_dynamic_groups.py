@@ -735,3 +735,103 @@ def test_unit_static_ledger_counts_out_members_nobody_listens_for(tmp_path):
         assert mixing.count_out(store, slot) and not mixing.count_out(store, slot)
     assert mixing.live_static_member(store) is None
     assert membership.Group(store, timeout=5).join("d", None)[:2] == (0, 2)
+
+
+def _tamper_group(store, timeout: float = 5.0):
+    """A Group with the workers' secret (tests/mp_utils.py), as a member keeps it."""
+    from distgrad.launch import rendezvous
+    from distgrad.rpc import membership
+    return membership.Group(store, timeout=timeout,
+                            seal=rendezvous.store_seal(store, b"distgrad-tests"))
+
+
+def _live_member(group, name: str) -> tuple[int, int]:
+    """``name`` joins as a worker does: its lease moves until it published its address."""
+    from distgrad.rpc import membership
+    rank, inc, _ = group.join(name, None)
+    with membership.Lease(group, rank, time.monotonic() + 30 * SLOW):
+        group.publish(rank, inc, f"tcp://127.0.0.1:1#{name}")
+    return rank, inc
+
+
+def test_unit_a_deleted_table_is_tampering_not_a_fresh_group(tmp_path):
+    """Issue 42, item 2: a store writer deletes the member table while a member lives.
+    The next joiner (a new process: nothing read before) must not start a group of its
+    own on the live member's rank: StoreTamperedError naming the key and the store,
+    whether the table alone, or the table and its marker, were deleted. (Before: the
+    joiner took rank 0, incarnation 1, in a table of its own.)"""
+    from distgrad.errors import StoreTamperedError
+    from distgrad.launch import rendezvous
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    live = _tamper_group(store)
+    assert _live_member(live, "alive") == (0, 1)
+    key = "distgrad/0/dyn/members"
+    store.delete_key(key)
+    for gone in ([], ["distgrad/0/dyn/genesis"]):   # the table; the table and its marker
+        for k in gone:
+            store.delete_key(k)
+        joiner = _tamper_group(store, timeout=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(StoreTamperedError) as e:
+            joiner.join("new", None)
+        assert time.monotonic() - t0 < 10 * SLOW         # its timeout, not a hang
+        assert key in str(e.value) and rendezvous.describe(store) in str(e.value), e.value
+        assert key in e.value.keys and "deleted" in e.value.keys[key], e.value.keys
+        assert not store.check([key])                    # nothing written in its place
+    # the live member sees the deletion too, and changes nothing
+    live.timeout = 0.5
+    with pytest.raises(StoreTamperedError, match="deleted"):
+        live.leave(0, 1)
+
+
+def test_unit_a_leave_takes_out_only_the_member_that_leaves(tmp_path):
+    """Issue 42, item 2: ``leave`` matched rank and incarnation only, so a member took
+    out another process that held the same rank and incarnation after the table was
+    tampered with. (1) The table rolled back to before the member joined: a new joiner
+    refuses it (rank 0's lease moved, yet the table says rank 0 never had an
+    incarnation); with that lease deleted too it takes rank 0, incarnation 1, at the
+    same version as the member read last, and the member's leave must not take it out
+    (its nonce differs). (2) The whole store wiped (table, marker, lease: a fresh store
+    to whoever comes next): the joiner starts a group of its own; the old member
+    refuses that table (another group's) and takes no one out of it."""
+    from distgrad.errors import StoreTamperedError
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    key, lease = "distgrad/0/dyn/members", "distgrad/0/dyn/lease/0"
+    _tamper_group(store).join("x", 5)                     # the table exists
+    before = store.get(key)
+    live = _tamper_group(store)
+    assert _live_member(live, "alive") == (0, 1)
+    store.set(key, before)                                # rolled back to before "alive"
+    with pytest.raises(StoreTamperedError, match=f"rolled back.*{lease}"):
+        _tamper_group(store, timeout=0.5).join("new", None)
+    store.delete_key(lease)
+    joiner = _tamper_group(store)
+    assert _live_member(joiner, "new") == (0, 1)          # same rank, same incarnation
+    assert not live.leave(0, 1)                           # not "alive"'s entry: left alone
+    assert _tamper_group(store).members()[0][0] == "new"
+
+    for k in (key, "distgrad/0/dyn/genesis", lease):
+        store.delete_key(k)                              # nothing says a group was here
+    other = _tamper_group(store)
+    assert _live_member(other, "other") == (0, 1)         # (the documented limit)
+    joiner.timeout = 0.5
+    with pytest.raises(StoreTamperedError, match="another group"):
+        joiner.leave(0, 1)
+    assert _tamper_group(store).members()[0][0] == "other"
+
+
+def test_unit_a_missing_or_forged_marker_costs_nothing(tmp_path):
+    """The marker is written after the table (a joiner may die in between): a table
+    without its marker, or with one that fails authentication, is joined as usual and
+    the marker written again; a forged marker on a fresh store starts no alarm."""
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    marker = "distgrad/0/dyn/genesis"
+    store.set(marker, b"DGS1" + bytes(range(32)) + b'{"genesis":"' + b"ab" * 16 + b'"}')
+    first = _tamper_group(store)
+    assert _live_member(first, "a") == (0, 1)                # a fresh store: a new group
+    for tamper in (lambda: store.delete_key(marker), lambda: store.set(marker, b"junk")):
+        tamper()
+        group = _tamper_group(store)
+        assert _live_member(group, f"b{len(group.members())}")[1] == 1
+        assert group.genesis == first.genesis
+        assert _tamper_group(store)._made() == first.genesis   # written again

@@ -506,3 +506,120 @@ def test_without_a_secret_nothing_is_unpickled_either(tmp_path):
     assert out.startswith("ProtocolError"), out
     assert "distgrad/0/dyn/members" in out and f"tcp://127.0.0.1:{port}" in out, out
     assert "malformed" in out and "not a distgrad entry" in out, out
+
+
+def test_a_deleted_member_table_fails_the_next_joiner_and_splits_nothing():
+    """Issue 42, item 2, through init_rpc: ``distgrad store`` serves a dynamic group; once
+    d0 joined, a store writer deletes the member table. d1 (rank None) must not start a
+    group of its own on d0's rank: it fails within its timeout with StoreTamperedError
+    naming the table and the store, and nothing it did lists it. (Before: d1 started as
+    rank 0 of a group of one, and d0's leave then took d1 out of the table.)"""
+    port = free_port()
+    key = "distgrad/0/dyn/members"
+    with distgrad_store(port):
+        store = _client(port)
+        results = _two_joiners(port, store, port, {"DISTGRAD_STORE_HOSTED": "1"},
+                               lambda: store.delete_key(key))
+        assert not store.check([key])   # nobody wrote a table in its place
+    first, second = results[0]["rounds"][0], results[1]["rounds"][0]
+    assert first["ok"] and first["calls"] == [], first
+    assert not second["ok"] and "StoreTamperedError" in second["error"], second
+    assert key in second["error"] and f"tcp://127.0.0.1:{port}" in second["error"], second
+    assert "deleted" in second["error"], second
+    _clean_start_or_tampered(results[1])
+
+
+def test_unit_forged_moved_or_replayed_shutdown_flags_are_not_counted():
+    """Issue 42, item 4: the survivors' shutdown barrier counted any value under
+    ``shutdown/arrived/<rank>``. A flag in the old format, one sealed with another key,
+    rank 1's own flag moved to rank 0's key and rank 0's flag of another rendezvous
+    (another exchange's nonces) each leave rank 1 waiting; rank 0's own flag ends it."""
+    from distgrad.launch import rendezvous
+    from distgrad.launch.sealed import StoreSeal
+    store = dist.HashStore()
+    seal = StoreSeal(b"s" * 32, "test store", worker="worker1")
+    mine, earlier = seal.bound("this rendezvous"), seal.bound("an earlier rendezvous")
+    key = "shutdown/arrived/0"
+    forged = {"old format": b"1",
+              "another key's seal": _forged({"rank": 0}),
+              "moved": mine.seal("shutdown/arrived/1", {"rank": 1}),
+              "replayed": earlier.seal(key, {"rank": 0})}
+    for what, raw in forged.items():
+        store.set(key, raw)
+        with pytest.raises(RuntimeError, match="timed out"):
+            rendezvous.barrier(store, "shutdown", 1, 2, 0.3, lost=set, seal=mine)
+        assert key in seal.tampered, what
+    store.set(key, mine.seal(key, {"rank": 0}))
+    t0 = time.monotonic()
+    rendezvous.barrier(store, "shutdown", 1, 2, 30.0 * SLOW, lost=set, seal=mine)
+    assert time.monotonic() - t0 < 30.0 * SLOW
+
+
+def _then_call_worker1(coord_port: int) -> object:
+    """Runs on worker0 for worker2, through everyone's shutdown: busy until worker1 either
+    left or refused the forged flags (it warns, naming the key), then calls worker1."""
+    import distgrad.rpc as rpc
+    coord = _client(coord_port)
+    deadline = time.monotonic() + 90
+    while not coord.check(["refused"]) and not coord.check(["left/1"]):
+        assert time.monotonic() < deadline, "worker1 neither left nor refused the flags"
+        time.sleep(0.01)
+    out = {"worker1_left_first": coord.check(["left/1"]),
+           "refused": coord.get("refused").decode() if coord.check(["refused"]) else None}
+    try:
+        out["call"] = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)).tolist()
+    except Exception as e:  # noqa: BLE001 - the result
+        out["call"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _idle_leaver(rank: int, world_size: int, port: int, coord_port: int) -> dict:
+    """worker2 has worker0 run :func:`_then_call_worker1` and all three shut down:
+    worker1 is idle and goes straight to the shutdown barrier."""
+    import logging
+
+    import distgrad.rpc as rpc
+    coord = _client(coord_port)
+
+    class _Tell(logging.Handler):
+        def emit(self, record):
+            if "/shutdown/arrived/" in record.getMessage():
+                coord.set("refused", record.getMessage())
+
+    if rank == 1:
+        logging.getLogger("distgrad").addHandler(_Tell(level=logging.WARNING))
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    coord.set(f"up/{rank}", "1")
+    coord.wait(["forged"], timedelta(seconds=90))
+    fut = rpc.rpc_async("worker0", _then_call_worker1, args=(coord_port,)) if rank == 2 else None
+    rpc.shutdown()
+    if rank == 1:
+        coord.set("left/1", "1")
+    return fut.wait() if fut is not None else {}
+
+
+def test_a_forged_shutdown_flag_does_not_let_an_idle_worker_leave():
+    """Issue 42, item 4, through rpc.shutdown: rank 0 hosts the store. A store writer
+    sets ``distgrad/0.1/shutdown/arrived/{0,2}`` while worker0 still serves worker2's
+    call, which will call idle worker1. worker1 must wait in the shutdown barrier for
+    them (it refuses the flags and says so), so the nested call succeeds. (Before:
+    worker1 left at once and the nested call failed.)"""
+    port, coord_port = free_port(), free_port()
+    coord = _host(coord_port)
+
+    def forge():
+        deadline = time.monotonic() + 90
+        while not coord.check(["up/0", "up/1", "up/2"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        store = _client(port)
+        for r in (0, 2):
+            store.set(f"distgrad/0.1/shutdown/arrived/{r}", b"1")
+        coord.set("forged", "1")
+
+    threading.Thread(target=forge, daemon=True).start()
+    _, _, r2 = run_workers(_idle_leaver, world_size=3, init=False, timeout=150,
+                           args=(port, coord_port))
+    assert not r2["worker1_left_first"], r2
+    assert "distgrad/0.1/shutdown/arrived/" in r2["refused"], r2
+    assert r2["call"] == [2.0], r2

@@ -335,9 +335,12 @@ def check_pair(value: Any) -> str | None:
 
 
 def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: str,
-             timeout: float, seal: StoreSeal | None = None, prefix: str = "") -> list[tuple[str, str]]:
+             timeout: float, seal: StoreSeal | None = None,
+             prefix: str = "") -> tuple[list[tuple[str, str]], StoreSeal]:
     """Publish ``(name, address)`` for ``rank`` in ``store`` (a :func:`session`, whose
-    keys are under ``prefix``) and return every rank's pair.
+    keys are under ``prefix``); returns every rank's pair and the seal of this
+    rendezvous (bound to all ranks' nonces: what the session's later entries, the
+    shutdown barrier's, are sealed with, so that none from another rendezvous counts).
 
     Two rounds of sealed entries (:mod:`.sealed`): every rank publishes a fresh
     nonce, then its pair bound to all ranks' nonces, so an entry of any other
@@ -349,6 +352,13 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
     that failed. Nothing read is unpickled.
 
     Raises RuntimeError when two workers chose the same name or on timeout.
+
+    Example::
+
+        >>> s, prefix = session(store, rank=1)
+        >>> peers, bound = exchange(s, 1, 2, "worker1", address, 60.0, prefix=prefix)
+        >>> peers
+        [('worker0', 'tcp://10.0.0.5:41234#...'), ('worker1', 'tcp://10.0.0.6:38211#...')]
     """
     seal = seal if seal is not None else store_seal(store, worker=name)
     rounds = _Rounds(store, prefix, seal, name, timeout, time.monotonic() + timeout)
@@ -356,8 +366,9 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
                            _check_nonce)
     while True:  # again when a nonce we read was since replaced (its rank wrote over a replay)
         attempt = hashlib.sha256(",".join(v["nonce"] for v in nonces).encode()).hexdigest()
+        bound = seal.bound(attempt)
         try:
-            entries = rounds.gather("worker", seal.bound(attempt), rank, world_size,
+            entries = rounds.gather("worker", bound, rank, world_size,
                                     {"name": name, "address": address}, check_pair,
                                     renewed=lambda n=nonces: rounds.renewed(n, rank))
             break
@@ -385,7 +396,7 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
             raise RuntimeError(f"RPC worker name {n} is not unique. Workers {a} and {b} share the "
                                "same name.")
         seen[n] = r
-    return peers
+    return peers, bound
 
 
 class _Renewed(Exception):
@@ -488,7 +499,8 @@ class _Rounds:
 
 def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: float,
             give_up: Callable[[], bool] | None = None,
-            lost: Callable[[], Collection[int]] | None = None) -> None:
+            lost: Callable[[], Collection[int]] | None = None,
+            seal: StoreSeal | None = None, prefix: str = "") -> None:
     """Wait until all ranks reached ``key``; rank 0 (the store's host) leaves last.
 
     ``give_up()`` returning True (e.g. every other worker is gone) ends the wait
@@ -497,10 +509,21 @@ def barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: fl
     With ``lost()`` (the ranks known to be gone) it is a barrier of the
     survivors, polled: it completes once every rank not lost has arrived, and
     rank 0 waits (at most 10 s) for the survivors only to leave. Rank 0 hosts
-    the store, so once it is lost this raises at once.
+    the store, so once it is lost this raises at once. Its flags (``<key>/arrived/<r>``,
+    ``<key>/left/<r>``) are sealed with ``seal`` (default: ``DISTGRAD_SECRET``'s, bound
+    to the attempt only; give the one :func:`exchange` returned, bound to this
+    rendezvous) for their full key names (``store`` a :func:`session` whose keys are
+    under ``prefix``): a flag that fails the check is not counted (warned once), and
+    a worker writes its own again while it waits if it was deleted or overwritten.
+
+    Example::
+
+        >>> barrier(store, "shutdown", rank, world_size, 60.0, lost=lambda: set(agent.lost),
+        ...         seal=bound, prefix=prefix)
     """
     if lost is not None:
-        _survivor_barrier(store, key, rank, world_size, timeout, lost)
+        flags = _Flags(store, key, rank, seal if seal is not None else store_seal(store), prefix)
+        _survivor_barrier(flags, world_size, timeout, lost)
         return
     # ">=": the counter is anyone's to move; a moved one ends the wait early or never
     # (then the timeout's error says what it read), it cannot stop it from ending
@@ -536,8 +559,62 @@ def _counted(store: dist.Store, key: str) -> str:
         return "?"
 
 
-def _survivor_barrier(store: dist.Store, key: str, rank: int, world_size: int, timeout: float,
+class _Flags:
+    """A survivor barrier's sealed flags in the store (see :func:`barrier`): ``<key>/<tag>/<r>``
+    holds ``{"rank": r}`` sealed for that key name. Flags read authentic stay counted;
+    this rank's own are written again if deleted or overwritten while it waits."""
+
+    def __init__(self, store: Any, key: str, rank: int, seal: StoreSeal, prefix: str = "") -> None:
+        self.store, self.key, self.rank, self.seal, self.prefix = store, key, rank, seal, prefix
+        self.seen: set[tuple[str, int]] = set()
+        self.own: dict[str, bytes] = {}
+
+    def name(self, tag: str, r: int) -> str:
+        return f"{self.key}/{tag}/{r}"
+
+    def full(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, tag: str) -> None:
+        key = self.name(tag, self.rank)
+        self.own[key] = self.seal.seal(self.full(key), {"rank": self.rank})
+        self.store.set(key, self.own[key])
+
+    def guard(self) -> None:
+        for key, own in self.own.items():
+            raw = peek(self.store, key)
+            if raw != own:
+                self.seal.reject(self.full(key), "deleted (this worker wrote it; written again)"
+                                 if raw is None else "overwritten (this worker wrote it; written again)")
+                self.store.set(key, own)
+
+    def all_in(self, tag: str, ranks: Collection[int]) -> bool:
+        """Whether every rank of ``ranks`` has an authentic flag ``tag``."""
+        for r in ranks:
+            if (tag, r) in self.seen:
+                continue
+            key = self.name(tag, r)
+            raw = peek(self.store, key)
+            if raw is None:
+                return False
+            value = self.seal.open(self.full(key), raw, lambda v, r=r: _check_flag(v, r))
+            if value is None:
+                return False
+            self.seen.add((tag, r))
+        return True
+
+
+def _check_flag(value: Any, rank: int) -> str | None:
+    problem = expect(value, rank=int)
+    if problem is None and value["rank"] != rank:
+        problem = f"the flag of rank {value['rank']}, not {rank}"
+    return problem
+
+
+def _survivor_barrier(flags: _Flags, world_size: int, timeout: float,
                       lost: Callable[[], Collection[int]]) -> None:
+    key, rank = flags.key, flags.rank
+
     def check_host() -> None:
         if rank != 0 and 0 in lost():
             raise RuntimeError(f"barrier {key!r}: rank 0, which hosts the store, is lost")
@@ -547,24 +624,25 @@ def _survivor_barrier(store: dist.Store, key: str, rank: int, world_size: int, t
         # long time while its peers still work, and must not steal their CPU, GIL
         # or store traffic meanwhile. (store.wait with short timeouts would block
         # without polling, but torch logs a warning for every slice that runs out.)
+        # Only sealed flags count: anyone who reaches the store can set a key.
         deadline = time.monotonic() + limit
         pause = 0.005
         while True:
             check_host()
             gone = lost()
-            keys = [f"{key}/{tag}/{r}" for r in range(world_size) if r != rank and r not in gone]
-            if not keys or store.check(keys):
+            if flags.all_in(tag, [r for r in range(world_size) if r != rank and r not in gone]):
                 return True
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
+            flags.guard()
             time.sleep(min(pause, left))
             pause = min(pause * 1.5, 0.1)
 
     check_host()
-    store.set(f"{key}/arrived/{rank}", b"1")
+    flags.put("arrived")
     if not wait_for("arrived", timeout):
         raise RuntimeError(f"barrier {key!r} timed out after {timeout:.1f} s")
-    store.set(f"{key}/left/{rank}", b"1")
+    flags.put("left")
     if rank == 0:
         wait_for("left", min(timeout, 10.0))

@@ -112,10 +112,12 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         slot = mixing.count_in(store, name, address, seal)
         membership.check_static_join(store, name, seal)
         store, prefix = rendezvous.session(store, rank)  # this init_rpc's keys only
-        peers = rendezvous.exchange(store, rank, world_size, name, address, timeout, seal, prefix)
+        peers, bound = rendezvous.exchange(store, rank, world_size, name, address, timeout, seal,
+                                           prefix)
         workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
         agent = RpcAgent(name, rank, world_size, workers, transport, opts)
-        agent.store = store
+        # the shutdown barrier's flags are sealed for this rendezvous, under this prefix
+        agent.store, agent.session_seal, agent.session_prefix = store, bound, prefix
         agent.static_store, agent.static_slot, agent.static_seal = raw, slot, seal
         agent.shutdown_arrivals = set()  # ranks that announced their shutdown (see shutdown)
         agent.control_handlers["shutdown_arrived"] = lambda peer: agent.shutdown_arrivals.add(peer)
@@ -179,7 +181,8 @@ def join(agent: RpcAgent, deadline: float, check_leak: bool = False) -> None:
         # stopped, and a store call would then wait for its timeout.
         agent.store.set_timeout(timedelta(seconds=max(0.1, deadline - time.monotonic())))
         rendezvous.barrier(agent.store, "shutdown", agent.rank, agent.world_size,
-                           max(0.1, deadline - time.monotonic()), lost=lambda: set(agent.lost))
+                           max(0.1, deadline - time.monotonic()), lost=lambda: set(agent.lost),
+                           seal=agent.session_seal, prefix=agent.session_prefix)
     except Exception as e:  # a lost peer must not make shutdown hang or fail
         log.info("worker %s: shutdown barrier on the store failed (%s); waiting for the "
                  "survivors' announcements", agent.name, e)

@@ -27,6 +27,21 @@ address as long as its lease moves, and takes out one whose lease stood still
 for ``JOIN_PATIENCE`` seconds (it died before publishing; should it wake up,
 its publish fails).
 
+A table that once existed is never deleted by distgrad, and it names its group:
+a random ``genesis`` chosen by the joiner that made it, sealed in the table and in
+a marker key written after it (``dyn/genesis``). So a missing table is tampering
+whenever the marker, or a member that read the table before, says it existed; a
+table of another genesis is another group's; and a joiner that takes a rank the
+table says never had an incarnation while that rank's lease counter moved (its
+holder is, or was, alive) has found a table deleted or rolled back. In each case
+the joiner, or the member, refuses the table (StoreTamperedError naming the key
+and the store, at its deadline) rather than start a group of its own on a live
+member's rank. Every entry carries its process's random nonce, and a leave takes
+out only the entry of the nonce it was given or saw (see :meth:`Group.leave`).
+Only a store wiped of the table, the marker and the rank's lease (a fresh store
+to whoever comes next) lets a joiner start a new group; the old group's members
+then refuse the new table as another group's and take no one out of it.
+
 The store must outlive every member: under torchrun the agent hosts it; with
 ``tcp://`` or ``env://`` rank 0 hosts it (and, as in torch, leaves last) unless
 ``DISTGRAD_STORE_HOSTED=1`` says a program of its own serves it (``distgrad
@@ -57,7 +72,7 @@ import torch.distributed as dist
 from ..errors import DistgradError, IncarnationsExhaustedError, StoreTamperedError
 from ..ids import INCARNATION_BITS, MAX_INCARNATIONS
 from ..launch import rendezvous
-from ..launch.sealed import StoreSeal, is_int
+from ..launch.sealed import StoreSeal, expect, is_int
 from . import mixing
 from .mixing import MIXED
 
@@ -68,52 +83,80 @@ LEASE_INTERVAL = 0.5   # how often a joiner moves its lease
 
 class Table:
     """One version of the member table: ``members`` ``{rank: (name, address,
-    incarnation)}``, ``incarnations`` ``{rank: the last incarnation given}``."""
+    incarnation)}``, ``nonces`` ``{rank: the member's random nonce}``, ``incarnations``
+    ``{rank: the last incarnation given}``, ``genesis`` the random id of the group
+    (None until the table is first written)."""
 
-    __slots__ = ("version", "members", "incarnations")
+    __slots__ = ("version", "members", "incarnations", "genesis", "nonces")
 
     def __init__(self, version: int = 0, members: dict | None = None,
-                 incarnations: dict | None = None) -> None:
+                 incarnations: dict | None = None, genesis: str | None = None,
+                 nonces: dict | None = None) -> None:
         self.version = version
         self.members: dict[int, tuple[str, str, int]] = dict(members or {})
         self.incarnations: dict[int, int] = dict(incarnations or {})
+        self.genesis = genesis
+        self.nonces: dict[int, str] = dict(nonces or {})
 
 
 def encode(table: Table, seal: StoreSeal, key: str) -> bytes:
     """The table as the store holds it under ``key``: sealed JSON (its format lives
-    here and in :func:`decode`)."""
-    return seal.seal(key, {"version": table.version,
-                           "members": [[r, n, a, i] for r, (n, a, i) in sorted(table.members.items())],
+    here and in :func:`decode`).
+
+    Example::
+
+        >>> raw = encode(Table(1, {0: ("a", "", 1)}, {0: 1}, "ab" * 16, {0: "cd" * 16}), seal, key)
+        >>> decode(raw, seal, key).members
+        {0: ('a', '', 1)}
+    """
+    return seal.seal(key, {"version": table.version, "genesis": table.genesis,
+                           "members": [[r, n, a, i, table.nonces[r]]
+                                       for r, (n, a, i) in sorted(table.members.items())],
                            "incarnations": sorted([r, i] for r, i in table.incarnations.items())})
 
 
 def decode(raw: bytes, seal: StoreSeal, key: str) -> Table | None:
     """The table from the store's bytes under ``key`` (empty bytes: no table yet);
     None when it fails authentication (``seal`` warned and noted it). Raises
-    ProtocolError when it is not a well-formed table."""
+    ProtocolError when it is not a well-formed table.
+
+    Example::
+
+        >>> decode(b"", seal, key).version
+        0
+    """
     if not raw:
         return Table()
     value = seal.open(key, raw, _check_table)
     if value is None:
         return None
-    return Table(value["version"], {r: (n, a, i) for r, n, a, i in value["members"]},
-                 dict(value["incarnations"]))
+    return Table(value["version"], {r: (n, a, i) for r, n, a, i, _ in value["members"]},
+                 dict(value["incarnations"]), value["genesis"],
+                 {r: nonce for r, _, _, _, nonce in value["members"]})
+
+
+def _is_token(value: Any) -> bool:
+    """A random id as distgrad writes it: 32 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
 
 
 def _check_table(value: Any) -> str | None:
     """What is wrong with a decoded table (None: nothing)."""
-    if not (isinstance(value, dict) and set(value) == {"version", "members", "incarnations"}):
-        return "expected {'version', 'members', 'incarnations'}"
+    if not (isinstance(value, dict)
+            and set(value) == {"version", "genesis", "members", "incarnations"}):
+        return "expected {'version', 'genesis', 'members', 'incarnations'}"
     if not is_int(value["version"], 1, 1 << 62):
         return f"bad version {value['version']!r}"
+    if not _is_token(value["genesis"]):
+        return f"bad genesis {value['genesis']!r:.80}"
     members, incarnations = value["members"], value["incarnations"]
     if not (isinstance(members, list) and isinstance(incarnations, list)):
         return "members and incarnations must be lists"
     ranks = set()
     for m in members:
-        if not (isinstance(m, list) and len(m) == 4 and is_int(m[0], 0, 1 << 16)
+        if not (isinstance(m, list) and len(m) == 5 and is_int(m[0], 0, 1 << 16)
                 and isinstance(m[1], str) and isinstance(m[2], str)
-                and is_int(m[3], 1, MAX_INCARNATIONS + 1)) or m[0] in ranks:
+                and is_int(m[3], 1, MAX_INCARNATIONS + 1) and _is_token(m[4])) or m[0] in ranks:
             return f"bad member entry {m!r:.80}"
         ranks.add(m[0])
     given = set()
@@ -135,33 +178,106 @@ def check_static_join(store: Any, name: str, seal: StoreSeal | None = None) -> N
     mixing.check_static_join(store, name, members)
 
 
+def _check_marker(value: Any) -> str | None:
+    problem = expect(value, genesis=str)
+    if problem is None and not _is_token(value["genesis"]):
+        problem = f"bad genesis {value['genesis']!r:.80}"
+    return problem
+
+
 class _Taken(Exception):
     pass
 
 
+class _Again(Exception):
+    """The table changed under a check that read another key: read it again."""
+
+
 class Group:
-    """One dynamic group's table in ``store`` (see the module docstring)."""
+    """One dynamic group's table in ``store`` (see the module docstring).
+
+    Example::
+
+        >>> group = Group(store, timeout=60.0)
+        >>> rank, incarnation, others = group.join("trainer3", None)
+        >>> group.leave(rank, incarnation)
+        True
+    """
 
     def __init__(self, store: Any, timeout: float = 60.0, seal: StoreSeal | None = None) -> None:
         self.raw = store
         self.root = mixing.root()
         self.key = self.root + "dyn/members"
+        self.marker = self.root + "dyn/genesis"   # written once the table exists: it did
         self.timeout = timeout
         self.seal = seal if seal is not None else rendezvous.store_seal(store)
         self.high = 0   # the highest version read: a lower one is a rollback
+        self.genesis: str | None = None   # the group's id, once a table was read or made
+        self.nonces: dict[tuple[int, int], str] = {}   # (rank, incarnation) -> nonce first seen
 
     def _load(self) -> tuple[bytes, Table | None]:
         """The table's bytes and the table (None when it cannot be trusted: it failed
-        authentication, or is older than one read before, or gone after it was read)."""
+        authentication, is older than one read before, is another group's, or is gone
+        while the marker or an earlier read says it existed). Version 0: no table yet."""
         raw = rendezvous.peek(self.raw, self.key) or b""
+        if not raw:
+            if self.genesis is not None:
+                return raw, self.seal.reject(self.key, f"deleted after version {self.high} was read")
+            made = self._made()
+            if made is None:
+                return raw, Table()
+            # the table is written before the marker: read it again, it may have come since
+            raw = rendezvous.peek(self.raw, self.key) or b""
+            if not raw:
+                return raw, self.seal.reject(self.key, f"deleted: {self.marker} says the group's "
+                                                       f"table was made (genesis {made[:8]}...)")
         table = decode(raw, self.seal, self.key)
-        if table is not None and table.version < self.high:
-            table = self.seal.reject(self.key, f"rolled back to version {table.version} after "
-                                               f"version {self.high} was read" if raw else
-                                     f"deleted after version {self.high} was read")
-        if table is not None:
-            self.high = max(self.high, table.version)
+        if table is None:
+            return raw, None
+        if self.genesis is None:
+            problem = self._adopt(table.genesis)
+            if problem is not None:
+                return raw, self.seal.reject(self.key, problem)
+        elif table.genesis != self.genesis:
+            return raw, self.seal.reject(self.key, f"another group's table (genesis "
+                                                   f"{table.genesis[:8]}...) replaced this group's "
+                                                   f"(genesis {self.genesis[:8]}...): deleted and made "
+                                                   "again")
+        if table.version < self.high:
+            return raw, self.seal.reject(self.key, f"rolled back to version {table.version} after "
+                                                   f"version {self.high} was read")
+        self.high = max(self.high, table.version)
+        self._saw(table)
         return raw, table
+
+    def _made(self) -> str | None:
+        """The genesis the marker names (the group's table was made), else None (no
+        marker, or one that fails authentication: ignored, as every such entry)."""
+        raw = rendezvous.peek(self.raw, self.marker)
+        value = None if raw is None else self.seal.open(self.marker, raw, _check_marker)
+        return None if value is None else value["genesis"]
+
+    def _adopt(self, genesis: str) -> str | None:
+        """This Group's first table: its genesis must be the marker's (a marker that is
+        missing or fails authentication is written again from the sealed table: a
+        joiner that made the table may have died before writing it). Returns what is
+        wrong (None: adopted)."""
+        raw = rendezvous.peek(self.raw, self.marker)
+        value = None if raw is None else self.seal.open(self.marker, raw, _check_marker)
+        if value is None:
+            self._mark(genesis, raw or b"")
+        elif value["genesis"] != genesis:
+            return (f"another group's table (genesis {genesis[:8]}...): {self.marker} names genesis "
+                    f"{value['genesis'][:8]}...")
+        self.genesis = genesis
+        return None
+
+    def _mark(self, genesis: str, expected: bytes = b"") -> None:
+        self.raw.compare_set(self.marker, expected, self.seal.seal(self.marker, {"genesis": genesis}))
+
+    def _saw(self, table: Table) -> None:
+        for r, (_, _, inc) in table.members.items():
+            self.nonces.setdefault((r, inc), table.nonces[r])
 
     def _unusable(self, what: str) -> StoreTamperedError:
         return self.seal.tampered_error(what, {self.key: self.seal.tampered.get(self.key, "unusable")})
@@ -184,14 +300,11 @@ class Group:
         while True:
             raw, table = self._load()
             if table is not None:
-                members, incarnations = dict(table.members), dict(table.incarnations)
-                result = change(table)
-                if table.members == members and table.incarnations == incarnations:
-                    return result
-                table.version += 1
-                new = encode(table, self.seal, self.key)
-                if self.raw.compare_set(self.key, raw, new) == new:
-                    self.high = max(self.high, table.version)
+                try:
+                    done, result = self._change(raw, table, change)
+                except _Again:
+                    done = False
+                if done:
                     return result
             if time.monotonic() > deadline:
                 if table is None:
@@ -201,6 +314,27 @@ class Group:
                                     f"{self.timeout:.0f} s: other writers kept changing it first")
             time.sleep(pause * random.uniform(0.5, 1.5))
             pause = min(pause * 2, 0.05)
+
+    def _change(self, raw: bytes, table: Table, change: Callable[[Table], Any]) -> tuple[bool, Any]:
+        """One try of :meth:`update` on ``table`` (read as ``raw``): (whether it is done,
+        what ``change`` returned)."""
+        members, incarnations = dict(table.members), dict(table.incarnations)
+        result = change(table)
+        if table.members == members and table.incarnations == incarnations:
+            return True, result
+        fresh = table.genesis is None
+        if fresh:   # the first table on this store (and attempt): a new group
+            table.genesis = os.urandom(16).hex()
+        table.version += 1
+        new = encode(table, self.seal, self.key)
+        if self.raw.compare_set(self.key, raw, new) != new:
+            return False, None
+        if fresh:
+            self.genesis = table.genesis
+            self._mark(table.genesis)
+        self.high = max(self.high, table.version)
+        self._saw(table)
+        return True, result
 
     def join(self, name: str, rank: int | None, wait: float = 0.0) -> tuple[int, int, dict]:
         """Enter the table (with no address yet: see :meth:`publish`); returns
@@ -213,9 +347,17 @@ class Group:
         replacement may start before the survivors took the crashed member it
         replaces out."""
         deadline = time.monotonic() + wait
+        nonce = os.urandom(16).hex()
+
+        def enter(table: Table) -> tuple[int, int, dict]:
+            got = _enter(table, name, rank, nonce)
+            if got[1] == 1:
+                self._check_first(table, got[0])
+            return got
+
         while True:
             try:
-                got, incarnation, others = self.update(lambda t: _enter(t, name, rank))
+                got, incarnation, others = self.update(enter)
                 break
             except _Taken as e:
                 if time.monotonic() >= deadline:
@@ -231,9 +373,11 @@ class Group:
 
     def publish(self, rank: int, incarnation: int, address: str) -> None:
         """Give this member's entry the address the others connect to."""
+        nonce = self.nonces.get((rank, incarnation))
+
         def change(table: Table) -> None:
             entry = table.members.get(rank)
-            if entry is None or entry[2] != incarnation:
+            if entry is None or entry[2] != incarnation or nonce not in (None, table.nonces[rank]):
                 raise DistgradError(f"rank {rank} (incarnation {incarnation}) was taken out of the "
                                     "dynamic group while it joined: a later joiner saw no sign of "
                                     f"life from it for {JOIN_PATIENCE:.0f} s")
@@ -283,16 +427,47 @@ class Group:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
-    def leave(self, rank: int, incarnation: int) -> bool:
-        """Take ``rank`` out if its incarnation is still ``incarnation``; returns
-        whether it was there."""
+    def leave(self, rank: int, incarnation: int, nonce: str | None = None) -> bool:
+        """Take ``rank`` out if its entry is still the process of incarnation
+        ``incarnation`` and nonce ``nonce`` (None: the nonce this Group saw that
+        entry with, or wrote it with; never seen: any); returns whether it was there.
+        Another process listed under the same rank and incarnation (a table deleted or
+        rolled back, then joined again) is left alone.
+
+        Example::
+
+            >>> rank, incarnation, _ = group.join("trainer3", None)
+            >>> group.leave(rank, incarnation), group.leave(rank, incarnation)
+            (True, False)
+        """
+        nonce = nonce if nonce is not None else self.nonces.get((rank, incarnation))
+
         def change(table: Table) -> bool:
             entry = table.members.get(rank)
-            if entry is None or entry[2] != incarnation:
+            if entry is None or entry[2] != incarnation or nonce not in (None, table.nonces[rank]):
                 return False
             del table.members[rank]
+            del table.nonces[rank]
             return True
         return self.update(change)
+
+    def _check_first(self, table: Table, rank: int) -> None:
+        """A joiner takes ``rank`` for its first incarnation: the table says nobody
+        held it. Its lease counter says whether someone did (it moves from the join on):
+        if it moved, the table was deleted or rolled back (or the counter moved by
+        another writer), and joining would put this process on a live member's rank."""
+        moved = self.lease_value(rank)
+        if moved <= 0:
+            return
+        now = rendezvous.peek(self.raw, self.key)
+        again = decode(now, self.seal, self.key) if now else Table()
+        if again is None or again.version != table.version:
+            raise _Again()   # another joiner took the rank meanwhile (then moved its lease)
+        self.seal.reject(self.key, f"deleted or rolled back: it gives rank {rank} no incarnation "
+                                   f"yet, but that rank's lease {self.root}dyn/lease/{rank} moved "
+                                   f"({moved}): a process held rank {rank} (or another writer "
+                                   "moved the counter)")
+        raise self._unusable(f"cannot join the dynamic group as rank {rank}")
 
     def entry(self, rank: int) -> tuple[str, str, int] | None:
         """What the table lists under ``rank`` (None when nobody, or when the table
@@ -326,7 +501,7 @@ class Group:
             pause = min(pause * 1.5, 0.1)
 
 
-def _enter(table: Table, name: str, rank: int | None) -> tuple[int, int, dict]:
+def _enter(table: Table, name: str, rank: int | None, nonce: str) -> tuple[int, int, dict]:
     """The change of a join (see :meth:`Group.join`)."""
     for r, (n, _, _) in table.members.items():
         if n == name:
@@ -357,6 +532,7 @@ def _enter(table: Table, name: str, rank: int | None) -> tuple[int, int, dict]:
     table.incarnations[rank] = incarnation
     others = dict(table.members)
     table.members[rank] = (name, "", incarnation)
+    table.nonces[rank] = nonce
     return rank, incarnation, others
 
 
