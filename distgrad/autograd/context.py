@@ -356,7 +356,8 @@ class Container:
         # ids released here, newest last (bounded): a request or reply read after its
         # context's release (read together with it, or still in flight) finds the
         # context released, instead of making it anew (a context no one would ever
-        # release, and a reply cut off from the graph). Ids are never reused.
+        # release, and a reply cut off from the graph). An agent never reuses an id;
+        # a later init_rpc in this process may (init() forgets them).
         self._gone: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     def init(self, worker_id: int, first: int = 0, end: int = 1 << _COUNTER_BITS) -> None:
@@ -370,6 +371,7 @@ class Container:
             self.first, self.end = first, end
             self._counter = itertools.count(first)
             self._msg_counter = itertools.count(first)
+            self._gone.clear()   # a new agent: its ids start again (static groups from 0)
 
     def _check_init(self) -> None:
         if self.worker_id < 0:
