@@ -25,7 +25,9 @@ proof is an HMAC, over both ranks and both fresh challenges, under a key from
 guesser a scrypt, and an answer recorded earlier never fits a new challenge.
 The whole handshake has one deadline (``deadline``, a monotonic time): a peer
 that drips bytes cannot hold it longer. No frame of a connection is read before its handshake succeeded. The
-two challenges also salt the per-direction encryption keys (:mod:`.crypto`).
+two challenges also salt the connection's per-direction keys: the encryption keys
+(:mod:`.crypto`) or, without encryption, the MAC keys (:meth:`.auth.Authenticator.bind`),
+so each connection, even a second one between the same two processes, has keys of its own.
 
 Example::
 
