@@ -226,7 +226,7 @@ def test_two_connections_between_the_same_processes_have_their_own_mac_keys():
         for _ in range(2):
             a, b = _tcp_pair()
             box = {}
-            server = threading.Thread(target=lambda: box.update(
+            server = threading.Thread(target=lambda box=box, b=b: box.update(
                 s=server_handshake(b, 1, t1._secret, False, {0}, mac_all=True)))
             server.start()
             cc, sc = client_handshake(a, 0, 1, t0._secret, False, mac_all=True)
