@@ -234,7 +234,7 @@ def _calls(fn, *args) -> int:
 
 def test_a_long_secret_costs_a_bounded_estimate():
     """A 64 Ki-character secret took 2-10 s on a loaded machine: the parse read every
-    character (16 times the work of a 4 Ki one). Now its work is bounded: a 64 Ki one
+    character (13 times the calls of a 4 Ki one). Now its work is bounded: a 64 Ki one
     costs less than 3 times a 4 Ki one (counted in calls, not seconds) and well
     under a second, as does 1 MiB; long repetitions are still seen whole."""
     from distgrad.transport.strength import secret_bits

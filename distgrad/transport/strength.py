@@ -115,7 +115,13 @@ def char_bits(text: str) -> float:
 
 
 def reads_as_words(letters: str) -> bool:
-    """Whether a run of ASCII letters could be one word or several run together."""
+    """Whether a run of ASCII letters could be one word or several run together.
+
+    Example::
+
+        >>> reads_as_words("correcthorse"), reads_as_words("xkqzvbw")
+        (True, False)
+    """
     low = letters.lower()
     if not low.isascii():
         return len(low) >= 3   # another script: no English vowel test
@@ -124,7 +130,13 @@ def reads_as_words(letters: str) -> bool:
 
 
 def word_bits(text: str) -> float:
-    """``text`` counted as words, digits and separators (see the module docstring)."""
+    """``text`` counted as words, digits and separators (see the module docstring).
+
+    Example::
+
+        >>> round(word_bits("correct-horse-battery"))   # three words; 124 as characters
+        56
+    """
     per_char = char_bits(text) / len(text) if text else 0.0
     bits, seen, in_words = 0.0, set(), 0
     toks = [m.group() for m in _TOKENS.finditer(text)]
