@@ -15,7 +15,10 @@ Two rules, used by everything in distgrad that writes a file or keeps one:
 - :func:`write_file` / :func:`new_file`: a file is written, in a directory that
   passes :func:`check_dirs`, as a new file beside its path (``O_CREAT | O_EXCL |
   O_NOFOLLOW``: never through a link, never into a file someone else made), then
-  renamed over the path: a link planted there is replaced, never followed.
+  renamed over the path: a link planted there is replaced, never followed. The
+  file is private to this user by default (mode 0600): a trace holds tensor values,
+  worker names and hosts, a demo's outputs the same kind of thing; whoever wants to
+  share one runs ``chmod`` on it afterwards, or passes ``mode=``.
 
 :func:`out_dir` makes an output directory (as ``mkdir -p``) and checks it.
 
@@ -145,11 +148,25 @@ def out_dir(path: str, what: str = "output directory") -> str:
     return path
 
 
+#: the mode of every file distgrad writes unless told otherwise: this user's alone
+PRIVATE = 0o600
+
+
 @contextlib.contextmanager
-def new_file(path: str, mode: int = 0o644, binary: bool = True) -> Iterator[IO]:
+def new_file(path: str, mode: int = PRIVATE, binary: bool = True) -> Iterator[IO]:
     """A file object on a new file beside ``path``; when the block ends without an
     error the file takes ``path``'s place (a link there is replaced, not
-    followed), else it is removed. ``mode`` (less the umask) is the file's."""
+    followed), else it is removed. ``mode`` (less the umask) is the file's: by
+    default 0600, readable and writable by this user only (a trace holds tensor
+    values, worker names and hosts); ``chmod`` it to share it.
+
+    Example::
+
+        >>> with new_file("/tmp/me/trace.png") as f:
+        ...     fig.savefig(f, format="png")
+        >>> oct(os.stat("/tmp/me/trace.png").st_mode & 0o777)
+        '0o600'
+    """
     parent = check_dirs(os.path.dirname(os.path.abspath(path)) or ".", f"writing {path}")
     base = os.path.basename(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | \
@@ -175,7 +192,15 @@ def new_file(path: str, mode: int = 0o644, binary: bool = True) -> Iterator[IO]:
         raise
 
 
-def write_file(path: str, data: bytes | str, mode: int = 0o644) -> None:
-    """Write ``data`` to ``path`` through :func:`new_file` (never through a link)."""
+def write_file(path: str, data: bytes | str, mode: int = PRIVATE) -> None:
+    """Write ``data`` to ``path`` through :func:`new_file` (never through a link),
+    mode 0600 unless ``mode`` says otherwise.
+
+    Example::
+
+        >>> write_file("/tmp/me/summary.json", '{"ok": true}')
+        >>> oct(os.stat("/tmp/me/summary.json").st_mode & 0o777)
+        '0o600'
+    """
     with new_file(path, mode, binary=isinstance(data, bytes)) as f:
         f.write(data)

@@ -145,6 +145,35 @@ def test_handshake_with_the_right_secret():
     assert _handshake(kw, kw)[0] != _handshake(kw, kw)[0]
 
 
+def test_mac_keys_are_bound_to_each_connections_handshake():
+    """Issue 42, item 7: without encryption the MAC keys depended on the two processes'
+    start-up nonces only, so two connections between the same processes shared them.
+    Now each connection's keys are bound to both fresh challenges of its handshake:
+    keys differ, and a message MAC'd for one connection is refused on the other."""
+    kw = {"secret": b"k", "encrypt": False}
+    a, b = Authenticator(b"k", 0), Authenticator(b"k", 1)   # the same two processes throughout
+    a.set_peer_nonce(1, b.nonce)
+    b.set_peer_nonce(0, a.nonce)
+    keys, held = [], []
+    for _ in range(2):   # two connections, each opened by a real handshake
+        c, s = _handshake(kw, kw)
+        assert not isinstance(c, Exception) and s == (0, *c), (c, s)
+        a.bind(1, *c)
+        b.bind(0, *s[1:])
+        keys.append((a._send_keys[1], a._recv_keys[1]))
+        assert keys[-1] == (b._recv_keys[0], b._send_keys[0])   # the two sides agree
+        assert [bytes(f) for f in b.open(0, a.seal(1, [b"hello"]))] == [b"hello"]
+        assert a.open(1, b.seal(0, [b"back"])) == [b"back"]
+        held.append((a.seal(1, [b"kept for later"]), b.seal(0, [b"kept too"])))
+    assert keys[0][0] != keys[1][0] and keys[0][1] != keys[1][1], "one connection's keys on another"
+    first_a, first_b = held[0]   # (each the message after the one opened: the next expected)
+    with pytest.raises(AuthError, match="bad authentication tag"):
+        b.open(0, first_a)
+    with pytest.raises(AuthError, match="bad authentication tag"):
+        a.open(1, first_b)
+    assert b.open(0, held[1][0]) == [b"kept for later"]   # the current connection's own
+
+
 def test_handshake_with_a_wrong_secret_fails_on_both_sides():
     c, s = _handshake({"secret": b"mine", "encrypt": False}, {"secret": b"theirs", "encrypt": False})
     assert isinstance(c, HandshakeError) and "different cluster secrets" in str(c), c

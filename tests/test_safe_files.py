@@ -107,14 +107,18 @@ def test_the_demo_writes_nothing_through_planted_links(tmp_path):
         os.chmod(victim, 0o600)
         os.symlink(victim, out / name)
         victims[name] = victim
+    # (the common umask, which let every file be 0644 before issue 42)
     p = subprocess.run([sys.executable, "-m", "distgrad", "demo", "--steps", "5", "--out", str(out)],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=200)
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=200, umask=0o022)
     story = f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     assert p.returncode == 0, story
     for name, victim in victims.items():
         assert victim.read_bytes() == b"root-only contents of " + name.encode(), (name, story)
         assert not (out / name).is_symlink() and (out / name).stat().st_size > 0, name
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    # issue 42, item 5: every file the demo wrote (its trace too) is this user's alone
+    modes = {f: oct(os.stat(out / f).st_mode & 0o777) for f in os.listdir(out)}
+    assert set(_TARGETS) <= set(modes) and set(modes.values()) == {"0o600"}, modes
 
 
 @pytest.mark.parametrize("case", ["world writable", "group writable", "another user's"])
@@ -149,6 +153,28 @@ def test_write_file_replaces_a_planted_link_and_leaves_nothing_on_failure(tmp_pa
     with pytest.raises(DistgradError, match="writable by anyone"):
         write_file(str(shared / "x"), b"")
     assert out_dir(str(tmp_path / "a" / "b")) == str(tmp_path / "a" / "b")
+
+
+def test_files_are_private_by_default_and_a_mode_asked_for_is_kept(tmp_path):
+    """Issue 42, item 5: files were written 0644 less the umask, so a trace (tensor
+    values, worker names, the host) was readable by every local user. Now 0600
+    whatever the umask; ``mode=`` still gives another (less the umask)."""
+    from distgrad.safe_files import new_file, write_file
+    old = os.umask(0)   # nothing taken away: the mode is what distgrad asked for
+    try:
+        write_file(str(tmp_path / "a.json"), "{}")
+        with new_file(str(tmp_path / "b.png")) as f:
+            f.write(b"png")
+        with new_file(str(tmp_path / "c.txt"), binary=False) as f:
+            f.write("text")
+        write_file(str(tmp_path / "shared.txt"), "x", mode=0o644)
+        os.umask(0o022)
+        write_file(str(tmp_path / "d.json"), b"{}")
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()}
+    assert modes == {"a.json": "0o600", "b.png": "0o600", "c.txt": "0o600", "d.json": "0o600",
+                     "shared.txt": "0o644"}, modes
 
 
 def test_resolve_dir_walks_links_as_the_kernel_does(tmp_path):

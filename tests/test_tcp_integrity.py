@@ -198,3 +198,54 @@ def test_a_message_that_failed_to_seal_leaves_no_gap():
     close the connection."""
     out = run_workers(_seal_fails_once, world_size=2, timeout=60)[0]
     assert out[0] != "sent" and out[1] == [2.0, 2.0], out
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        a = socket.create_connection(ls.getsockname(), timeout=10)
+        b, _ = ls.accept()
+    b.settimeout(10)
+    return a, b
+
+
+def test_two_connections_between_the_same_processes_have_their_own_mac_keys():
+    """Issue 42, item 7 (defence in depth): without encryption the MAC keys were derived
+    from the two processes' start-up nonces only, so every connection between the same
+    two processes had the same keys. Two transports (ranks 0 and 1, one cluster secret)
+    open two TCP connections to each other as the transport does (a real handshake, then
+    ``_conn``): each has keys of its own, bound to its handshake's challenges, and a
+    message sealed (every byte, as on TCP) for the first is refused on the second."""
+    from distgrad.transport.auth import AuthError
+    from distgrad.transport.handshake import client_handshake, server_handshake
+    from distgrad.transport.socket_transport import SocketTransport
+    t0, t1 = (SocketTransport(rank, secret=b"one cluster", num_threads=1) for rank in (0, 1))
+    conns, keys, held = [], [], []
+    try:
+        t0._plan(1, f"tcp://127.0.0.1:9#auth={t1._auth.nonce.hex()}")   # as published
+        t1._plan(0, f"tcp://127.0.0.1:9#auth={t0._auth.nonce.hex()}")
+        for _ in range(2):
+            a, b = _tcp_pair()
+            box = {}
+            server = threading.Thread(target=lambda box=box, b=b: box.update(
+                s=server_handshake(b, 1, t1._secret, False, {0}, mac_all=True)))
+            server.start()
+            cc, sc = client_handshake(a, 0, 1, t0._secret, False, mac_all=True)
+            server.join(20)
+            assert box["s"] == (0, cc, sc)
+            conns += [t0._conn(1, a, cc, sc), t1._conn(0, b, cc, sc)]
+            assert conns[-2].mac_all and conns[-1].mac_all
+            keys.append((t0._auth._send_keys[1], t0._auth._recv_keys[1]))
+            assert keys[-1] == (t1._auth._recv_keys[0], t1._auth._send_keys[0])
+            assert len(keys) == 1 or (keys[0][0] != keys[1][0] and keys[0][1] != keys[1][1]), \
+                "two connections between the same processes share their MAC keys"
+            frames = [b"envelope", bytes(100_000)]
+            assert t1._auth.open(0, t0._auth.seal(1, list(frames), 1, True), every=True) == frames
+            held.append(t0._auth.seal(1, [b"sealed on this connection"], 1, True))
+        with pytest.raises(AuthError, match="bad authentication tag"):
+            t1._auth.open(0, held[0], every=True)   # the first connection's, on the second
+        assert t1._auth.open(0, held[1], every=True) == [b"sealed on this connection"]
+    finally:
+        for conn in conns:
+            conn.sock.close()
+        t0.close()
+        t1.close()

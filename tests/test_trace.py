@@ -189,7 +189,9 @@ def _spans(doc, cat=None, worker=None):
 
 # -- the tests ----------------------------------------------------------------------
 def test_the_file_is_valid_trace_event_json(pipeline):
-    _, doc, _ = pipeline
+    path, doc, _ = pipeline
+    # issue 42, item 5: what it holds (tensor values, names, hosts) is this user's alone
+    assert os.stat(path).st_mode & 0o077 == 0, oct(os.stat(path).st_mode)
     assert set(doc) >= {"traceEvents", "otherData"}
     assert doc["traceEvents"], "no events"
     for e in doc["traceEvents"]:
@@ -357,6 +359,7 @@ def test_trace_plot_draws_the_step_and_prints_the_summary(pipeline):
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 10_000
+    assert os.stat(png).st_mode & 0o077 == 0, oct(os.stat(png).st_mode)   # (issue 42, item 5)
     text = out.stdout
     assert "critical path" in text and "message" in text, text
     for w in ("worker0", "worker1", "worker2"):

@@ -348,3 +348,19 @@ def test_a_failed_write_leaves_the_old_file_and_no_partial_one(monkeypatch):
     assert os.listdir(os.path.dirname(path)) == ["atomic.json"]
     export.write(path, 0, payloads, offsets, session)
     assert "traceEvents" in _strict(path)
+
+
+def test_a_trace_file_is_this_users_alone(tmp_path):
+    """Issue 42, item 5: a trace (tensors of up to 16 elements written out, worker names,
+    hosts) was written 0644, readable by every local user. Now 0600 under the common
+    umask (022), where it was 0644; a user who wants to share it chmods it."""
+    from distgrad.trace import export
+    payloads, offsets, session = _two_workers_same_pid()
+    path = tmp_path / "t.json"
+    old = os.umask(0o022)
+    try:
+        export.write(str(path), 0, payloads, offsets, session)
+    finally:
+        os.umask(old)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert "traceEvents" in _strict(str(path))

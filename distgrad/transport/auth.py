@@ -16,17 +16,21 @@ speed by Poly1305 under a one-time key derived from the direction's key and the
 sequence number, its tag folded into the BLAKE2b MAC (below :data:`BULK_POLY`
 bytes of tensors, BLAKE2b covers them directly). A receiver built with
 ``mac_bulk`` demands every frame in full (BLAKE2b). The key of the direction
-S->R is derived from the secret, both ranks and the nonces R and S chose at start-up and keep in
-memory, so messages recorded in an earlier session, or sealed by or for an
-earlier process under one of the ranks (a dynamic group's member replaced),
-never verify again, and each message must carry the sequence number after the
-last one accepted, so a message is never accepted twice and none can be deleted
-from the stream unnoticed (:class:`SequenceGap`).
+S->R is derived from the secret, both ranks, the nonces R and S chose at start-up and keep in
+memory, and both fresh challenges of the handshake that opened the connection
+(:meth:`Authenticator.bind`, as the encryption keys of :mod:`.crypto` are): messages
+recorded in an earlier session, sealed by or for an earlier process under one of
+the ranks (a dynamic group's member replaced), or sealed for another connection
+between the same two processes, never verify, and a MAC key learnt on one
+connection is of no use on another. Each message must carry the sequence number
+after the last one accepted on its connection, so a message is never accepted
+twice and none can be deleted from the stream unnoticed (:class:`SequenceGap`).
 
 Example::
 
     >>> a, b = Authenticator(b"s3cret", 0), Authenticator(b"s3cret", 1)
     >>> a.set_peer_nonce(1, b.nonce); b.set_peer_nonce(0, a.nonce)
+    >>> a.bind(1, cc, sc); b.bind(0, cc, sc)   # the handshake's challenges (client's, server's)
     >>> frames = a.seal(1, [b"envelope", b"tensor bytes"])
     >>> b.open(0, frames)
     [b'envelope', b'tensor bytes']
@@ -88,24 +92,61 @@ class Authenticator:
         self.rank = rank
         self.nonce = os.urandom(16)
         self.mac_bulk = mac_bulk
+        self._peer_nonces: dict[int, bytes] = {}
         self._send_keys: dict[int, bytes] = {}
         self._recv_keys: dict[int, bytes] = {}
         self._send_seq: dict[int, int] = {}
         self._recv_seq: dict[int, int] = {}
 
-    def _key(self, sender: int, receiver: int, nonce: bytes) -> bytes:
-        return hmac.new(self._secret, b"%d>%d|" % (sender, receiver) + nonce, hashlib.sha256).digest()
+    def _key(self, sender: int, receiver: int, nonces: bytes, challenges: bytes) -> bytes:
+        label = b"%d>%d|" % (sender, receiver) if not challenges else b"%d>%d|conn|" % (sender, receiver)
+        return hmac.new(self._secret, label + nonces + challenges, hashlib.sha256).digest()
+
+    def _derive(self, peer: int, challenges: bytes) -> None:
+        nonce = self._peer_nonces[peer]
+        self._send_keys[peer] = self._key(self.rank, peer, nonce + self.nonce, challenges)
+        self._recv_keys[peer] = self._key(peer, self.rank, self.nonce + nonce, challenges)
+        self._send_seq.pop(peer, None)
+        self._recv_seq.pop(peer, None)
 
     def set_peer_nonce(self, peer: int, nonce: bytes) -> None:
-        """Learn the nonce ``peer`` published; keys for both directions follow.
+        """Learn the nonce ``peer`` published; keys for both directions follow
+        (bound to no connection until :meth:`bind`, which the transport calls for
+        every connection it opens).
 
         Each key covers both processes' nonces: a new process under a rank (a
         member that rejoined a dynamic group) gets new keys both ways, so nothing
-        sealed for or by the earlier one opens, and sequence numbers start over."""
-        self._send_keys[peer] = self._key(self.rank, peer, nonce + self.nonce)
-        self._recv_keys[peer] = self._key(peer, self.rank, self.nonce + nonce)
-        self._send_seq.pop(peer, None)
-        self._recv_seq.pop(peer, None)
+        sealed for or by the earlier one opens, and sequence numbers start over.
+
+        Example::
+
+            >>> a, b = Authenticator(b"s3cret", 0), Authenticator(b"s3cret", 1)
+            >>> a.set_peer_nonce(1, b.nonce); b.set_peer_nonce(0, a.nonce)
+            >>> b.open(0, a.seal(1, [b"envelope"]))
+            [b'envelope']
+        """
+        self._peer_nonces[peer] = bytes(nonce)
+        self._derive(peer, b"")
+
+    def bind(self, peer: int, client_challenge: bytes, server_challenge: bytes) -> None:
+        """Keys for ``peer`` bound to the connection whose handshake exchanged these
+        challenges (:mod:`.handshake`: the connecting side's, then the accepting
+        side's; both workers pass them in that order), after :meth:`set_peer_nonce`.
+
+        Both challenges are fresh for every connection, so two connections between
+        the same two processes get different keys both ways: a message (or a key)
+        of one is refused on the other, and sequence numbers start over.
+
+        Example::
+
+            >>> cc, sc = client_handshake(sock, 0, 1, secret, False)   # on worker 0
+            >>> a.bind(1, cc, sc)              # worker 1, from server_handshake: b.bind(0, cc, sc)
+            >>> b.open(0, a.seal(1, [b"envelope"]))
+            [b'envelope']
+        """
+        if peer not in self._peer_nonces:
+            raise AuthError(f"no nonce of worker {peer} to bind a connection's keys to")
+        self._derive(peer, b"c" + bytes(client_challenge) + b"s" + bytes(server_challenge))
 
     @staticmethod
     def _head(key: bytes, head: bytes, full: int, frames) -> tuple:

@@ -25,7 +25,9 @@ proof is an HMAC, over both ranks and both fresh challenges, under a key from
 guesser a scrypt, and an answer recorded earlier never fits a new challenge.
 The whole handshake has one deadline (``deadline``, a monotonic time): a peer
 that drips bytes cannot hold it longer. No frame of a connection is read before its handshake succeeded. The
-two challenges also salt the per-direction encryption keys (:mod:`.crypto`).
+two challenges also salt the connection's per-direction keys: the encryption keys
+(:mod:`.crypto`) or, without encryption, the MAC keys (:meth:`.auth.Authenticator.bind`),
+so each connection, even a second one between the same two processes, has keys of its own.
 
 Example::
 
@@ -77,17 +79,26 @@ def stretch(secret: bytes) -> bytes:
     scrypt over the secret (n=2**14, r=8: some 16 MiB and tens of ms), computed
     once per process and secret. Warns, once, when the secret looks weaker than
     128 bits (:func:`~distgrad.transport.strength.secret_bits`: dictionary words
-    count as words)."""
+    count as words; the estimate is made once, and its work is bounded whatever
+    the secret's length).
+
+    Example::
+
+        >>> key = stretch(b"4f1c...")   # 32 bytes; the same key every call in this process
+        >>> key == stretch(b"4f1c...")
+        True
+    """
     with _stretch_lock:
         key = _stretched.get(secret)
         if key is None:
             from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
-            if secret_bits(secret) < 128:
+            bits = secret_bits(secret)
+            if bits < 128:
                 log.warning("the cluster secret (DISTGRAD_SECRET) looks weaker than 128 bits "
-                            "(%d characters, some %d bits counting words as words): anyone who "
-                            "reaches a worker or reads the store can try guesses at it. "
-                            "Make a good one with: %s", len(secret), secret_bits(secret),
-                            GOOD_SECRET_HINT)
+                            "(%d characters, some %d bits counting words as words and what a "
+                            "guesser tries first): anyone who reaches a worker or reads the "
+                            "store can try guesses at it. Make a good one with: %s",
+                            len(secret), bits, GOOD_SECRET_HINT)
             key = Scrypt(salt=b"distgrad-secret-v2", length=32, n=2 ** 14, r=8, p=1).derive(secret)
             _stretched[secret] = key
         return key

@@ -246,10 +246,15 @@ class Opening:
                 and sock.family != getattr(socket, "AF_UNIX", None))
 
     def _conn(self, peer: int, sock: socket.socket, cc: bytes, sc: bytes) -> _Conn:
+        """The connection to ``peer`` whose handshake exchanged challenges ``cc`` (the
+        connecting side's) and ``sc``: its keys, encryption's or the MAC's, are bound to
+        them, so no key or message of another connection works on it."""
         cipher = None
         if self.encrypt:
             from .crypto import FrameCipher
             cipher = FrameCipher(self._secret, self.rank, peer, cc, sc)
+        elif self._auth is not None:
+            self._auth.bind(peer, cc, sc)
         if sock.family != getattr(socket, "AF_UNIX", None):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
