@@ -38,3 +38,16 @@ def slow_hook_grads():
     leaves, loss = slow_hook_program(lambda to, fn, args: fn(*args), lambda: None)
     loss.backward()
     return [t.grad for t in leaves]
+
+
+def sin_program(call):
+    """h = x.sin() sent to worker1 and back; SinBackward0 runs here only once the
+    gradient came back."""
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    return x, call("worker1", torch.mul, (x.sin(), 1.0)).sum()
+
+
+def sin_grads():
+    x, loss = sin_program(lambda to, fn, args: fn(*args))
+    loss.backward()
+    return [x.grad]

@@ -128,3 +128,39 @@ def test_a_slow_hook_in_a_shared_pass_does_not_stop_reading():
     took, exact = run_workers(_slow_hook, world_size=2, args=(want,), timeout=90,
                               options={"heartbeat_interval": 0.2, "heartbeat_deadline": 1.0})[0]
     assert exact and took >= 3.0
+
+
+def _mode_sees_resumed_ops(rank, world, want):
+    import clean_ref
+    import context_ref
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    if rank != 0:
+        return None
+    with dist_autograd.context() as cid:
+        x, loss = context_ref.sin_program(lambda to, fn, args: rpc.rpc_sync(to, fn, args=args))
+        with torch.no_grad(), Recorder() as mode:   # thread-local state the pass must carry
+            dist_autograd.backward(cid, [loss])
+        got = dist_autograd.get_gradients(cid)[x]
+    return mode.ops, torch.equal(got, clean_ref.unpack(want)[0])
+
+
+def test_a_dispatch_mode_around_backward_sees_the_ops_run_after_a_gradient_returns():
+    """torch's GraphTask carries the caller's thread-local state (a TorchDispatchMode,
+    grad mode...) to every run of the pass on this worker, also one that a gradient
+    arriving over RPC starts: the mode sees SinBackward0's cos."""
+    import clean_ref
+    import context_ref
+    want = clean_ref.pack(clean_ref.reference(context_ref.sin_grads))
+    ops, exact = run_workers(_mode_sees_resumed_ops, world_size=2, args=(want,))[0]
+    assert exact
+    assert "aten.cos.default" in ops, ops

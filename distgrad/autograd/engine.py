@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import pickle
 import queue
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -348,7 +347,8 @@ def _round(state: PassState, workers: set, remote: Callable, local: Callable) ->
 def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool,
                    grad_tensors: Sequence[torch.Tensor] | None,
                    deliver: Callable[[BaseException | None], None],
-                   inline: queue.SimpleQueue | None = None, create_graph: bool = False) -> None:
+                   inline: queue.SimpleQueue | None = None, create_graph: bool = False,
+                   alone: bool = True) -> None:
     """Start a distributed backward pass; ``deliver(error or None)`` is called once,
     on whichever thread sees the pass end (a reading thread included). With ``inline``,
     this worker's later runs of the pass are queued there for the caller to run.
@@ -364,7 +364,7 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
     state = ENGINE.new_pass(ctx, flags, roots)
     state.inline = inline
     state.user_grads = grad_tensors is not None
-    if inline is None and state.alone():
+    if (inline is None or alone) and state.alone():
         _run_alone(state, roots, grads, deliver)
         return
     rounds = [0]
@@ -482,43 +482,41 @@ def backward_sync(context_id: int, roots: Sequence[torch.Tensor], retain_graph: 
     ``torch::distributed::autograd::backward`` range, as torch's engine shows it."""
     if torch.autograd._profiler_enabled():
         with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"):
-            return _backward_inline(context_id, roots, retain_graph, grad_tensors, create_graph)
-    lock, box = threading.Lock(), []
-    lock.acquire()
-
-    def deliver(exc: BaseException | None) -> None:
-        box.append(exc)
-        lock.release()
-
-    start_backward(context_id, roots, retain_graph, grad_tensors, deliver, create_graph=create_graph)
-    if not lock.acquire(False):
-        _spin_then_wait(lock)
-    if box[0] is not None:
-        if isinstance(box[0], AnomalyError):
-            anomaly_mode.complete(box[0], context_id)
-        raise box[0]
+            return _backward_inline(context_id, roots, retain_graph, grad_tensors, create_graph,
+                                    alone=False)
+    # Every run of this pass on this worker happens here, on the caller's thread, under
+    # its thread-local state (dispatch and function modes, autocast, grad mode...), as
+    # torch's GraphTask carries the caller's state to wherever a gradient resumes it.
+    return _backward_inline(context_id, roots, retain_graph, grad_tensors, create_graph)
 
 
-def _spin_then_wait(lock: threading.Lock) -> None:
-    """Acquire ``lock``, looking for DISTGRAD_SPIN_US first (yielding the core between
-    looks) before sleeping: the end of a short pass then wakes no sleeping thread."""
+def _next_task(tasks: queue.SimpleQueue) -> Any:
+    """The next task, looking for DISTGRAD_SPIN_US first (yielding the core between
+    looks) before sleeping: a short hop then wakes no sleeping thread."""
     spin = _reading.SPIN_S
     if spin:
         stop = time.perf_counter() + spin
         while time.perf_counter() < stop:
             _reading._yield()
-            if lock.acquire(False):
-                return
-    lock.acquire()
+            try:
+                return tasks.get_nowait()
+            except queue.Empty:
+                pass
+    return tasks.get()
 
 
 def _backward_inline(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool,
-                     grad_tensors: Sequence[torch.Tensor] | None, create_graph: bool) -> None:
+                     grad_tensors: Sequence[torch.Tensor] | None, create_graph: bool,
+                     alone: bool = True) -> None:
+    """Run the pass, and every later run of it on this worker, on this thread (the
+    reading threads queue them here); ``alone``: a pass no other worker takes part in
+    runs at once, without the queue."""
     tasks: queue.SimpleQueue = queue.SimpleQueue()
     start_backward(context_id, roots, retain_graph, grad_tensors,
-                   lambda exc: tasks.put((None, exc)), inline=tasks, create_graph=create_graph)
+                   lambda exc: tasks.put((None, exc)), inline=tasks, create_graph=create_graph,
+                   alone=alone)
     while True:
-        state, *task = tasks.get()
+        state, *task = _next_task(tasks)
         if state is None:
             if task[0] is not None:
                 if isinstance(task[0], AnomalyError):

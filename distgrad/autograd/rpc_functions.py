@@ -69,6 +69,7 @@ def _node_types() -> tuple[type, type]:
     global SEND_NODE_TYPE, RECV_NODE_TYPE
     if SEND_NODE_TYPE is None:
         a = torch.zeros(1, requires_grad=True)
-        SEND_NODE_TYPE = type(SendRpc.apply(a)[0].grad_fn)
-        RECV_NODE_TYPE = type(RecvRpc.apply(_ANCHOR, 0, 0, 0, [torch.zeros(1)])[0].grad_fn)
+        with torch.enable_grad():   # (may first be asked under no_grad())
+            SEND_NODE_TYPE = type(SendRpc.apply(a)[0].grad_fn)
+            RECV_NODE_TYPE = type(RecvRpc.apply(_ANCHOR, 0, 0, 0, [torch.zeros(1)])[0].grad_fn)
     return SEND_NODE_TYPE, RECV_NODE_TYPE

@@ -21,7 +21,8 @@ def accumulate_type() -> type:
     global _ACCUMULATE
     if _ACCUMULATE is None:
         a = torch.zeros(1, requires_grad=True)
-        _ACCUMULATE = type((a * 1).grad_fn.next_functions[0][0])
+        with torch.enable_grad():   # a backward may start under no_grad()
+            _ACCUMULATE = type((a * 1).grad_fn.next_functions[0][0])
     return _ACCUMULATE
 
 
