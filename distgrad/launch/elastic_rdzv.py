@@ -29,9 +29,9 @@ state lives and what it looks like there:
   MASTER_PORT) is bound on this node's address (``--local-addr``), not the
   wildcard; distgrad's workers seal every entry they keep there.
 
-``distgrad launch`` uses it by default; torchrun can too, by name
-(``torchrun --rdzv-backend distgrad ...``: the ``torchrun.handlers`` entry
-point). Without ``DISTGRAD_SECRET`` the state is still JSON (no code can run)
+``distgrad launch`` uses it by default (it registers it in this process;
+plain ``torchrun`` does not know it: use ``distgrad launch``, which is
+torchrun's parser and agent). Without ``DISTGRAD_SECRET`` the state is still JSON (no code can run)
 but unauthenticated; ``distgrad launch`` makes a secret on one node and warns
 on several.
 
@@ -44,6 +44,7 @@ Example::
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import logging
@@ -99,6 +100,9 @@ def _secret() -> bytes | None:
 # -- the state as JSON ------------------------------------------------------------
 
 def _node(n: _NodeDesc) -> list:
+    if len(n.addr) > _MAX_ADDR:
+        raise ValueError(f"a node's address has {len(n.addr)} characters, at most {_MAX_ADDR} "
+                         "fit the distgrad rendezvous (--local-addr)")
     return [n.addr, n.pid, n.local_id]
 
 
@@ -343,17 +347,21 @@ def _check_value(value: Any) -> str | None:
 # -- the handler --------------------------------------------------------------------
 
 class DistgradRendezvousHandler(DynamicRendezvousHandler):
-    """torch's ``DynamicRendezvousHandler`` whose shared store for the workers
-    (MASTER_ADDR:MASTER_PORT) listens on this node's address only, and whose
-    rank 0 publishes that store's address in every round, and every other rank
-    reads it in every round.
+    """torch's ``DynamicRendezvousHandler`` with three changes:
 
-    torch 2.13's handler publishes it only in the round where rank 0 first
-    created the store, and reads it only in a node's first round: when a node
-    joins a running group (``--nnodes 1:2``) and rank 0 stays rank 0, the newcomer
-    waits for the address in the new round until the store's timeout and the
-    launch fails, on torch's ``c10d`` backend too; a node that was rank 0 and is
-    no longer would send its workers to its own old store."""
+    - the workers' store (torchrun's shared agent store, MASTER_ADDR:MASTER_PORT)
+      listens on this node's address only (:func:`~.listen.host_store`);
+    - rank 0 hosts a fresh one in every round, and every other rank reads its
+      address in every round. torch 2.13 keeps the first one and publishes or reads
+      the address only in a node's first round: a node joining a running group
+      (``--nnodes 1:2``) then waited for it until the timeout (on torch's ``c10d``
+      too), a node whose rank went 0, 1, 0 sent its workers to a store that was
+      gone, and the workers of a group restarted for a newcomer met on a store that
+      held the last group's distgrad keys;
+    - the rendezvous store the agents use (their rank assignment, the workers'
+      store address, the exit barrier) seals every value it sets and refuses one it
+      gets that is not sealed (:class:`SealedAgentStore`): a writer of that store
+      cannot hand a node a rank or a store of its choosing."""
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
         return host_store(master_addr, master_port, None, timedelta(seconds=300),
@@ -361,17 +369,105 @@ class DistgradRendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
-        info = super().next_rendezvous()
-        where = info.bootstrap_store_info
-        if not self.use_agent_store or where is None:
-            return info   # torch built it in this round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
-        if info.rank == 0:
-            info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, where.master_addr.encode())
-            info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(where.master_port).encode())
-            return info
-        where = RendezvousStoreInfo.build(info.rank, info.store, local_addr=self._this_node.addr)
-        self._bootstrap_store_info = where
-        return RendezvousInfo(info.store, info.rank, info.world_size, where)
+        if self.use_agent_store:
+            # the last round's workers are stopped by now: its store goes with them
+            self._shared_tcp_store_server = None
+            self._bootstrap_store_info = None
+        return super().next_rendezvous()
+
+    def _wrap_store(self, store: dist.Store) -> dist.Store:
+        inner = super()._wrap_store(store)
+        backend = self._state_holder._backend
+        return SealedAgentStore(inner, backend._seal, backend._run_id,
+                                f"torch.rendezvous.{self._settings.run_id}."
+                                f"{self._state_holder.state.round}")
+
+
+class SealedAgentStore(dist.Store):
+    """The agents' rendezvous store (a ``PrefixStore`` of one round) with every value
+    sealed (:class:`~.sealed.StoreSeal`: bound to the run id and the full key name,
+    the round included). ``get``/``multi_get`` of a value that is not sealed raise
+    ``RendezvousStateError`` naming the key; counters (``add``) and waits pass
+    through (liveness hints only).
+
+    Example::
+
+        >>> s = SealedAgentStore(dist.PrefixStore("p", dist.HashStore()), StoreSeal(b"k", "x"),
+        ...                      "job", "p")
+        >>> s.set("a", "1"); s.get("a")
+        b'1'
+    """
+
+    def __init__(self, inner: dist.Store, seal: StoreSeal, run_id: str, prefix: str) -> None:
+        super().__init__()
+        self._inner, self._seal, self._run_id, self._prefix = inner, seal, run_id, prefix
+
+    def _full(self, key: str) -> str:
+        return f"{self._prefix}/{key}"
+
+    def _sealed(self, key: str, value: Any) -> bytes:
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        return self._seal.seal(self._full(key), {"value": base64.b64encode(raw).decode()})
+
+    def _opened(self, key: str, raw: Any) -> bytes:
+        try:
+            value = self._seal.open(self._full(key), bytes(raw), _check_agent_value)
+        except ProtocolError as e:
+            raise RendezvousStateError(f"distgrad rendezvous {self._run_id!r}: {e}") from None
+        if value is None:
+            raise RendezvousStateError(
+                f"distgrad rendezvous {self._run_id!r}: the agents' entry {self._full(key)!r} in "
+                f"{self._seal.where} was tampered with: "
+                f"{self._seal.tampered.get(self._full(key), 'not sealed')}. Someone who can "
+                "reach that store wrote to it; the rendezvous stops here")
+        return base64.b64decode(value["value"])
+
+    def set(self, key: str, value: Any) -> None:  # noqa: D102 - torch.distributed.Store
+        self._inner.set(key, self._sealed(key, value))
+
+    def multi_set(self, keys: list, values: list) -> None:  # noqa: D102
+        self._inner.multi_set(keys, [self._sealed(k, v) for k, v in zip(keys, values)])
+
+    def get(self, key: str) -> bytes:  # noqa: D102
+        return self._opened(key, self._inner.get(key))
+
+    def multi_get(self, keys: list) -> list:  # noqa: D102
+        return [self._opened(k, v) for k, v in zip(keys, self._inner.multi_get(keys))]
+
+    def add(self, key: str, value: int) -> int:  # noqa: D102
+        return self._inner.add(key, value)
+
+    def check(self, keys: list) -> bool:  # noqa: D102
+        return self._inner.check(keys)
+
+    def wait(self, keys: list, timeout: timedelta | None = None) -> None:  # noqa: D102
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:  # noqa: D102
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:  # noqa: D102
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:  # noqa: D102
+        self._inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:  # noqa: D102
+        return self._inner.timeout
+
+
+def _check_agent_value(value: Any) -> str | None:
+    if type(value) is not dict or set(value) != {"value"} or type(value["value"]) is not str:
+        return f"expected {{'value': base64 text}}, found {value!r:.80}"
+    try:
+        base64.b64decode(value["value"], validate=True)
+    except ValueError as e:
+        return f"not base64: {e}"
+    return None
 
 
 def _store(params: RendezvousParameters) -> dist.Store:
