@@ -62,7 +62,6 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousInfo,
-    RendezvousStoreInfo,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
