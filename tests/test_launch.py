@@ -294,9 +294,11 @@ def test_elastic_restart_after_a_lost_rank(tmp_path: Path, front: str) -> None:
         assert f"GRAD OK rank=0 attempt=1 step={step}" in res.stdout, story
     assert "GRAD OK rank=0 attempt=0 step=2" in res.stdout, story  # attempt 0 ran until rank 1 died
     assert "attempt=0 step=3" not in res.stdout, story
-    # both attempts on one store (the agent's), each its own group (distgrad/<attempt>.<n>/)
     stores = set(re.findall(r"START rank=\d attempt=\d store=(\S+) agent_store=True", res.stdout))
-    assert len(re.findall("START ", res.stdout)) == 4 and len(stores) == 1, story
+    # torchrun keeps one agent store for both attempts; the distgrad rendezvous hosts
+    # a fresh one every round (no key of the last group is left for the next)
+    assert len(re.findall("START ", res.stdout)) == 4, story
+    assert len(stores) == (1 if front == "torchrun" else 2), story
     if front != "torchrun":
         assert "[rank1]: DONE rank=1 attempt=1 steps=5" in res.stdout, story
     pids = [int((tmp_path / f"pid{r}.{a}").read_text()) for r in range(2) for a in range(2)]
