@@ -113,6 +113,33 @@ def test_own_state_loader_takes_no_other_class() -> None:
         elastic_rdzv._own_state(pickle.dumps(_Touch(Path("/nonexistent/x"))))
 
 
+def test_the_agents_store_refuses_what_is_not_sealed() -> None:
+    """torch's agent reads its rank assignment and the workers' store address from the
+    rendezvous store: under the distgrad backend those values are sealed for their
+    key and round, so a stranger's (a split group: [0, 1, 0, 1], a store of theirs)
+    and one moved from another round are refused, never used."""
+    from distgrad.launch.sealed import StoreSeal
+    seal = StoreSeal(b"s3cret-of-the-job-0123456789abcdef", "a test store", attempt="rdzv|job")
+    base = dist.HashStore()
+    r1 = elastic_rdzv.SealedAgentStore(dist.PrefixStore("torch.rendezvous.job.1", base), seal,
+                                       "job", "torch.rendezvous.job.1")
+    r2 = elastic_rdzv.SealedAgentStore(dist.PrefixStore("torch.rendezvous.job.2", base), seal,
+                                       "job", "torch.rendezvous.job.2")
+    r1.set("MASTER_ADDR", "10.0.0.1")
+    r1.multi_set(["torchelastic/assigned_ranks/0", "torchelastic/assigned_ranks/1"],
+                 [b"[0, 2, 0, 2]", b"[1, 2, 2, 2]"])
+    assert r1.get("MASTER_ADDR") == b"10.0.0.1"
+    assert r1.multi_get(["torchelastic/assigned_ranks/1"]) == [b"[1, 2, 2, 2]"]
+    assert r1.add("count", 2) == 2 and r1.check(["count"])
+    base.set("torch.rendezvous.job.1/torchelastic/assigned_ranks/1", b"[0, 1, 0, 1]")
+    with pytest.raises(RendezvousStateError, match="assigned_ranks/1.*tampered with"):
+        r1.get("torchelastic/assigned_ranks/1")
+    base.set("torch.rendezvous.job.2/MASTER_ADDR",
+             bytes(base.get("torch.rendezvous.job.1/MASTER_ADDR")))   # moved to round 2
+    with pytest.raises(RendezvousStateError, match="tampered with"):
+        r2.get("MASTER_ADDR")
+
+
 def test_one_node_handler_has_no_port() -> None:
     elastic_rdzv.register()
     h = elastic_rdzv.create_handler(RendezvousParameters("distgrad", "", "job-x", 1, 1))
@@ -295,19 +322,32 @@ def test_a_node_joining_restarts_the_group(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_static_one_node_store_listens_on_the_address_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["--master-port", "--rdzv-backend static", "PET_RDZV_BACKEND"])
+def test_static_one_node_store_listens_on_the_address_named(tmp_path: Path, how: str) -> None:
     """``--master-port`` on one node is torchrun's static rendezvous: its store is
-    bound on ``--master-addr`` (127.0.0.1) alone, not torch's every interface."""
+    bound on ``--master-addr`` (127.0.0.1) alone, not torch's every interface. The
+    static rendezvous named without a port (by option or by torchrun's variable)
+    gets a free port the same way; torchrun would turn it into its c10d rendezvous,
+    whose store listens everywhere and whose state the agent unpickles."""
     port = free_port()
-    cmd = [sys.executable, "-m", "distgrad.launch", "--nproc-per-node", "2", "--master-port",
-           str(port), str(SCRIPTS / "rdzv_victim.py"), str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE,
+    extra, env = [], {}
+    if how == "--master-port":
+        extra = ["--master-port", str(port)]
+    elif how == "--rdzv-backend static":
+        extra = ["--rdzv-backend", "static"]
+    else:
+        env = {"PET_RDZV_BACKEND": "static"}
+    cmd = [sys.executable, "-m", "distgrad.launch", "--nproc-per-node", "2", *extra,
+           str(SCRIPTS / "rdzv_victim.py"), str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path, **env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         _wait_files([tmp_path / "ready0.0", tmp_path / "ready1.0"], [proc], 90)
         addrs = _listening(proc.pid)
-        assert f"0100007F:{port:04X}" in addrs, addrs
-        assert not [a for a in addrs if a.startswith(("00000000:", "00000000000000000000000000000000:"))]
+        if how == "--master-port":
+            assert f"0100007F:{port:04X}" in addrs, addrs
+        assert addrs and all(a.startswith(("0100007F:", "00000000000000000000000001000000:"))
+                             for a in addrs), addrs      # loopback only: no wildcard
         (tmp_path / "go").touch()
         [(rc, out, err)] = _finish([proc], 90)
     finally:

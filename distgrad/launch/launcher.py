@@ -46,6 +46,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from ..errors import DistgradError
 from ..transport.handshake import GOOD_SECRET_HINT, secret_bits
 from .elastic_rdzv import NAME, register
 
@@ -110,8 +111,10 @@ def _check(args: argparse.Namespace) -> int:
         args.rdzv_id = str(uuid.uuid4())
     backend = args.rdzv_backend
     if backend is None:   # not given: distgrad's rendezvous unless a static one is asked for
-        backend = "static" if (n_min == n_max and (n_max > 1 or args.master_port is not None)
-                               and not args.rdzv_endpoint) else NAME
+        # (a fixed count of several nodes, with an endpoint or not, or a port: torchrun's
+        # static rendezvous, node ranks and all)
+        backend = "static" if n_min == n_max and (n_max > 1 or args.master_port is not None) \
+            else NAME
         args.rdzv_backend = backend
     static = backend == "static"
     if static and n_min != n_max:
@@ -125,6 +128,11 @@ def _check(args: argparse.Namespace) -> int:
                           "--master-addr: the address of node 0, whose agent hosts the store")
     named_addr = args.master_addr is not None
     master_addr = args.master_addr or "127.0.0.1"
+    if master_addr.startswith("[") and master_addr.endswith("]"):
+        master_addr = master_addr[1:-1]   # an IPv6 address as torchrun writes it
+    if args.local_addr is not None and len(args.local_addr) > 1024:
+        raise LaunchError(f"--local-addr has {len(args.local_addr)} characters: a host name or "
+                          "address is at most 1024")
     if backend == NAME:
         if n_max > 1 and not args.rdzv_endpoint:
             raise LaunchError(f"--nnodes {args.nnodes}: several nodes meet at --rdzv-endpoint "
@@ -146,8 +154,19 @@ def _check(args: argparse.Namespace) -> int:
     # the static rendezvous's store, hosted by node 0: bound here on the address
     # named (torch's would listen on every interface), then shared by torch's
     # multi_tenant TCPStore on the same port in this process. Node 0 of several
-    # without --master-addr keeps torch's wildcard: others must reach it somehow.
-    args.distgrad_host_store = static and args.node_rank == 0 and (n_max == 1 or named_addr)
+    # without --master-addr or an endpoint keeps torch's wildcard: others must reach
+    # it somehow. One node without a port gets a free one: torchrun would otherwise
+    # turn the launch into its c10d rendezvous (a pickle from a store bound everywhere).
+    args.distgrad_host_store = None
+    if static and args.node_rank == 0:
+        if args.rdzv_endpoint:
+            host, _, port = args.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise LaunchError(f"--rdzv-endpoint {args.rdzv_endpoint} of the static "
+                                  "rendezvous needs HOST:PORT")
+            args.distgrad_host_store = (host.strip("[]"), int(port))
+        elif n_max == 1 or named_addr:
+            args.distgrad_host_store = (master_addr, args.master_port or 0)
     if args.tee is None:
         args.tee = "0" if args.redirects != "0" else "3"
     return n_max
@@ -188,8 +207,12 @@ def launch(args: argparse.Namespace) -> int:
     os.environ.update(added)  # the agent's environment is the workers'
     held = None
     try:
-        if getattr(args, "distgrad_host_store", False):
+        if getattr(args, "distgrad_host_store", None):
             held = _host_static_store(args)
+        if args.rdzv_backend == "static" and max_nodes == 1 and not args.rdzv_endpoint \
+                and args.master_port is None:   # torchrun would make it its c10d rendezvous
+            raise DistgradError("a one-node static rendezvous without a port (refused: torchrun "
+                                "would turn it into its pickle-based c10d rendezvous)")
         record(run)(args)
         return 0
     except ChildFailedError as e:
@@ -199,6 +222,9 @@ def launch(args: argparse.Namespace) -> int:
     except RendezvousError as e:
         print(f"distgrad launch: the rendezvous failed ({type(e).__name__}): {e}",
               file=sys.stderr, flush=True)
+        return 1
+    except (DistgradError, ValueError) as e:   # a store that cannot be hosted, a bad option
+        print(f"distgrad launch: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     except SignalException as e:
         print(f"distgrad launch: received {e.sigval.name}; the workers were stopped",
@@ -211,14 +237,18 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def _host_static_store(args: argparse.Namespace):
-    """Host the static rendezvous's store on ``--master-addr`` alone (torch's agent
-    then opens its multi_tenant store on the same port and shares this server)."""
+    """Host the static rendezvous's store where ``_check`` said (torch's agent then
+    opens its multi_tenant store on the same port and shares this server); a port 0
+    becomes the free one taken, as ``--master-port``."""
     from datetime import timedelta
 
     from .listen import host_store
 
-    port = args.master_port if args.master_port is not None else 29500
-    return host_store(args.master_addr, port, None, timedelta(seconds=300), multi_tenant=True)
+    host, port = args.distgrad_host_store
+    store = host_store(host, port, None, timedelta(seconds=300), multi_tenant=True)
+    if port == 0:
+        args.master_port = store.port
+    return store
 
 
 def main(argv: Sequence[str] | None = None) -> int:
