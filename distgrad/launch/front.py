@@ -112,6 +112,7 @@ class StoreFront:
         self._paused_until = 0.0
         self._stopping = False
         self.admitted = self.refused = self.silenced = 0
+        self.server = None   # what serves behind it, held here where the caller wants it kept
 
     # -- the loop --------------------------------------------------------------
     def serve_forever(self) -> None:

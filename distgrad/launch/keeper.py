@@ -325,6 +325,39 @@ def child_main(argv: list[str]) -> None:
     os._exit(0)   # the server's connections close with the process
 
 
+def serve_here(host: str, port: int):
+    """Serve a store on ``host``:``port`` from this process (``distgrad store``, a
+    process of its own already): torch's server on a loopback port, the capping
+    front on the address named, on a thread. Returns the front (its ``server``
+    attribute holds the store; :meth:`~.front.StoreFront.stop` ends it).
+
+    Example::
+
+        >>> front = serve_here("127.0.0.1", 29500)
+        >>> front.connections()
+        0
+    """
+    import threading
+
+    from ..transport.descriptors import raise_open_file_limit
+    from .front import StoreFront
+    from .listen import bound_socket
+    raise_open_file_limit()
+    listener = bound_socket(host, port)
+    try:
+        server, backend = serve_backend()
+    except BaseException:
+        listener.close()
+        raise
+    total = _env_int("DISTGRAD_STORE_MAX_CONNECTIONS", DEFAULT_TOTAL)
+    per_address = _env_int("DISTGRAD_STORE_MAX_PER_ADDRESS", DEFAULT_PER_ADDRESS)
+    front = StoreFront(listener, ("127.0.0.1", backend), *budget(total, per_address), SILENT_S,
+                       name=f"store on {host}:{port}")
+    front.server = server
+    threading.Thread(target=front.serve_forever, daemon=True, name="distgrad-store-front").start()
+    return front
+
+
 def serve_backend() -> tuple[dist.TCPStore, int]:
     """torch's TCPStore server on a loopback port of its own: (the store, its port)."""
     from .listen import bound_socket
