@@ -131,6 +131,7 @@ def let_go(store) -> None:
     """Rank 0 no longer uses ``store`` (a store :func:`host` returned): once the
     keeper serves none of this process's stores and torch does not share it, it
     exits. Anything else is left alone."""
+    store = _unprefixed(store)
     with _lock:
         for port, keeper in list(_live.items()):
             if not any(s is store for s in keeper.clients):
@@ -149,10 +150,19 @@ def let_go(store) -> None:
 def pin(store) -> None:
     """Keep the keeper of ``store`` serving as long as this process lives (a
     dynamic group's hosting member leaves first and the others after it)."""
+    store = _unprefixed(store)
     with _lock:
         for keeper in _live.values():
             if any(s is store for s in keeper.clients):
                 keeper.pinned = True
+
+
+def _unprefixed(store):
+    """The store under any PrefixStores (the same Python object as the one :func:`host`
+    returned: it is held, so torch hands back that one)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def public_of(port: int) -> str | None:
