@@ -50,7 +50,7 @@ def _get(sync_dir: str, name: str, seconds: float) -> str:
     path = os.path.join(sync_dir, name)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(FileNotFoundError):   # (EMFILE is an answer: it says)
             with open(path) as f:
                 return f.read()
         time.sleep(0.05)
@@ -167,7 +167,14 @@ def test_rank0_serves_and_opens_files_while_its_store_and_worker_port_are_floode
     seen: dict = {}
 
     def attack():
-        pid = int(_get(sync_dir, "up", 180 * SLOW))
+        try:
+            flood(int(_get(sync_dir, "up", 180 * SLOW)))
+        except Exception as e:  # noqa: BLE001 - said by the assertions, after the workers
+            seen["error"] = repr(e)
+        finally:
+            _put(sync_dir, "flooded")
+
+    def flood(pid):
         for _ in range(STORE_FLOOD):
             with contextlib.suppress(OSError):
                 held.append(_connect(("127.0.0.1", port)))
@@ -186,7 +193,6 @@ def test_rank0_serves_and_opens_files_while_its_store_and_worker_port_are_floode
         time.sleep(1.0)
         seen["other_address_kept"] = _open_ones([other])
         seen["same_address_kept"] = _open_ones([same])
-        _put(sync_dir, "flooded")
 
     env = {0: {"DISTGRAD_STORE_MAX_PER_ADDRESS": "32"}}
     with _descriptors(STORE_FLOOD + 4 * PORT_FLOOD + 256):
@@ -199,13 +205,14 @@ def test_rank0_serves_and_opens_files_while_its_store_and_worker_port_are_floode
             attacker.join(10)
             for s in held:
                 s.close()
-    assert len(seen.get("endpoints", [])) >= 1, seen
-    assert seen["store_connected"] >= 1000, seen
     r0 = res[0]
     assert r0["opened"] == 32, r0
     assert r0["rpc"] == [1.0, 1.0] and res[1]["rpc"] == [2.0, 2.0], res
     assert r0["fds"] < LIMIT // 2, r0        # the crowd is not in rank 0
     assert r0["store"] == 1, r0
+    assert "error" not in seen, seen
+    assert len(seen["endpoints"]) >= 1, seen
+    assert seen["store_connected"] >= 1000, seen
     assert seen["store_kept"] <= 32, seen      # the cap per address held
     assert seen["other_address_kept"] == 1, seen
     assert seen["same_address_kept"] == 0, seen
@@ -266,8 +273,8 @@ def _exhausted(rank, world_size, port, sync_dir):
 def test_connections_with_no_descriptor_left_cost_rank0_no_cpu(tmp_path):
     """Rank 0 with every descriptor taken; four strangers connect to its worker port
     and stay. Its process CPU over 4 s stays under 0.4 s (before: the accept error
-    was ignored and the listener stayed ready, two pool threads spinning: measured
-    2.4 s of 4 s here); the queue is shed (the strangers see their connections
+    was ignored and the listener stayed ready, pool threads spinning: 1.6 s of CPU
+    in those 4 s, measured at load 7.5 on 2 cores); the queue is shed (the strangers see their connections
     closed), the warning is logged a bounded number of times, and once descriptors
     are back RPCs work both ways."""
     sync_dir = str(tmp_path)
@@ -316,7 +323,6 @@ def _wait_nonempty(path: str, seconds: float) -> str:
 # -- 3. the soft limit raised to the hard one ---------------------------------------------
 def _raised(rank, world_size, port):
     import distgrad.rpc as rpc
-    from distgrad.transport import descriptors
     records = []
 
     class Keep(logging.Handler):
@@ -332,7 +338,6 @@ def _raised(rank, world_size, port):
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
     after = resource.getrlimit(resource.RLIMIT_NOFILE)
     rpc.shutdown()
-    descriptors.raise_open_file_limit()   # once per process: nothing more said
     return hard, after, records
 
 
