@@ -282,7 +282,6 @@ def _route_torch() -> None:
     if getattr(original, "_distgrad_keeper", False):
         return
 
-    @functools.wraps(original)
     def _create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
         if rank == 0 and not agent_store:
@@ -294,6 +293,10 @@ def _route_torch() -> None:
                 return keeper.client(world_size, timeout, pin=True)
         return original(hostname, port, rank, world_size, timeout, *args, **kwargs)
 
+    # torch's name, docstring and signature (__wrapped__); the module stays distgrad's,
+    # so it never passes for torch's
+    functools.update_wrapper(_create_c10d_store, original, ("__name__", "__qualname__", "__doc__"),
+                             ())
     _create_c10d_store._distgrad_keeper = True
     mod._create_c10d_store = _create_c10d_store
 
