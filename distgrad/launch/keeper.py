@@ -64,6 +64,7 @@ _RESERVED = 64        # the keeper's own (libraries, the server's, the spare)
 _lock = threading.Lock()
 _live: dict[int, _Keeper] = {}       # public port -> a serving keeper of this process
 _leaving: dict[int, _Keeper] = {}    # public port -> a keeper let go, maybe not gone yet
+_served: list = []                   # fronts serve_here started in this process
 
 
 def wanted() -> bool:
@@ -367,6 +368,7 @@ def serve_here(host: str, port: int):
     front = StoreFront(listener, ("127.0.0.1", backend), *budget(total, per_address), SILENT_S,
                        name=f"store on {host}:{port}")
     front.server = server
+    _served.append(front)   # serves until this process exits
     threading.Thread(target=front.serve_forever, daemon=True, name="distgrad-store-front").start()
     return front
 

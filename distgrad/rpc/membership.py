@@ -401,12 +401,13 @@ def hosted_elsewhere() -> bool:
 def serve_store(host: str, port: int):
     """Host a TCPStore that outlives every member (``distgrad store``), listening on
     ``host`` alone (:mod:`distgrad.launch.listen`) through a front that caps its
-    connections (:func:`distgrad.launch.keeper.serve_here`). Returns the front;
-    the store serves until the process exits.
+    connections (:func:`distgrad.launch.keeper.serve_here`). Returns the store (its
+    server's own, on loopback); it serves until this process exits.
 
     Example::
 
-        >>> front = serve_store("0.0.0.0", 29500)   # then: DISTGRAD_STORE_HOSTED=1 on every worker
+        >>> store = serve_store("0.0.0.0", 29500)   # then: DISTGRAD_STORE_HOSTED=1 on every worker
+        >>> store.set("k", b"v")
     """
     from ..launch.keeper import serve_here
-    return serve_here(host, port)
+    return serve_here(host, port).server
