@@ -585,3 +585,65 @@ def test_the_store_process_ignores_ctrl_c_exits_at_shutdown_and_is_shared_with_t
     assert gone == 0
     assert shared
     assert _gone(lambda: _keepers_of(port), 10 * SLOW) == []
+
+
+# -- 7. a listener unwatched is watched again -------------------------------------------------
+class _Quiet:
+    def on_message(self, peer, frames):
+        return None
+
+    def on_peer_lost(self, peer, reason, graceful):
+        pass
+
+
+def test_a_worker_listener_that_could_not_be_shed_is_watched_again_after_its_pause():
+    """Where even shedding failed (no spare slot), the worker stops watching its
+    listener for the pause, then watches it again: a stranger's garbage is answered
+    (refused, closed) only once the pause is over, and then it is."""
+    from distgrad.transport.socket_transport import SocketTransport
+    t = SocketTransport(0)
+    try:
+        addr = t.listen("127.0.0.1")
+        t.start(_Quiet(), {})
+        port = int(addr.split("#")[0].rsplit(":", 1)[1])
+        t._unwatch(t._tcp, 1.0)
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        t0 = time.monotonic()
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n" * 4)
+        s.settimeout(30)
+        with contextlib.suppress(ConnectionError):
+            while s.recv(4096):
+                pass
+        took = time.monotonic() - t0
+        s.close()
+    finally:
+        t.close(0)
+    assert 0.8 <= took < 15 * SLOW, took
+
+
+# -- 8. descriptors past 1,023 (the limit raised) ---------------------------------------------
+def _many_open(rank, world_size, port):
+    import distgrad.rpc as rpc
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1500), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]   # what a busy worker holds
+    try:
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+        out = rpc.rpc_sync(f"worker{1 - rank}", torch.add, args=(torch.ones(1), rank)).item()
+        rpc.shutdown()
+    finally:
+        for fd in held:
+            os.close(fd)
+    return out
+
+
+def test_a_group_starts_with_its_sockets_past_descriptor_1023():
+    """With the open-file limit raised, a worker's listening sockets may get
+    descriptors past 1,023, which select() cannot watch (before: the accepting rank's
+    start failed, "filedescriptor out of range in select()")."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1500:
+        pytest.skip(f"the hard open-file limit is {hard}")
+    assert run_workers(_many_open, world_size=2, init=False, timeout=120 * SLOW,
+                       args=(free_port(),)) == [1.0, 2.0]

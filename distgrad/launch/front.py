@@ -133,7 +133,8 @@ class StoreFront:
                         if not _drain(self._control):
                             self._stopping = True
                     elif what == "wake":
-                        _drain(self._wake_r.fileno())
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
                     else:
                         self._service(what, mask)
                 now = time.monotonic()
