@@ -47,7 +47,13 @@ _TICK = 0.5                  # how often silent connections are looked for
 
 
 def source_address(sock: socket.socket) -> str:
-    """The peer's address as the cap counts it (an IPv4-mapped IPv6 address as IPv4)."""
+    """The peer's address as the cap counts it (an IPv4-mapped IPv6 address as IPv4).
+
+    Example::
+
+        >>> source_address(accepted)   # a client at [::ffff:10.0.0.2]:51234
+        '10.0.0.2'
+    """
     try:
         host = str(sock.getpeername()[0])
     except OSError:

@@ -69,7 +69,13 @@ _served: list = []                   # fronts serve_here started in this process
 
 def wanted() -> bool:
     """Whether a hosting rank 0 puts its store in a keeper: unless
-    ``DISTGRAD_STORE_PROCESS=0``, wherever descriptors can be handed to a child."""
+    ``DISTGRAD_STORE_PROCESS=0``, wherever descriptors can be handed to a child.
+
+    Example::
+
+        >>> os.environ["DISTGRAD_STORE_PROCESS"] = "0"; wanted()
+        False
+    """
     return os.environ.get("DISTGRAD_STORE_PROCESS", "1") != "0" and os.name == "posix" \
         and bool(sys.executable)
 
@@ -85,10 +91,9 @@ class _Keeper:
     def client(self, world_size: int | None, timeout: timedelta, pin: bool = False) -> dist.TCPStore:
         store = dist.TCPStore("127.0.0.1", self.backend, world_size, is_master=False,
                               timeout=timeout, wait_for_workers=False)
-        with _lock:
-            self.pinned = self.pinned or pin
-            if not pin:
-                self.clients.append(store)
+        if pin:   # torch's: held by torch, for as long as it likes
+            with _lock:
+                self.pinned = True
         return store
 
     def stop(self) -> None:
@@ -110,28 +115,50 @@ def host(host: str, port: int, world_size: int | None, timeout: timedelta) -> di
     """A client of the keeper serving ``host``:``port`` for this process: the live
     one on that port (shared, as torch shares a ``multi_tenant`` store), else a new
     one. Raises OSError (EADDRINUSE: another program holds the port) or
-    DistgradError (the keeper did not start)."""
+    DistgradError (the keeper did not start).
+
+    Example::
+
+        >>> store = host("127.0.0.1", 29500, 2, timedelta(seconds=60))
+        >>> store.set("worker/0", b"...")   # the other ranks reach it at 127.0.0.1:29500
+    """
     from .listen import bound_socket
     with _lock:
         keeper = _live.get(port)
     if keeper is not None and keeper.proc.poll() is None:
-        return keeper.client(world_size, timeout)
+        store = keeper.client(world_size, timeout)
+        with _lock:
+            keeper.clients.append(store)
+        return store
     _reap(port)
     sock = bound_socket(host, port)
     try:
         keeper = _start(sock, host, port, timeout.total_seconds())
     finally:
         sock.close()   # the keeper holds it now (or nobody)
+    try:
+        store = keeper.client(world_size, timeout)
+    except BaseException:
+        keeper.stop()
+        keeper.wait_gone(10.0)
+        raise
     with _lock:
+        keeper.clients.append(store)
         _live[port] = keeper
         _route_torch()
-    return keeper.client(world_size, timeout)
+    return store
 
 
 def let_go(store) -> None:
     """Rank 0 no longer uses ``store`` (a store :func:`host` returned): once the
     keeper serves none of this process's stores and torch does not share it, it
-    exits. Anything else is left alone."""
+    exits. Anything else is left alone.
+
+    Example::
+
+        >>> store = host("127.0.0.1", 29500, 2, timedelta(seconds=60))
+        >>> let_go(dist.PrefixStore("distgrad/0.1", store))   # the keeper exits
+    """
     store = _unprefixed(store)
     with _lock:
         for port, keeper in list(_live.items()):
@@ -150,7 +177,12 @@ def let_go(store) -> None:
 
 def pin(store) -> None:
     """Keep the keeper of ``store`` serving as long as this process lives (a
-    dynamic group's hosting member leaves first and the others after it)."""
+    dynamic group's hosting member leaves first and the others after it).
+
+    Example::
+
+        >>> pin(agent.store)   # let_go(agent.store) then leaves it serving
+    """
     store = _unprefixed(store)
     with _lock:
         for keeper in _live.values():
@@ -168,7 +200,13 @@ def _unprefixed(store):
 
 def public_of(port: int) -> str | None:
     """``host:port`` where the keeper whose server is on loopback ``port`` listens
-    (what a message about rank 0's store should name), or None."""
+    (what a message about rank 0's store should name), or None.
+
+    Example::
+
+        >>> public_of(store.port)     # store: rank 0's client, on 127.0.0.1:41234
+        '10.0.0.1:29500'
+    """
     with _lock:
         for keeper in _live.values():
             if keeper.backend == port:
@@ -314,7 +352,13 @@ def _unroute_torch() -> None:
 def child_main(argv: list[str]) -> None:
     """The keeper's life (``argv``: listening descriptor, control descriptor, cap in
     all, cap per address, ``host:port`` for messages): serve until the control
-    pipe's end, then exit."""
+    pipe's end, then exit. Run by :func:`host` through ``_BOOT``, never imported
+    into a worker.
+
+    Example (what :func:`host` runs, with descriptors 5 and 6 inherited)::
+
+        >>> child_main(["5", "6", "1024", "256", "127.0.0.1:29500"])
+    """
     import signal
 
     from ..transport.descriptors import raise_open_file_limit
@@ -374,7 +418,12 @@ def serve_here(host: str, port: int):
 
 
 def serve_backend() -> tuple[dist.TCPStore, int]:
-    """torch's TCPStore server on a loopback port of its own: (the store, its port)."""
+    """torch's TCPStore server on a loopback port of its own: (the store, its port).
+
+    Example::
+
+        >>> server, port = serve_backend()   # server.port == port, listening on 127.0.0.1
+    """
     from .listen import bound_socket
     sock = bound_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -386,7 +435,13 @@ def serve_backend() -> tuple[dist.TCPStore, int]:
 def budget(total: int, per_address: int) -> tuple[int, int]:
     """The caps (in all, per address) this process's open-file limit affords: each
     relayed connection costs three descriptors (the client's, the relay's, the
-    server's end of it)."""
+    server's end of it).
+
+    Example::
+
+        >>> budget(1024, 256)         # at an open-file limit of 256
+        (64, 64)
+    """
     from ..transport.descriptors import open_file_limit
     limits = open_file_limit()
     if limits is not None and limits[0] > 0:
