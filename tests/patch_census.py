@@ -26,6 +26,7 @@ MODULES = [
     "torch.autograd.profiler_legacy", "torch.autograd.profiler_util", "torch.utils.checkpoint",
     "torch.utils.hooks", "torch.nn", "torch.nn.modules.module", "torch.nn.parallel",
     "torch.nn.parallel.distributed", "torch.distributed", "torch.distributed.distributed_c10d",
+    "torch.distributed.rendezvous",
     "torch.futures", "torch.multiprocessing.reductions", "torch.serialization", "torch._C",
     "torch._C._autograd", "torch._C._distributed_c10d", "torch._C._distributed_rpc",
     "torch._C._distributed_autograd",

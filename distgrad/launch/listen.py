@@ -10,6 +10,7 @@ named address itself and hands the socket to torch.
 When the port is already taken, the store is opened as torch opens it: a
 ``multi_tenant`` store of this process on that port (torch's own rendezvous
 opened first) is then shared, as before; anything else fails as torch fails.
+Rank 0's store runs in a process of its own (``own_process``, :mod:`.keeper`).
 
 Example::
 
@@ -69,11 +70,22 @@ def _warn_if_loopback_name(host: str, bound: str) -> None:
 
 
 def host_store(host: str, port: int, world_size: int | None, timeout: timedelta,
-               multi_tenant: bool = False) -> dist.TCPStore:
+               multi_tenant: bool = False, own_process: bool = False) -> dist.TCPStore:
     """The hosting side of a TCPStore listening on ``host``:``port`` only (see the
-    module docstring). Raises DistgradError when ``host`` is no address of this
-    machine; torch's errors otherwise."""
+    module docstring). With ``own_process`` (rank 0's store) the server runs in a
+    process of its own behind a front that caps connections (:mod:`.keeper`), and
+    this returns a client of it. Raises DistgradError when ``host`` is no address
+    of this machine, or the store's process did not start; torch's errors otherwise.
+
+    Example::
+
+        >>> store = host_store("127.0.0.1", 29500, 2, timedelta(seconds=60), own_process=True)
+        >>> store.set("k", b"v")
+    """
     try:
+        if own_process:
+            from . import keeper
+            return keeper.host(host, port, world_size, timeout)
         sock = bound_socket(host, port)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:   # ours (multi_tenant) or another program's: torch says

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..errors import DistgradError
 from ..safe_files import resolve_dir
 from ..transport.auth import secret_from_env
+from . import keeper
 from .listen import host_store
 from .sealed import StoreSeal, expect
 
@@ -121,8 +122,10 @@ def make_store(init_method: str, rank: int | None, world_size: int | None, timeo
             raise ValueError(f"init_method {init_method!r} must name host and port")
     host_it = hosts_store(init_method, rank, world_size)
     try:
-        if host_it:   # on the address named, not torch's wildcard (see .listen)
-            return host_store(host, int(port), world_size, td, multi_tenant=True)
+        if host_it:   # on the address named, not torch's wildcard (see .listen), in a
+            # process of its own that a crowd of connections cannot starve (.keeper)
+            return host_store(host, int(port), world_size, td, multi_tenant=True,
+                              own_process=keeper.wanted())
         return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=td,
                              wait_for_workers=False)
     except dist.DistError as e:
@@ -306,7 +309,8 @@ def describe(store: Any) -> str:
     while isinstance(inner, dist.PrefixStore):
         inner = inner.underlying_store
     if isinstance(inner, dist.TCPStore):
-        where = f"tcp://{inner.host}:{inner.port}"
+        public = keeper.public_of(inner.port) if inner.host == "127.0.0.1" else None
+        where = f"tcp://{public or f'{inner.host}:{inner.port}'}"
         if agent_hosts_store(inner.port):
             where += " (torchrun's agent store)"
     elif isinstance(inner, dist.FileStore):

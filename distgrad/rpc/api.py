@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..errors import WorkerLostError
-from ..launch import rendezvous
+from ..launch import keeper, rendezvous
+from ..transport.descriptors import raise_open_file_limit
 from ..wire import Kind
 from . import backend_registry, collective, dynamic, lifecycle, profiling, script
 from .agent import RpcAgent, _holder, _qualname, agent_or_none, current_agent
@@ -79,6 +80,7 @@ def init_rpc(name: str, backend: Any = None, rank: int | None = -1, world_size: 
             raise RuntimeError("RPC is already initialized")
         _check_rank(opts.init_method, rank, world_size)
         init_method, rank, world_size = rendezvous.resolve(opts.init_method, rank, world_size)
+        raise_open_file_limit()   # before anything listens: a crowd has more to exhaust
         if not backend_registry.is_builtin(backend):
             # as torch does for any backend: a store every worker reached
             store, _, _ = next(torch.distributed.rendezvous(init_method, rank=rank, world_size=world_size))
@@ -87,8 +89,13 @@ def init_rpc(name: str, backend: Any = None, rank: int | None = -1, world_size: 
                 rpc_backend_options=opts))
             return
         store = rendezvous.make_store(init_method, rank, world_size, lifecycle.rdv_timeout(opts), name)
-        lifecycle.start_agent(store, name, rank, world_size, opts, rendezvous.master_host(init_method),
-                              hosts_store=rendezvous.hosts_store(init_method, rank, world_size))
+        try:
+            lifecycle.start_agent(store, name, rank, world_size, opts,
+                                  rendezvous.master_host(init_method),
+                                  hosts_store=rendezvous.hosts_store(init_method, rank, world_size))
+        except BaseException:
+            keeper.let_go(store)   # rank 0's store process, if any, goes with this attempt
+            raise
 
 
 def _set_and_start_rpc_agent(agent: Any) -> None:
@@ -113,6 +120,7 @@ def _init_rpc_backend(backend: Any = None, store: Any = None, name: str | None =
     with _init_lock:
         if agent_or_none() is not None:
             raise RuntimeError("RPC is already initialized")
+        raise_open_file_limit()
         lifecycle.start_agent(store, name, rank, world_size, opts, None)
 
 

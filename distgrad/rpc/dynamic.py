@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from ..errors import DistgradError, WorkerLostError
+from ..launch import keeper
 from . import collective
 from .agent import RpcAgent, _holder
 from .membership import Group, Lease
@@ -147,6 +148,7 @@ def leave(agent: RpcAgent, deadline: float, release_rrefs: Any, check_leak: bool
         agent.group.leave(agent.rank, agent.incarnation)
         if agent.hosts_store:
             _kept_stores.append(agent.store)
+            keeper.pin(agent.store)   # its process too, if it has one (launch/keeper.py)
             # the store lives in this process: the others must be out of the table first
             if not agent.group.wait_empty(agent.rank, deadline, lost=agent.lost):
                 log.warning("worker %s hosts the group's store and leaves before members %s",

@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import DistgradError
-from ..launch import rendezvous
+from ..launch import keeper, rendezvous
 from ..transport import SocketTransport, netaddr
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
@@ -230,10 +230,14 @@ def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
         # (graceful=False leaves the ledger entry as a crash does: rank 0, the store's
         # host, may be gone already, and a store call would fail loudly; a dynamic
         # joiner finds nobody listening at the entry's address and marks it out)
+        store = agent.store   # (prefixed, or a dynamic group's own)
         agent.static_store = None
         # Let go of the store: on rank 0 its server closes once nothing else in this
-        # process (a process group on the same port) holds it.
+        # process (a process group on the same port) holds it; its own process (see
+        # launch/keeper.py) exits unless a process group shares it.
         agent.store = None
+        if store is not None:
+            keeper.let_go(store)
         _holder.pop("agent", None)
         remote_profiling.detach()
 

@@ -64,10 +64,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
-
-import torch.distributed as dist
 
 from ..errors import DistgradError, IncarnationsExhaustedError, StoreTamperedError
 from ..ids import INCARNATION_BITS, MAX_INCARNATIONS
@@ -577,13 +574,16 @@ def hosted_elsewhere() -> bool:
     return os.environ.get("DISTGRAD_STORE_HOSTED", "0") == "1"
 
 
-def serve_store(host: str, port: int) -> dist.TCPStore:
+def serve_store(host: str, port: int):
     """Host a TCPStore that outlives every member (``distgrad store``), listening on
-    ``host`` alone (:mod:`distgrad.launch.listen`).
+    ``host`` alone (:mod:`distgrad.launch.listen`) through a front that caps its
+    connections (:func:`distgrad.launch.keeper.serve_here`). Returns the store (its
+    server's own, on loopback); it serves until this process exits.
 
     Example::
 
         >>> store = serve_store("0.0.0.0", 29500)   # then: DISTGRAD_STORE_HOSTED=1 on every worker
+        >>> store.set("k", b"v")
     """
-    from ..launch.listen import host_store
-    return host_store(host, port, None, timedelta(seconds=60))
+    from ..launch.keeper import serve_here
+    return serve_here(host, port).server

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import select
+import selectors
 import socket
 import threading
 import time
@@ -90,6 +91,7 @@ class Opening:
         self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._tcp.bind((host, 0))
         self._tcp.listen(socket.SOMAXCONN)
+        self._tcp.setblocking(False)   # accepted by the Acceptor (descriptors.py)
         port = self._tcp.getsockname()[1]
         addr = f"tcp://[{host}]:{port}" if family == socket.AF_INET6 else f"tcp://{host}:{port}"
         if self.host_id and hasattr(socket, "AF_UNIX"):
@@ -105,6 +107,7 @@ class Opening:
                 self._unix_name = os.path.join(tempfile.gettempdir(), name + ".sock")
                 self._unix.bind(self._unix_name)
             self._unix.listen(socket.SOMAXCONN)
+            self._unix.setblocking(False)
             addr += f"#{_UNIX_TAG}={self._unix_name}"
         if self.host_id:
             addr += f"#{_HOST_TAG}={self.host_id}"
@@ -291,25 +294,39 @@ class Opening:
             with contextlib.suppress(OSError):
                 wake_w.send(b"\0")
 
+        # selectors, not select.select: past 1,023 (the open-file limit is raised at
+        # start-up) select cannot watch a descriptor
+        sel = selectors.DefaultSelector()
+        paused: dict[socket.socket, float] = {}   # listeners out of descriptors, until
         try:
+            sel.register(wake_r, selectors.EVENT_READ)
+            for ls in listeners:
+                sel.register(ls, selectors.EVENT_READ)
             while time.monotonic() < deadline:
                 with lock:
                     if not lower - set(accepted):
                         break
-                ready, _, _ = select.select([*listeners, wake_r], [], [], 0.05)
-                for ls in ready:
+                now = time.monotonic()
+                for ls, until in list(paused.items()):
+                    if now >= until:
+                        del paused[ls]
+                        sel.register(ls, selectors.EVENT_READ)
+                for key, _ in sel.select(0.05):
+                    ls = key.fileobj
                     if ls is wake_r:
                         with contextlib.suppress(OSError):
                             wake_r.recv(4096)
                         continue
-                    try:
-                        sock, _ = ls.accept()
-                    except OSError:
-                        continue
-                    self._gate.serve(sock, handshake, f"distgrad-handshake-{self.rank}")
+                    sock, pause = self._acceptor.accept(ls)
+                    if pause:   # not even shedding worked: stop watching it a while
+                        sel.unregister(ls)
+                        paused[ls] = now + pause
+                    elif sock is not None:
+                        self._gate.serve(sock, handshake, f"distgrad-handshake-{self.rank}")
         except BaseException as e:  # noqa: BLE001 - reported by start()
             errors.append(e)
         finally:
+            sel.close()
             wake_r.close()
             wake_w.close()
 
@@ -319,9 +336,13 @@ class Opening:
         stranger). In a dynamic group a member that joins is admitted (see
         :meth:`start`); otherwise every peer is connected and it is refused."""
         ls = self._tcp if self._tcp is not None and fd == self._tcp.fileno() else self._unix
-        try:
-            sock, _ = ls.accept()
-        except OSError:
+        if ls is None:
+            return
+        sock, pause = self._acceptor.accept(ls)
+        if pause:   # no descriptor even to shed the queue: the poller would report it ready
+            self._unwatch(ls, pause)   # again at once, for ever; look again later
+            return
+        if sock is None:
             return
         if self._closing:
             sock.close()

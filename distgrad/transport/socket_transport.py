@@ -36,6 +36,7 @@ default poller with a lock takes its place (``poll``/``kqueue``). Without
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import logging
 import os
@@ -48,6 +49,7 @@ from collections.abc import Callable
 from . import shm
 from .auth import Authenticator
 from .base import Timer, Transport, TransportHandler
+from .descriptors import Acceptor, open_file_limit
 from .gate import Gate, RateLog
 from .handshake import stretch
 from .leader import LeaderFollowers
@@ -60,6 +62,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 33
 DEFAULT_SHM_THRESHOLD = 256 << 10
+
+
+def _gate_bounds() -> tuple[int, int]:
+    """The gate's bounds (in all, per source): 128 and 64, or a quarter of the
+    open-file limit where that is less (at 256 descriptors: 64 and 32), so that
+    strangers waiting for their handshakes never hold most of them."""
+    limits = open_file_limit()
+    total = 128 if limits is None or limits[0] < 0 else max(16, min(128, limits[0] // 4))
+    return total, max(8, total // 2)
 
 
 def _default_shm_threshold() -> int:
@@ -127,8 +138,10 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         self._plock = threading.Lock()  # non-epoll pollers are not thread safe
         self._running = False
         self._closing = False
-        self._gate = Gate()           # connections not yet authenticated (see gate.py)
+        self._gate = Gate(*_gate_bounds())   # connections not yet authenticated (see gate.py)
         self._refusals = RateLog(log)
+        # accept() with no descriptor left sheds the queue, never spins (descriptors.py)
+        self._acceptor = Acceptor(RateLog(log, burst=5, interval=10.0).warning, f"worker {rank}")
         self._admit = None  # a dynamic group's admission (see Opening.start)
         self._last_beat = time.monotonic()
         self._next_beat = 0.0
@@ -179,6 +192,29 @@ class SocketTransport(Sending, Reading, Opening, Transport):
                     self._poller.register(ls, selectors.EVENT_READ)
             for conn in self._conns.values():
                 self._poller.register(conn.sock, selectors.EVENT_READ)
+
+    def _unwatch(self, ls: socket.socket, seconds: float) -> None:
+        """Stop watching listener ``ls`` for ``seconds`` (it has connections waiting
+        that no descriptor is left to accept), then watch it again."""
+        def rewatch() -> None:
+            if self._closing or ls.fileno() < 0:
+                return
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                if _EPOLL:
+                    self._poller.modify(ls.fileno(), _IN)
+                else:
+                    import selectors
+                    with self._plock:
+                        self._poller.register(ls, selectors.EVENT_READ)
+        try:
+            if _EPOLL:
+                self._poller.modify(ls.fileno(), 0)
+            else:
+                with self._plock:
+                    self._poller.unregister(ls)
+        except (OSError, ValueError, KeyError):
+            return   # closing, or another thread unwatched it first
+        self.call_later(seconds, rewatch)
 
     def _register(self, conn: _Conn) -> None:
         """Start reading a connection opened after start-up (a member that joined)."""
@@ -390,6 +426,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
             if ls is not None:
                 ls.close()
         self._gate.drop_all()
+        self._acceptor.close()
         if self._unix_name and not self._unix_name.startswith("@"):
             try:
                 os.unlink(self._unix_name)
