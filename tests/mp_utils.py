@@ -123,10 +123,17 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    # Rank 0's store runs in a process of its own by default (distgrad/launch/keeper.py):
+    # about 1 s more for each group's start, some 200 of them in the suite. Test modules
+    # about the store (USES_STORE_PROCESS = True at module level) and a run with
+    # DISTGRAD_TEST_STORE_PROCESS=1 keep the default; the rest host it in rank 0.
+    keeper = os.environ.get("DISTGRAD_TEST_STORE_PROCESS") == "1" or \
+        sys._getframe(1).f_globals.get("USES_STORE_PROCESS", False)
     stack_dir = tempfile.mkdtemp(prefix="distgrad-stacks-")
     procs = [ctx.Process(target=_bootstrap, daemon=True,
                          args=(r, world_size, fn, args, init, port, options, results, graceful,
                                {"DISTGRAD_SECRET": "distgrad-tests",
+                                "DISTGRAD_STORE_PROCESS": "1" if keeper else "0",
                                 **(env_per_rank or {}).get(r, {})},
                                os.path.join(stack_dir, f"worker{r}.txt")))
              for r in range(world_size)]

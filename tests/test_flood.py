@@ -30,6 +30,8 @@ import torch
 from mp_utils import SLOW, free_port, run_workers
 from test_strangers import listening_endpoints
 
+USES_STORE_PROCESS = True   # rank 0 hosts its store as users get it (tests/mp_utils.py)
+
 pytestmark = [pytest.mark.timeout(400),
               pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")]
 

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from mp_utils import SLOW, distgrad_store, free_port, run_workers
 
+USES_STORE_PROCESS = True   # rank 0 hosts its store as users get it (tests/mp_utils.py)
+
 pytestmark = pytest.mark.timeout(180)
 
 # a hang guard: an attacked start ends (either way) by its rendezvous timeout (cfg["rdv"],

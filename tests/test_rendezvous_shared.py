@@ -21,6 +21,8 @@ from mp_utils import free_port, run_workers
 import distgrad.rpc as rpc
 from distgrad.errors import DistgradError
 
+USES_STORE_PROCESS = True   # rank 0 hosts its store as users get it (tests/mp_utils.py)
+
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[1]

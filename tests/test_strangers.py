@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from mp_utils import SLOW, free_port, run_workers
 
+USES_STORE_PROCESS = True   # rank 0 hosts its store as users get it (tests/mp_utils.py)
+
 pytestmark = pytest.mark.timeout(180)
 
 # The members' call timeout, which sets their rendezvous's: SLOW times 60 s, so that a
