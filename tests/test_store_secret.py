@@ -16,7 +16,6 @@ import hashlib
 import hmac
 import os
 import random
-import secrets
 import statistics
 import string
 import struct

@@ -782,7 +782,7 @@ def test_liveness_credit_of_a_long_message_is_withdrawn_when_it_fails_authentica
         step = len(raw) // parts
         for i in range(parts - 1):           # 1.4 s of parts: a keeps b alive meanwhile
             sock.sendall(raw[i * step:(i + 1) * step])
-            _until(lambda: peer.reader.received == base + (i + 1) * step and not peer.rlock.locked(),
+            _until(lambda i=i: peer.reader.received == base + (i + 1) * step and not peer.rlock.locked(),
                    "a did not read the part")   # (read at this time: nothing moved the clock)
             for _ in range(4):
                 tick()
