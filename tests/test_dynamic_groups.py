@@ -723,10 +723,10 @@ def test_unit_static_ledger_counts_out_members_nobody_listens_for(tmp_path):
 
     from distgrad.rpc import membership, mixing
     store = dist.FileStore(str(tmp_path / "s"), -1)
-    dead = socket.create_server(("127.0.0.1", 0))
-    dead_port = dead.getsockname()[1]
-    dead.close()                                    # nobody listens there any more
     with socket.create_server(("127.0.0.1", 0)) as live:
+        dead = socket.create_server(("127.0.0.1", 0))   # bound while live is: another port (the
+        dead_port = dead.getsockname()[1]               # kernel may hand a port it freed again)
+        dead.close()                                    # nobody listens there any more
         mixing.count_in(store, "dead", f"tcp://127.0.0.1:{dead_port}#host=x")
         slot = mixing.count_in(store, "live", f"tcp://127.0.0.1:{live.getsockname()[1]}#host=x")
         assert mixing.live_static_member(store) == "live"

@@ -136,7 +136,9 @@ def _worker(rank: int, world_size: int, cfg: dict) -> dict:
     starts at key ``cfg['go']`` (``{rank}``, ``{i}``: the round); with ``cfg['report']``
     its start is reported (``up/<rank>/<i>``: ok or failed); a start that succeeded in
     round ``i`` stays until key ``cfg['hold'][i]``, if any. Rank ``r`` waits
-    ``cfg['delay'][r]`` seconds before its init_rpc in round ``cfg['delay_round']``.
+    ``cfg['delay'][r]`` seconds before its init_rpc in round ``cfg['delay_round']``,
+    and until key ``cfg['after'][r]`` is set, if any; rank ``r`` sets key
+    ``cfg['tell'][r][1]`` once it warned of something naming ``cfg['tell'][r][0]``.
     Returns what happened, and the warnings."""
     import logging
 
@@ -146,9 +148,14 @@ def _worker(rank: int, world_size: int, cfg: dict) -> dict:
     lifecycle.rdv_timeout = lambda opts: cfg["rdv"]   # attacked runs end soon
     seen: list[str] = []
 
+    tell = cfg.get("tell", {}).get(str(rank))
+    teller = _client(cfg["coord"]) if tell else None
+
     class _Keep(logging.Handler):
         def emit(self, record):
             seen.append(record.getMessage())
+            if tell and tell[0] in seen[-1]:
+                teller.set(tell[1], "1")
 
     logging.getLogger("distgrad").addHandler(_Keep(level=logging.WARNING))
     os.environ.update(cfg.get("env", {}))
@@ -159,6 +166,8 @@ def _worker(rank: int, world_size: int, cfg: dict) -> dict:
             coord.wait([cfg.get("go", "go/{i}").format(rank=rank, i=i)], timedelta(seconds=90))
         if i == cfg.get("delay_round", 0):
             time.sleep(cfg.get("delay", {}).get(str(rank), 0.0))
+            if str(rank) in cfg.get("after", {}):
+                coord.wait([cfg["after"][str(rank)]], timedelta(seconds=90))
         port = cfg["ports"][i] if "ports" in cfg else cfg["port"]
         t0 = time.monotonic()
         got = {"ok": False, "error": None}
@@ -246,7 +255,10 @@ def test_forged_member_and_replays_from_another_rendezvous_static_group():
     a well-formed entry naming its own listening socket (rank 1 taken over), rank
     1's entries of the first rendezvous (a replay from another attempt) and rank 0's
     current ones (a replay under another key). None is believed, no connection
-    reaches the attacker's socket, and once it stops the start completes."""
+    reaches the attacker's socket, and once it stops the start completes. Rank 1
+    starts once rank 0 warned of its forged nonce (it started 2 s after the attack did,
+    on the clock: a rank 0 whose previous shutdown and store took longer than the 2.3 s
+    the nonce was forged never saw a forgery there, and the last assertion failed)."""
     ports = [free_port(), free_port()]
     coord_port = free_port()
     coord = _host(coord_port)
@@ -289,16 +301,24 @@ def test_forged_member_and_replays_from_another_rendezvous_static_group():
             time.sleep(0.02)
         attackers[0].stop()
         coord.set("recorded", "1")   # the first rendezvous' workers may go on
-        # rank 1 starts 2 s after go/1: until then rank 0 reads rank 1's nonce entry
-        # (both of rank 1's entries are forged), then (both nonces in) its exchange entry
-        phases[:] = [time.monotonic() + 2.3, time.monotonic() + 4.5]
+        # until rank 0 warned of rank 1's nonce entry, both of rank 1's entries are
+        # forged; then rank 1 starts, and (both nonces in) its exchange entry is forged
+        # 2.2 s more
+        phases[:] = [float("inf"), float("inf")]
         attackers.append(_Attacker(ports[1], forge, every=0.001))
         coord.set("go/1", "1")
+        try:
+            coord.wait(["nonce_warned"], timedelta(seconds=30))
+        except RuntimeError:
+            pass   # never warned: the last assertion says so
+        phases[:] = [time.monotonic(), time.monotonic() + 2.2]
+        coord.set("r1_go", "1")
 
     coord.set("go/0", "1")
     threading.Thread(target=second_round, daemon=True).start()
     cfg = {"init": "tcp", "ports": ports, "rdv": 25.0, "rounds": 2, "coord": coord_port,
-           "delay": {"1": 2.0}, "delay_round": 1, "hold": {"0": "recorded"}}
+           "after": {"1": "r1_go"}, "delay_round": 1, "hold": {"0": "recorded"},
+           "tell": {"0": ["distgrad/0.1/nonce/1", "nonce_warned"]}}
     try:
         results = run_workers(_worker, world_size=2, init=False, timeout=150, args=(cfg,))
     finally:

@@ -4,17 +4,18 @@ worker0 asks worker1 to run ``_outer``, which calls back into worker0 (``_middle
 with rpc_sync: that thread on worker1 reads its own connection while it waits for
 the reply. ``_middle`` sends worker1 two requests, ``_wait_for_flag`` then
 ``_set_flag``, and returns: both requests and the reply reach worker1 back to back,
-and the waiting thread reads them together (its first read is held back a second
-here, so that they always do). ``_wait_for_flag`` must see the flag: torch serves
+and the waiting thread reads them together (its first read is held back here until
+worker0 has sent both requests, so that they always do). ``_wait_for_flag`` must see the flag: torch serves
 each request on its own thread. When what the waiting thread read ran as one task,
 ``_wait_for_flag`` waited its whole bound for a flag that ``_set_flag``, queued
 behind it, had not set yet (issue 26).
 """
+import os
 import threading
 import time
 
 import pytest
-from mp_utils import run_workers
+from mp_utils import run_workers, tmp_path_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,6 +23,7 @@ _FLAG = threading.Event()
 _FUTS: list = []
 _BOUND = 10.0  # seconds _wait_for_flag waits: a generous bound, never reached once fixed
 _READS: list = []  # worker1: pieces of work each read of the waiting thread brought
+_SENT: dict = {}    # worker1: the file worker0 writes once it sent round i's two requests
 
 
 def _wait_for_flag(i):
@@ -33,29 +35,33 @@ def _set_flag(i):
     return True
 
 
-def _middle(i):  # worker0
+def _middle(i, sent):  # worker0
     import distgrad.rpc as rpc
     _FUTS.append(rpc.rpc_async("worker1", _wait_for_flag, args=(i,)))
     _FUTS.append(rpc.rpc_async("worker1", _set_flag, args=(i,)))
+    open(sent, "w").close()   # both written to the socket (a sender waits for the write lock)
     return i
 
 
-def _outer(i):  # worker1, on a pool thread
+def _outer(i, where):  # worker1, on a pool thread
     import distgrad.rpc as rpc
     _FLAG.clear()
-    return rpc.rpc_sync("worker0", _middle, args=(i,), timeout=60)
+    _SENT["path"] = os.path.join(where, f"sent-{i}")
+    return rpc.rpc_sync("worker0", _middle, args=(i, _SENT["path"]), timeout=60)
 
 
 def _hold_back_first_read():
-    """worker1: a waiting caller reads its reply a second late (worker0's two
-    requests and the reply are all there by then: one read brings them all);
-    count the work each of its reads brings."""
+    """worker1: a waiting caller reads nothing until worker0 sent its two requests
+    (one read then brings both: a fixed second's hold let a worker0 stalled between
+    them be read one request a read); count the work each of its reads brings."""
     from distgrad.rpc.api import current_agent
     t = current_agent().transport
     read_until, read = t.read_until, t._read
 
     def late(peer, done, timeout=None, claimed=False):
-        time.sleep(1.0)
+        end = time.monotonic() + 30
+        while not os.path.exists(_SENT["path"]) and time.monotonic() < end:
+            time.sleep(0.01)
         return read_until(peer, done, timeout, claimed)
 
     def counted(conn, work):
@@ -71,7 +77,7 @@ def _reads():
     return list(_READS)
 
 
-def _rounds(rank, world_size):
+def _rounds(rank, world_size, where):
     import distgrad.rpc as rpc
     if rank != 0:
         return None
@@ -80,7 +86,7 @@ def _rounds(rank, world_size):
     for i in range(3):
         _FUTS.clear()
         t0 = time.monotonic()
-        assert rpc.rpc_sync("worker1", _outer, args=(i,), timeout=60) == i
+        assert rpc.rpc_sync("worker1", _outer, args=(i, where), timeout=60) == i
         seen.append(([f.wait() for f in list(_FUTS)], time.monotonic() - t0))
         if seen[-1][0] != [True, True]:
             break  # one miss is enough: spare the others' bound
@@ -88,7 +94,8 @@ def _rounds(rank, world_size):
 
 
 def test_requests_read_together_with_a_reply_each_get_a_thread():
-    seen, reads = run_workers(_rounds, world_size=2, timeout=100)[0]
+    where = os.path.dirname(tmp_path_for("x"))
+    seen, reads = run_workers(_rounds, world_size=2, timeout=100, args=(where,))[0]
     # the shape happened: the waiting caller's read brought both requests at once
     assert reads and max(reads) >= 2, reads
     assert [flags for flags, _ in seen] == [[True, True]] * 3, seen

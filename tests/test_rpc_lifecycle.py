@@ -20,9 +20,20 @@ def slow_echo(x, delay):
     return x
 
 
+def held_echo(x, delay):
+    """``x``, ``delay`` s after :func:`go` was called on this worker (up to 60 s)."""
+    _started.setdefault("go", threading.Event()).wait(60)
+    time.sleep(delay)
+    return x
+
+
+def go():
+    _started.setdefault("go", threading.Event()).set()
+
+
 def call_back_slowly(to, value, delay):
     """Runs on worker1: start a slow call to ``to`` and return at once."""
-    _started["fut"] = rpc.rpc_async(to, slow_echo, args=(value, delay))
+    _started["fut"] = rpc.rpc_async(to, held_echo, args=(value, delay))
     return True
 
 
@@ -42,11 +53,14 @@ def _lifecycle(rank, world_size):
             assert key in info, (key, info)
         assert info["agent.num_pending_requests"] == 0 and info["agent.thread_pool_size"] == 16
         assert info["peer.worker1"]["messages_sent"] >= 1 and info["peer.worker1"]["bytes_received"] > 0
-        # our own slow call to worker1, and worker1's slow call to us, both in flight
-        mine = rpc.rpc_async(1, slow_echo, args=("mine", 1.0))
+        # our own slow call to worker1, and worker1's slow call to us, both in flight:
+        # held until go() (a caller stalled past a fixed delay found its own call answered)
+        mine = rpc.rpc_async(1, held_echo, args=("mine", 1.0))
         assert rpc.rpc_sync(1, call_back_slowly, args=(0, "theirs", 1.5))
         assert rpc._get_debug_info()["agent.num_pending_requests"] == 1
         t0 = time.monotonic()
+        go()                        # theirs, served here, ends 1.5 s after this
+        rpc.rpc_sync(1, go)         # mine 1 s after this
         rpc.shutdown()
         elapsed = time.monotonic() - t0
         # it waited for the calls in flight (1 s and more); the upper bound a hang guard

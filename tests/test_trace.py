@@ -123,7 +123,9 @@ def _dies(rank, world_size, path):
         distgrad.trace.start(path, timeout=10)
         rpc.rpc_sync("worker2", torch.add, args=(torch.ones(1), 1))
         rpc.rpc_async("worker2", os._exit, args=(3,))  # worker2 dies mid-trace
-        time.sleep(0.5)
+        lost, end = rpc.api.current_agent().lost, time.monotonic() + 30
+        while 2 not in lost and time.monotonic() < end:   # dead (a sleep only guessed so)
+            time.sleep(0.01)
         rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
         t0 = time.monotonic()
         distgrad.trace.stop()

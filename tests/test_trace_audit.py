@@ -5,9 +5,11 @@
 """
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
+import sys
 import threading
 import time
 
@@ -116,15 +118,83 @@ def test_a_user_profiler_started_inside_a_profile_ops_trace_is_left_whole():
 
 
 # -- Ctrl-C while start() waits on the members ----------------------------------------------------
-def _hold(seconds):
-    import threading
+class _Watched:
+    """A member's ``session._lock``, watched: how many times each function came for it
+    and left it, so the test waits for a step, never for a time (the functions look
+    ``_lock`` up at each call)."""
 
+    def __init__(self, lock):
+        self.lock, self.cond = lock, threading.Condition()
+        self.came, self.left = collections.Counter(), collections.Counter()
+
+    def _note(self, counts):
+        with self.cond:
+            counts[sys._getframe(2).f_code.co_name] += 1
+            self.cond.notify_all()
+
+    def __enter__(self):
+        self._note(self.came)
+        self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+        self._note(self.left)
+        return False
+
+    def until(self, what, timeout):
+        with self.cond:
+            return self.cond.wait_for(what, timeout)
+
+
+_WATCHED = {}
+
+
+def _hold():
+    """On worker1: a thread takes ``session._lock`` (as a slow profiler start would hold
+    it) until :func:`_release`; returns once the lock is held (a thread started is not
+    yet a thread holding it)."""
     from distgrad.trace import session
+    watched = _WATCHED["lock"] = session._lock = _Watched(session._lock)
+    held, _WATCHED["release"] = threading.Event(), threading.Event()
 
     def hold():
-        with session._lock:     # the member's start waits for this (as for a slow profiler start)
-            time.sleep(seconds)
+        with watched:
+            held.set()
+            _WATCHED["release"].wait(60.0)
     threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+
+
+def _start_waits():
+    """On worker1: whether worker0's start came to wait here for the lock (within 60 s)."""
+    watched = _WATCHED["lock"]
+    return watched.until(lambda: watched.came["_begin"], 60.0)
+
+
+def _release():
+    _WATCHED["release"].set()
+
+
+def _settled():
+    """On worker1: once the interrupted start and its abort were both served (or 45 s),
+    what came for the lock and what left it."""
+    watched = _WATCHED["lock"]
+    watched.until(lambda: watched.left["_begin"] and watched.left["_abort"], 45.0)
+    return dict(watched.came), dict(watched.left)
+
+
+def _until_waiting(thread, caller, timeout):
+    """Whether ``thread`` came to wait on a future in ``caller`` (its sends all done: a
+    Ctrl-C inside a send closes the connection) within ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        f = sys._current_frames().get(thread)
+        while f is not None and f.f_back is not None:
+            if f.f_code.co_name == "wait" and f.f_back.f_code.co_name == caller:
+                return True
+            f = f.f_back
+        time.sleep(0.01)
+    return False
 
 
 def _interrupted(rank, world_size, where):
@@ -137,14 +207,23 @@ def _interrupted(rank, world_size, where):
         _both()
         return None
     out = {}
-    rpc.rpc_sync("worker1", _hold, args=(2.0,))
-    threading.Timer(0.5, _thread.interrupt_main).start()
+    rpc.rpc_sync("worker1", _hold)
+    main = threading.get_ident()
+
+    def ctrl_c():
+        # pressed while start() waits on the member (worker1's start waits for the lock,
+        # this one waits for its answer), never before it asks or after it returned; a
+        # wait in torch's future hears it when the member answers (as on torch)
+        if rpc.rpc_sync("worker1", _start_waits) and _until_waiting(main, "_open_on", 60.0):
+            _thread.interrupt_main()
+        rpc.rpc_sync("worker1", _release)
+    threading.Thread(target=ctrl_c, daemon=True).start()
     try:
         distgrad.trace.start(os.path.join(where, "t.json"))
         out["interrupted"] = False
     except KeyboardInterrupt:
         out["interrupted"] = True
-    time.sleep(2.0)             # the member's start has run (or been refused) by now
+    out["served"] = rpc.rpc_sync("worker1", _settled)   # the member's start ran (or was refused)
     out["member"] = rpc.rpc_sync("worker1", distgrad.trace.is_tracing)
     out["here"] = distgrad.trace.is_tracing()
     with distgrad.trace(os.path.join(where, "again.json")):
@@ -156,8 +235,54 @@ def _interrupted(rank, world_size, where):
 def test_ctrl_c_in_start_leaves_no_member_recording():
     where = os.path.dirname(tmp_path_for("x"))
     out = run_workers(_interrupted, world_size=2, timeout=90, args=(where,))[0]
-    assert out == {"interrupted": True, "member": False, "here": False}, out
+    came, left = out.pop("served")   # worker1 served the start (then stopped it) or refused it
+    assert left.get("_begin") == 1 and left.get("_abort") == 1, (came, left)
+    assert out == {"interrupted": True, "member": False, "here": False}, (out, came, left)
     assert os.path.exists(os.path.join(where, "again.json"))
+
+
+class _CtrlCOnceRegistered(dict):
+    """``session._open`` on worker0 whose first registration is followed by a Ctrl-C:
+    one that lands as start() returns (the trace open everywhere, not yet the caller's)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if not self.__dict__.get("fired"):
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+def _interrupted_late(rank, world_size, where):
+    import distgrad
+    import distgrad.rpc as rpc
+    from distgrad.trace import session
+    if rank != 0:
+        _both()
+        return None
+    out = {}
+    session._open = _CtrlCOnceRegistered()
+    try:
+        distgrad.trace.start(os.path.join(where, "late.json"))
+        out["interrupted"] = False
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    out["registered"] = "session" in session._open
+    out["member"] = rpc.rpc_sync("worker1", distgrad.trace.is_tracing)
+    out["here"] = distgrad.trace.is_tracing()
+    with distgrad.trace(os.path.join(where, "after.json")):   # refused while one is registered
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+    _both()
+    return out
+
+
+def test_ctrl_c_as_start_returns_leaves_no_trace_open():
+    # the same failure's other half: under load the Ctrl-C of the test above could land
+    # after the trace was registered here, which left it registered (every later start
+    # refused: 'worker worker0 already has a trace open') with nothing recording it
+    where = os.path.dirname(tmp_path_for("x"))
+    out = run_workers(_interrupted_late, world_size=2, timeout=90, args=(where,))[0]
+    assert out == {"interrupted": True, "registered": False, "member": False, "here": False}, out
+    assert os.path.exists(os.path.join(where, "after.json"))
 
 
 # -- rpc.shutdown() with a trace open -------------------------------------------------------------

@@ -10,6 +10,7 @@ bounds, and a caller reading its own reply while requests keep being served.
 import glob
 import mmap
 import os
+import select
 import socket
 import struct
 import threading
@@ -720,33 +721,80 @@ def test_unreachable_hint_names_a_loopback_address_across_hosts():
         t.close(0)
 
 
-def test_liveness_credit_of_a_long_message_is_withdrawn_when_it_fails_authentication():
+class _Clock:
+    """``time`` for the transport's reading loop, with a monotonic clock the test moves."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def monotonic(self):
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def _until(pred, what, limit=10 * SLOW):
+    end = time.monotonic() + limit
+    while not pred():
+        assert time.monotonic() < end, what
+        time.sleep(0.001)
+
+
+def test_liveness_credit_of_a_long_message_is_withdrawn_when_it_fails_authentication(monkeypatch):
     # Parts of a long message on their way keep its sender alive (its heartbeats queue
     # behind it), on credit: a message that then fails its MAC withdraws the credit, so
     # bytes nobody authenticated never stand for a sign of life (issue 30), and the
     # connection closes at once (issue 35: the stream is not what the peer sent). Here
-    # b goes silent and its connection carries, part by part for ~1.5 s, a forged message.
+    # b goes silent and its connection carries, part by part for 1.4 s of a's time, a
+    # forged message. a's clock is the test's: moved 0.1 s a part, a's liveness check
+    # seen to run at each step (a thread sending parts on the real clock, preempted past
+    # the 0.5 s deadline, had b rightly called silent)
+    from distgrad.transport import reading
     from distgrad.transport.auth import AUTH_FRAME_BYTES
     a, b, ha, _ = _pair(threshold=0, heartbeat_interval=0.05, heartbeat_deadline=0.5,
                         secret=b"s" * 32)
+    conn = b._conns[0]
+    held = False
     try:
+        clock = _Clock()
+        monkeypatch.setattr(reading, "time", clock)
+        beats = []
+        heartbeat = a._heartbeat
+        a._heartbeat = lambda now: (heartbeat(now), beats.append(now))
+
+        def tick():   # a's clock moves half a heartbeat interval, and a checks liveness then
+            clock.now += a.heartbeat_interval / 2
+            _until(lambda: beats and beats[-1] >= clock.now, "a's heartbeat did not run")
         b._heartbeat = lambda now: None  # b sends nothing of its own from now on
-        time.sleep(0.2)  # a heartbeat b had on its way lands now, not among the parts
+        # the socket is the test's: a heartbeat b had on its way is out, none can follow
+        held = conn.wlock.acquire(timeout=10)
+        assert held and not conn.deferred and not conn.outq
+        peer = a._conns[1]   # a has read what b sent before (a heartbeat, in a read of its own)
+        _until(lambda: not select.select([peer.sock], [], [], 0)[0] and not peer.rlock.locked(),
+               "a did not read what b sent before")
+        base = peer.reader.received
         frames = [b"\x00" * AUTH_FRAME_BYTES, b"x" * (64 << 10)]
         raw = b"".join(bytes(v) for v in framing._views(frames))
-        sock = b._conns[0].sock
+        sock = conn.sock
         sock.setblocking(True)
         parts = 15
         step = len(raw) // parts
-        for i in range(parts - 1):           # ~1.5 s of parts: a keeps b alive meanwhile
+        for i in range(parts - 1):           # 1.4 s of parts: a keeps b alive meanwhile
             sock.sendall(raw[i * step:(i + 1) * step])
-            time.sleep(0.1)
+            _until(lambda i=i: peer.reader.received == base + (i + 1) * step and not peer.rlock.locked(),
+                   "a did not read the part")   # (read at this time: nothing moved the clock)
+            for _ in range(4):
+                tick()
             assert not ha.lost, f"lost while the message was on its way: {ha.lost}"
+        assert len(beats) >= 4 * (parts - 1) and clock.now - beats[0] > 2 * a.heartbeat_deadline
         sock.sendall(raw[(parts - 1) * step:])   # the message ends: its MAC fails
         with ha.cond:
             assert ha.cond.wait_for(lambda: ha.lost, 10), "the peer was never lost"
         assert ha.lost[0][0] == 1 and "failed authentication" in ha.lost[0][1], ha.lost
         assert 1 not in a._last_partial, "the credit stood"
     finally:
+        if held:
+            conn.wlock.release()
         a.close(0)
         b.close(0)

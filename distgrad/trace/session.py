@@ -195,7 +195,11 @@ def open_trace(path: str, profile_ops: bool = False, timeout: float = 30.0,
         return _open_on(agent, session, others, path, profile_ops, timeout, max_events)
     except BaseException:
         # Ctrl-C (or any error) while the members start: none may go on recording a trace
-        # nobody will close; those whose start has not run yet refuse it when it does
+        # nobody will close; those whose start has not run yet refuse it when it does.
+        # One that lands once the trace is registered here (as start() returns) must not
+        # leave it registered: nothing records it, and every later start would be refused
+        if getattr(_open.get("session"), "id", None) == session:
+            del _open["session"]
         _abandon(agent, session, others, timeout)
         raise
 
