@@ -22,6 +22,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 from distgrad.launch import elastic_rdzv
 from distgrad.launch.elastic_rdzv import SealedStateBackend, state_from_json, state_to_json
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "launch_scripts"))
+import procnet  # noqa: E402  (beside the stranger, which imports no distgrad)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
 
@@ -164,24 +167,7 @@ def _env(tmp: Path, **extra: str) -> dict[str, str]:
 def _listening(pid: int) -> set[str]:
     """The local addresses (``ip:port``, hex as /proc shows them) ``pid`` and its
     children listen on."""
-    inodes, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-            for fd in os.listdir(f"/proc/{p}/fd"):
-                link = os.readlink(f"/proc/{p}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:
-            pass
-    out = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(name).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:
-                out.add(cols[1])
-    return out
+    return procnet.listening([pid])
 
 
 def _wait_files(paths: list[Path], procs: list[subprocess.Popen], timeout: float) -> None:

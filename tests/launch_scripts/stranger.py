@@ -13,6 +13,7 @@ import sys
 import time
 from datetime import timedelta
 
+import procnet  # beside this script
 import torch.distributed as dist
 
 marker, seconds, pids = sys.argv[1], float(sys.argv[2]), [int(p) for p in sys.argv[3:]]
@@ -26,39 +27,8 @@ class Payload:
 BOMB = pickle.dumps(Payload())
 
 
-def family(pid: int) -> set[int]:
-    """pid and its descendants."""
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        out.add(p)
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
 def listening() -> set[tuple[str, int]]:
-    inodes = set()
-    for root in pids:
-        for p in family(root):
-            try:
-                for fd in os.listdir(f"/proc/{p}/fd"):
-                    link = os.readlink(f"/proc/{p}/fd/{fd}")
-                    if link.startswith("socket:["):
-                        inodes.add(link[8:-1])
-            except OSError:
-                pass
-    found = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(name) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:
-                    found.add((name, int(cols[1].rsplit(":", 1)[1], 16)))
-    return {("127.0.0.1", port) for _, port in found}
+    return {("127.0.0.1", int(a.rsplit(":", 1)[1], 16)) for a in procnet.listening(pids)}
 
 
 reached, written = set(), 0
