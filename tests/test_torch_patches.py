@@ -17,6 +17,8 @@ from torch.utils.checkpoint import checkpoint
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 
+USES_STORE_PROCESS = True   # rank 0 hosts its store as users get it (tests/mp_utils.py)
+
 pytestmark = pytest.mark.timeout(240)
 
 REGISTRY = ["torch.nn.modules.module._global_module_registration_hooks"]  # DDP's, public API
