@@ -835,3 +835,35 @@ def test_unit_a_missing_or_forged_marker_costs_nothing(tmp_path):
         assert _live_member(group, f"b{len(group.members())}")[1] == 1
         assert group.genesis == first.genesis
         assert _tamper_group(store)._made() == first.genesis   # written again
+
+
+def test_unit_a_replayed_table_written_over_is_a_fork_the_members_refuse(tmp_path):
+    """Issue 42's second audit: a store writer with no secret copies an older sealed
+    table (rank 1 had left) and writes it back after rank 1 rejoined. A fresh joiner
+    cannot tell it from the latest and writes the next version over it, taking rank 1
+    in the table; the members, which read the newer table of that same version, refuse
+    the fork with StoreTamperedError (before: they took it, and the live rank 1 was
+    out of the group's table). The joiner's handshake is refused by the members (not
+    checked here), so no group forms on the live member's rank."""
+    from distgrad.errors import StoreTamperedError
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    key = "distgrad/0/dyn/members"
+    a, b = _tamper_group(store), _tamper_group(store)
+    ra, ia, _ = a.join("a", None)
+    a.publish(ra, ia, "addr-a")
+    rb, ib, _ = b.join("b", None)
+    b.publish(rb, ib, "addr-b")
+    b.leave(rb, ib)
+    snapshot = bytes(store.get(key))      # sealed bytes any reader of the store can copy
+    b2 = _tamper_group(store)
+    rb2, ib2, _ = b2.join("b2", None)
+    b2.publish(rb2, ib2, "addr-b2")
+    assert sorted(a.members()) == [ra, rb2]
+    store.set(key, snapshot)              # the replay
+    c = _tamper_group(store, timeout=0.5)
+    rc, ic, _ = c.join("c", None)
+    c.publish(rc, ic, "addr-c")
+    for member in (a, b2):
+        member.timeout = 0.5
+        with pytest.raises(StoreTamperedError, match="two different tables of version"):
+            member.members()

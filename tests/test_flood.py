@@ -662,3 +662,29 @@ def test_a_group_starts_with_its_sockets_past_descriptor_1023():
         pytest.skip(f"the hard open-file limit is {hard}")
     assert run_workers(_many_open, world_size=2, init=False, timeout=120 * SLOW,
                        args=(free_port(),)) == [1.0, 2.0]
+
+
+def _fork_forgets_keeper(rank, world):
+    import distgrad.launch.keeper as keeper
+    fds = [k.control for k in keeper._live.values()]
+    pid = os.fork()
+    if pid == 0:   # a forked child of rank 0 (a fork-based DataLoader worker, say)
+        held = []
+        for fd in fds:
+            try:
+                os.fstat(fd)
+                held.append(fd)
+            except OSError:
+                pass
+        os._exit(10 + len(held) + 5 * bool(keeper._live))
+    _, status = os.waitpid(pid, 0)
+    return fds, os.waitstatus_to_exitcode(status)
+
+
+def test_a_forked_child_of_rank0_does_not_keep_its_keeper_alive():
+    """Issue 42's second audit: a child forked from rank 0 inherited the keeper's
+    control pipe, so the keeper (and the store's port) lived as long as the child.
+    After a fork the child closes its copies: rank 0 alone decides when it goes."""
+    fds, code = run_workers(_fork_forgets_keeper, world_size=1, timeout=60 * SLOW)[0]
+    assert len(fds) == 1, fds        # rank 0 hosted its store in a keeper
+    assert code == 10, code          # the child held no control pipe, and knew no keeper

@@ -266,3 +266,24 @@ def test_stretch_estimates_the_secret_once(monkeypatch, caplog):
         handshake.stretch(secret)
     assert len(calls) == 1, calls
     assert "some 40 bits" in caplog.text, caplog.text
+
+
+def test_hex_in_a_wrapper_counts_four_bits_a_digit():
+    """Issue 42's second audit: hex digits inside a common wrapper (a uuid's dashes, a
+    0x prefix, dashes every few digits) counted as text, some 200 bits, so 104- and
+    112-bit tokens drew no warning. The digits count 4 bits each, the wrapper none."""
+    import random
+    import uuid
+
+    from distgrad.transport.handshake import secret_bits
+    rnd = random.Random(5)
+    for _ in range(200):
+        u = str(uuid.UUID(int=rnd.getrandbits(128), version=4))
+        assert 100 <= secret_bits(u.encode()) <= 128, u          # 122 random bits
+        h14 = rnd.randbytes(14).hex()
+        if not h14.isdigit() and not h14.isalpha():
+            assert secret_bits(("0x" + h14).encode()) == 112.0
+        h13 = rnd.randbytes(13).hex()
+        dashed = "-".join(h13[i:i + 4] for i in range(0, 26, 4))
+        if not h13.isdigit() and not h13.isalpha():
+            assert secret_bits(dashed.encode()) == 104.0

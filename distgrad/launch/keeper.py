@@ -80,6 +80,23 @@ def wanted() -> bool:
         and bool(sys.executable)
 
 
+def _forget_keepers_in_child() -> None:
+    """In a child forked from rank 0 (a fork-based DataLoader worker, a multiprocessing
+    pool): close its copies of the keepers' control pipes, so that a keeper exits when
+    rank 0 lets go of it or exits, not when the last such child does."""
+    for keeper in list(_live.values()) + list(_leaving.values()):
+        try:
+            os.close(keeper.control)
+        except OSError:
+            pass
+    _live.clear()
+    _leaving.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_keepers_in_child)
+
+
 class _Keeper:
     def __init__(self, proc: subprocess.Popen, control: int, host: str, port: int,
                  backend: int) -> None:

@@ -209,6 +209,7 @@ class Group:
         self.timeout = timeout
         self.seal = seal if seal is not None else rendezvous.store_seal(store)
         self.high = 0   # the highest version read: a lower one is a rollback
+        self.high_raw = b""   # its bytes: the same version with other bytes is a fork
         self.genesis: str | None = None   # the group's id, once a table was read or made
         self.nonces: dict[tuple[int, int], str] = {}   # (rank, incarnation) -> nonce first seen
 
@@ -243,9 +244,18 @@ class Group:
         if table.version < self.high:
             return raw, self.seal.reject(self.key, f"rolled back to version {table.version} after "
                                                    f"version {self.high} was read")
-        self.high = max(self.high, table.version)
+        if table.version == self.high and raw != self.high_raw:
+            # a joiner fed an older table (replayed) wrote its next version over ours
+            return raw, self.seal.reject(self.key, f"two different tables of version "
+                                                   f"{table.version}: an older one was replayed "
+                                                   "and written over")
+        self._high(table.version, raw)
         self._saw(table)
         return raw, table
+
+    def _high(self, version: int, raw: bytes) -> None:
+        if version > self.high:
+            self.high, self.high_raw = version, raw
 
     def _made(self) -> str | None:
         """The genesis the marker names (the group's table was made), else None (no
@@ -329,7 +339,7 @@ class Group:
         if fresh:
             self.genesis = table.genesis
             self._mark(table.genesis)
-        self.high = max(self.high, table.version)
+        self._high(table.version, new)
         self._saw(table)
         return True, result
 

@@ -76,6 +76,8 @@ WORD_LETTERS = 6                 # letters per word, rounded: a long run is seve
 # letters (any script; a capital starts a new run), digits, everything else
 _TOKENS = re.compile(r"[^\W\d_a-z]?[^\W\d_A-Z]+|[^\W\d_a-z]+(?![^\W\d_A-Z])|[0-9]+|[\W_]+")
 _HEX = re.compile(r"[0-9a-fA-F]+")
+# hex digits with separators (uuid4: 8-4-4-4-12 with dashes; colon pairs) or a 0x prefix
+_WRAPPED_HEX = re.compile(r"(?:0[xX])?([0-9a-fA-F]+(?:[-:_. ][0-9a-fA-F]+)*)")
 _CONSONANTS = re.compile(r"[^aeiouy]{6,}")   # ("strengths", "twelfths": five are words)
 _MIN_MATCH = 4        # a repeat shorter than this is chance in a random secret
 _CHAIN = 64           # earlier starts of a repeat tried (most recent first), as zlib bounds it
@@ -450,6 +452,13 @@ def secret_bits(secret: bytes) -> float:
         return min(8.0 * len(secret), repeat_bits(secret.decode("latin-1"), 8.0))
     if not text:
         return 0.0
+    wrapped = _WRAPPED_HEX.fullmatch(text)
+    if wrapped is not None and not _HEX.fullmatch(text):
+        # hex digits in a common wrapper (a uuid's dashes, colons, a 0x prefix): the
+        # digits count 4 bits each, the wrapper nothing (a guesser knows the format)
+        digits = re.sub(r"[^0-9a-fA-F]", "", wrapped.group(1))
+        if not set(digits) <= _DIGITS and not set(digits).isdisjoint(_DIGITS):
+            return min(secret_bits(digits.encode()), char_bits(text))
     chars = char_bits(text)
     per_char = chars / len(text)
     if _HEX.fullmatch(text):
