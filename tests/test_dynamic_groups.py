@@ -807,6 +807,11 @@ def test_unit_a_leave_takes_out_only_the_member_that_leaves(tmp_path):
     store.delete_key(lease)
     joiner = _tamper_group(store)
     assert _live_member(joiner, "new") == (0, 1)          # same rank, same incarnation
+    live.timeout = 0.5   # the joiner's table has the version "alive" read last: a fork
+    with pytest.raises(StoreTamperedError, match="two different tables of version"):
+        live.leave(0, 1)
+    _tamper_group(store).join("y", 7)                     # one version more: taken as newer
+    live.timeout = 5.0
     assert not live.leave(0, 1)                           # not "alive"'s entry: left alone
     assert _tamper_group(store).members()[0][0] == "new"
 
