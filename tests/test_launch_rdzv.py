@@ -170,6 +170,19 @@ def _listening(pid: int) -> set[str]:
     return procnet.listening([pid])
 
 
+def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """A launcher (or any command) from the project's root, its output captured."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """Kill what is still running of ``procs`` (a test that failed midway)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
 def _wait_files(paths: list[Path], procs: list[subprocess.Popen], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
@@ -211,8 +224,7 @@ def test_one_node_launch_survives_a_stranger_writing_pickles(tmp_path: Path) -> 
     nothing runs, and the job completes."""
     cmd = [sys.executable, "-m", "distgrad.launch", "--nproc-per-node", "2",
            str(SCRIPTS / "rdzv_victim.py"), str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = _start(cmd, _env(tmp_path))
     try:
         _wait_files([tmp_path / "ready0.0", tmp_path / "ready1.0"], [proc], 90)
         addrs = _listening(proc.pid)
@@ -223,8 +235,7 @@ def test_one_node_launch_survives_a_stranger_writing_pickles(tmp_path: Path) -> 
         (tmp_path / "go").touch()
         [(rc, out, err)] = _finish([proc], 90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill([proc])
     assert not (tmp_path / "pwned").exists()
     assert rc == 0 or "tamper" in err, (rc, out, err[-3000:])
     if rc == 0:
@@ -247,8 +258,7 @@ def test_elastic_two_node_rendezvous_against_a_stranger(tmp_path: Path, backend:
         cmd += ["--rdzv-backend", "c10d"]
     cmd += [str(SCRIPTS / "rdzv_victim.py"), str(tmp_path)]
     env = _env(tmp_path, DISTGRAD_SECRET="distgrad-tests-elastic-0123456789abcdef")
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [_start(cmd, env) for _ in range(2)]
     try:
         _wait_files([tmp_path / "ready0.0", tmp_path / "ready1.0"], procs, 120)
         if backend == "distgrad":   # the rendezvous store listens where it was told
@@ -260,9 +270,7 @@ def test_elastic_two_node_rendezvous_against_a_stranger(tmp_path: Path, backend:
         (tmp_path / "go").touch()
         results = _finish(procs, 120)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        _kill(procs)
     story = "\n".join(f"rc={rc}\n{out}\n{err[-2500:]}" for rc, out, err in results)
     if backend == "c10d":
         assert (tmp_path / "pwned").exists(), story    # the hole the distgrad backend closes
@@ -288,17 +296,13 @@ def test_a_node_joining_restarts_the_group(tmp_path: Path) -> None:
            "0.1", "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "0"]
     cmd += [str(SCRIPTS / "elastic_join.py"), str(tmp_path)]
     env = _env(tmp_path, DISTGRAD_SECRET="distgrad-tests-elastic-0123456789abcdef")
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)]
+    procs = [_start(cmd, env)]
     try:
         _wait_files([tmp_path / "started.w1.r0"], procs, 90)
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(_start(cmd, env))
         results = _finish(procs, 150)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        _kill(procs)
     story = "\n".join(f"rc={rc}\n{out}\n{err[-2500:]}" for rc, out, err in results)
     assert [rc for rc, _, _ in results] == [0, 0], story
     out = "".join(o for _, o, _ in results)
@@ -325,8 +329,7 @@ def test_static_one_node_store_listens_on_the_address_named(tmp_path: Path, how:
         env = {"PET_RDZV_BACKEND": "static"}
     cmd = [sys.executable, "-m", "distgrad.launch", "--nproc-per-node", "2", *extra,
            str(SCRIPTS / "rdzv_victim.py"), str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path, **env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = _start(cmd, _env(tmp_path, **env))
     try:
         _wait_files([tmp_path / "ready0.0", tmp_path / "ready1.0"], [proc], 90)
         addrs = _listening(proc.pid)
@@ -337,7 +340,6 @@ def test_static_one_node_store_listens_on_the_address_named(tmp_path: Path, how:
         (tmp_path / "go").touch()
         [(rc, out, err)] = _finish([proc], 90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill([proc])
     assert rc == 0, err[-3000:]
     assert "[rank0]: DONE rank=0" in out and "[rank1]: DONE rank=1" in out
