@@ -409,8 +409,3 @@ def register() -> None:
     except ValueError:
         pass   # already registered (with this creator, or a plugin's)
 
-
-def torchrun_plugin():
-    """The ``torchrun.handlers`` entry point: torchrun calls it and registers what it
-    returns under the entry point's name, ``distgrad``."""
-    return create_handler
