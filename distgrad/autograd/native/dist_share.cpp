@@ -1,0 +1,678 @@
+// distgrad's native share of a distributed backward pass: one GraphTask of torch's own
+// engine per worker per pass, fed by gradients arriving over RPC, and the native send and
+// receive nodes it runs. The Python engine (distgrad/autograd/share.py) stays the
+// reference and the fallback where no compiler exists; see docs/architecture.md,
+// "Distributed backward".
+//
+// torch's engine runs the task: Engine::execute_with_graph_task on the thread that owns
+// the share, with the caller's thread-local state, hooks, queue_callback, multi-grad
+// hooks, graph freeing and anomaly checks as in any backward. This file computes the
+// task's dependencies over the whole share (roots and every send function), captures
+// the leaves' gradients into the distributed autograd context with torch's own
+// AccumulateGrad::accumulateGrad rules, feeds arriving gradients into the running task,
+// and retires send functions that will never receive one (an unused RPC result).
+//
+// GraphTask's constructor and ReadyQueue::push are not exported by libtorch (they are
+// hidden symbols, not part of any API): the few definitions of them below follow the
+// layout and behaviour of the headers this module is compiled against, and the module
+// is built against the installed torch (distgrad/autograd/native/__init__.py).
+#include <torch/extension.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/variable.h>
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <limits>
+#include <mutex>
+#include <queue>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace py = pybind11;
+using namespace torch::autograd;
+
+// ---- definitions of libtorch's hidden members used here -------------------------------
+namespace torch::autograd {
+
+namespace {
+// Graph task ids of distgrad's tasks count down from INT_MAX (torch's count up from 0
+// and are read back as int by get_current_graph_task_id): no clash in practice.
+std::atomic<int64_t> dg_task_id{std::numeric_limits<int>::max()};
+}  // namespace
+
+GraphTask::GraphTask(bool keep_graph, bool grad_mode, int reentrant_depth,
+                     std::shared_ptr<ReadyQueue> cpu_ready_queue,
+                     c10::SmallVector<Node*, 4> graph_roots, bool exit_on_error)
+    : keep_graph_(keep_graph),
+      graph_roots_(std::move(graph_roots)),
+      owner_(NO_DEVICE),
+      reentrant_depth_(reentrant_depth),
+      exit_on_error_(exit_on_error),
+      cpu_ready_queue_(std::move(cpu_ready_queue)),
+      future_result_(c10::make_intrusive<at::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))),
+      id_(static_cast<uint64_t>(dg_task_id.fetch_sub(1))) {
+  thread_locals_.set_grad_mode(grad_mode);
+}
+
+void ReadyQueue::push(NodeTask item, bool incrementOutstandingTasks) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (incrementOutstandingTasks) {
+      std::shared_ptr<GraphTask> graph_task = item.base_.lock();
+      TORCH_INTERNAL_ASSERT(graph_task, "GraphTask is no longer valid!");
+      ++graph_task->outstanding_tasks_;
+    }
+    heap_.push(std::move(item));
+  }
+  not_empty_.notify_one();
+}
+
+bool ReadyQueue::empty() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return heap_.empty();
+}
+
+// the warning handler every GraphTask has (its vtable lives with these definitions)
+void utils::DelayWarningHandler::process(const c10::Warning& warning) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  warnings_.push_back(warning);
+}
+
+void utils::DelayWarningHandler::replay_warnings() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& warning : warnings_) {
+    c10::warn(warning);
+  }
+  warnings_.clear();
+}
+
+int NodeTask::getReentrantDepth() const {
+  std::shared_ptr<GraphTask> graph_task = base_.lock();
+  if (graph_task) {
+    return graph_task->reentrant_depth_;
+  }
+  return std::numeric_limits<int>::max();
+}
+
+}  // namespace torch::autograd
+
+namespace distgrad {
+
+struct EngineAccess : Engine {
+  static void use_queue(Engine& e, std::shared_ptr<ReadyQueue> q) {
+    (e.*(&EngineAccess::init_local_ready_queue))(std::move(q));
+  }
+};
+
+// Python callables set once by distgrad.autograd.native (never freed: they live as long
+// as the interpreter, and C++ objects holding no Python object need no GIL to die).
+struct Callbacks {
+  py::object ship;      // ship(share_id, context_id, msg_id, sender, grads, unreached)
+  py::object idle;      // idle(share_id): the share's queue ran dry
+  py::object enter;     // enter(share_id) -> token: a leaf capture begins (context current)
+  py::object leave;     // leave(token)
+  py::object grad_of;   // grad_of(share_id, leaf_node) -> Tensor | None
+  py::object store;     // store(share_id, leaf_node, grad)
+};
+Callbacks* callbacks = nullptr;
+
+thread_local int64_t tl_share = -1;   // the share whose task this thread drives
+
+struct DistShare;
+std::mutex shares_mu;
+std::unordered_map<int64_t, std::weak_ptr<DistShare>> shares;
+
+std::shared_ptr<DistShare> find_share(int64_t id) {
+  std::lock_guard<std::mutex> g(shares_mu);
+  auto it = shares.find(id);
+  return it == shares.end() ? nullptr : it->second.lock();
+}
+
+// ---- the nodes ----------------------------------------------------------------------
+struct SendRpcBackward : Node {
+  explicit SendRpcBackward(edge_list&& edges) : Node(std::move(edges)) {}
+  std::string name() const override { return "torch::distributed::autograd::SendRpcBackward"; }
+  // torch's send function has no inputs: the gradients that came back over RPC are
+  // set on it before the engine runs it (setGrads), and it hands them on.
+  variable_list apply(variable_list&& inputs) override {
+    TORCH_INTERNAL_ASSERT(inputs.empty(), "SendRpcBackward should receive no inputs");
+    std::lock_guard<std::mutex> g(mu_);
+    variable_list out = std::move(grads_);
+    grads_.clear();
+    if (out.empty()) {
+      out.resize(num_outputs());
+    }
+    return out;
+  }
+  void set_grads(variable_list grads) {
+    std::lock_guard<std::mutex> g(mu_);
+    grads_ = std::move(grads);
+  }
+  std::mutex mu_;
+  variable_list grads_;
+};
+
+struct RecvRpcBackward : Node {
+  RecvRpcBackward(int64_t context_id, int64_t msg_id, int64_t sender)
+      : Node(), context_id(context_id), msg_id(msg_id), sender(sender) {}
+  std::string name() const override { return "torch::distributed::autograd::RecvRpcBackward"; }
+  variable_list apply(variable_list&& grads) override;
+  int64_t context_id, msg_id, sender;
+};
+
+// A node of no graph that runs when a share's queue holds nothing else (its task's
+// depth is below every real task's): the work an arrival started is then done.
+struct IdleMarker : Node {
+  explicit IdleMarker(int64_t share) : Node(0, edge_list()), share(share) {}
+  std::string name() const override { return "distgrad::IdleMarker"; }
+  variable_list apply(variable_list&& inputs) override;
+  int64_t share;
+};
+
+struct DistShare : std::enable_shared_from_this<DistShare> {
+  int64_t id = 0;
+  std::shared_ptr<GraphTask> task;
+  std::shared_ptr<ReadyQueue> queue;
+  std::shared_ptr<GraphTask> marker_task;
+  c10::intrusive_ptr<Node> root;
+  c10::intrusive_ptr<IdleMarker> marker;
+  std::mutex mu;               // closed, marker_pending
+  bool closed = false;
+  bool marker_pending = false;
+  bool started = false;
+  // per recv function: for each input slot, how many edges of the task still may feed it
+  std::unordered_map<Node*, std::vector<int>> recv_feeders;
+  std::unordered_set<Node*> retired;   // send functions that will never receive gradients
+
+  void push_marker_locked() {
+    if (!marker_pending) {
+      marker_pending = true;
+      queue->push(NodeTask(marker_task, marker, InputBuffer(0)), true);
+    }
+  }
+};
+
+variable_list IdleMarker::apply(variable_list&&) {
+  auto s = find_share(share);
+  if (s) {
+    std::lock_guard<std::mutex> g(s->mu);
+    s->marker_pending = false;
+  }
+  py::gil_scoped_acquire gil;
+  callbacks->idle(share);
+  return {};
+}
+
+variable_list RecvRpcBackward::apply(variable_list&& grads) {
+  std::vector<int64_t> unreached;
+  int64_t share = tl_share;
+  if (auto s = find_share(share)) {
+    std::lock_guard<std::mutex> g(s->task->mutex_);
+    auto it = s->recv_feeders.find(this);
+    if (it != s->recv_feeders.end()) {
+      for (size_t i = 0; i < it->second.size(); ++i) {
+        if (it->second[i] == 0) unreached.push_back(static_cast<int64_t>(i));
+      }
+    }
+  }
+  py::gil_scoped_acquire gil;
+  py::list gs;
+  for (auto& t : grads) {
+    if (t.defined()) gs.append(py::cast(t)); else gs.append(py::none());
+  }
+  callbacks->ship(share, context_id, msg_id, sender, gs, py::cast(unreached));
+  return {};
+}
+
+// The capture of a leaf's gradient, as torch's distributed engine does it: the
+// AccumulateGrad node's pre-hooks, the gradient added into the context by torch's
+// AccumulateGrad::accumulateGrad rules (steal, view or copy), its post-hooks. The
+// context is current while they run. AccumulateGrad itself never runs: .grad is untouched.
+struct LeafCapture : GraphTask::ExecInfo::Capture::GradCaptureHook {
+  LeafCapture(c10::intrusive_ptr<AccumulateGrad> acc, int64_t share)
+      : acc_(std::move(acc)), share_(share) {}
+  at::Tensor operator()(const at::Tensor& grad) override {
+    py::gil_scoped_acquire gil;
+    py::object token = callbacks->enter(share_);
+    struct Leave {
+      py::object& t;
+      ~Leave() { callbacks->leave(t); }
+    } leave{token};
+    variable_list inputGrads = {grad};
+    for (const auto& hook : acc_->pre_hooks()) {
+      inputGrads = (*hook)(inputGrads);
+    }
+    if (inputGrads[0].defined()) {
+      py::object leaf = py::reinterpret_steal<py::object>(functionToPyObject(acc_));
+      py::object old_obj = callbacks->grad_of(share_, leaf);
+      at::Tensor old = old_obj.is_none() ? at::Tensor() : old_obj.cast<at::Tensor>();
+      old_obj = py::none();
+      at::Tensor result;
+      bool updated = false;
+      {
+        auto forward_stream = acc_->stream();
+        c10::OptionalStreamGuard stream_guard(forward_stream);
+        at::AutoGradMode grad_mode(false);
+        // references to the gradient here, as in torch's capture hook: this list, the
+        // task's captured variable, and the engine's input buffer
+        AccumulateGrad::accumulateGrad(
+            acc_->variable, old, inputGrads[0], 3,
+            [&](at::Tensor&& g) { result = std::move(g); updated = true; });
+      }
+      if (updated) {
+        callbacks->store(share_, leaf, py::cast(result));
+      }
+    }
+    const variable_list kEmpty;
+    for (const auto& hook : acc_->post_hooks()) {
+      (*hook)(kEmpty, inputGrads);
+    }
+    return inputGrads[0];
+  }
+  c10::intrusive_ptr<AccumulateGrad> acc_;
+  int64_t share_;
+};
+
+std::atomic<int64_t> next_share{1};
+
+c10::intrusive_ptr<Node> node_of(py::handle obj) {
+  TORCH_CHECK(THPCppFunction_Check(obj.ptr()), "expected a native autograd node");
+  return reinterpret_cast<THPCppFunction*>(obj.ptr())->cdata;
+}
+
+// ---- building a share ---------------------------------------------------------------
+std::shared_ptr<DistShare> make_share(bool keep_graph, bool grad_mode,
+                                      const std::vector<at::Tensor>& roots,
+                                      const std::vector<at::Tensor>& root_grads,
+                                      py::list send_nodes) {
+  auto s = std::make_shared<DistShare>();
+  s->id = next_share++;
+  s->queue = std::make_shared<ReadyQueue>();
+  edge_list root_edges;
+  for (const auto& r : roots) root_edges.push_back(impl::gradient_edge(r));
+  s->root = c10::make_intrusive<GraphRoot>(std::move(root_edges), root_grads);
+  std::vector<c10::intrusive_ptr<Node>> sends;
+  for (auto h : send_nodes) sends.push_back(node_of(h));
+
+  c10::SmallVector<Node*, 4> graph_roots{s->root.get()};
+  for (auto& n : sends) graph_roots.push_back(n.get());
+  // exit_on_error: an error anywhere ends the task (its future carries the error)
+  s->task = std::make_shared<GraphTask>(keep_graph, grad_mode, 0, s->queue,
+                                        std::move(graph_roots), /*exit_on_error=*/true);
+  s->marker_task = std::make_shared<GraphTask>(false, false, -1, s->queue,
+                                               c10::SmallVector<Node*, 4>{}, false);
+  s->marker_task->owner_ = CPU_DEVICE;   // completes on the thread that runs the share
+  s->marker = c10::make_intrusive<IdleMarker>(s->id);
+  auto& task = *s->task;
+
+  // dependencies over the whole share: the roots and every send function
+  std::unordered_set<Node*> seen;
+  std::queue<Node*> q;
+  q.push(s->root.get());
+  for (auto& n : sends) q.push(n.get());
+  edge_list outputs;
+  std::vector<Node*> recvs;
+  while (!q.empty()) {
+    Node* fn = q.front();
+    q.pop();
+    for (const auto& edge : fn->next_edges()) {
+      Node* next = edge.function.get();
+      if (!next) continue;
+      task.dependencies_[next] += 1;
+      if (auto* r = dynamic_cast<RecvRpcBackward*>(next)) {
+        auto& f = s->recv_feeders[r];
+        if (f.size() < r->num_inputs()) f.resize(r->num_inputs(), 0);
+        f[edge.input_nr] += 1;
+      }
+      if (seen.insert(next).second) {
+        q.push(next);
+        task.nodes_in_graph_.insert(next);
+        if (next->next_edges().empty()) {
+          if (dynamic_cast<RecvRpcBackward*>(next)) {
+            recvs.push_back(next);
+            outputs.emplace_back(edge);
+          } else if (dynamic_cast<AccumulateGrad*>(next)) {
+            outputs.emplace_back(edge);
+          }
+        }
+      }
+    }
+  }
+  // which nodes run: those with a path to a leaf or a recv function (torch's
+  // init_to_execute over a root that points at the roots and every send function)
+  if (!outputs.empty()) {
+    auto& exec = task.exec_info_;
+    exec[s->root.get()].needed_ = true;
+    int idx = 0;
+    std::unordered_set<Node*> captured;
+    for (auto& e : outputs) {
+      Node* fn = e.function.get();
+      if (!dynamic_cast<AccumulateGrad*>(fn)) continue;
+      if (!captured.insert(fn).second) continue;
+      auto& info = exec[fn];
+      if (!info.captures_) {
+        info.captures_ = std::make_unique<std::vector<GraphTask::ExecInfo::Capture>>();
+      }
+      info.captures_->emplace_back(0, idx++);
+      auto acc = c10::intrusive_ptr<AccumulateGrad>::reclaim_copy(static_cast<AccumulateGrad*>(fn));
+      info.captures_->back().DO_NOT_USE_DEPRECATED_register_capture_hook(
+          std::make_unique<LeafCapture>(std::move(acc), s->id));
+    }
+    task.captured_vars_.resize(idx);
+    for (Node* r : recvs) exec[r].needed_ = true;
+    // post-order over everything: needed = some next node is needed or captured
+    std::unordered_map<Node*, bool> done;
+    struct Frame { Node* fn; size_t next; };
+    std::vector<Frame> stack;
+    std::vector<Node*> starts{s->root.get()};
+    for (auto& n : sends) starts.push_back(n.get());
+    for (Node* start : starts) {
+      if (done.count(start)) continue;
+      stack.push_back({start, 0});
+      done[start] = false;
+      while (!stack.empty()) {
+        auto& fr = stack.back();
+        const auto& nexts = fr.fn->next_edges();
+        if (fr.next < nexts.size()) {
+          Node* n = nexts[fr.next++].function.get();
+          if (n && !done.count(n)) {
+            done[n] = false;
+            stack.push_back({n, 0});
+          }
+          continue;
+        }
+        auto it = exec.find(fr.fn);
+        bool already = it != exec.end() && it->second.should_execute();
+        if (!already) {
+          bool needed = false;
+          for (const auto& e : nexts) {
+            auto jt = exec.find(e.function.get());
+            if (jt != exec.end() && jt->second.should_execute()) { needed = true; break; }
+          }
+          if (needed) exec[fr.fn].needed_ = true;
+        }
+        stack.pop_back();
+      }
+    }
+    for (auto& n : sends) exec[n.get()].needed_ = true;
+  } else {
+    // nothing to capture or ship: mark everything needed (no exec info means "run all")
+  }
+  task.outstanding_tasks_ = 1;   // held until the pass ends everywhere (release())
+  {
+    std::lock_guard<std::mutex> g(shares_mu);
+    shares[s->id] = s;
+  }
+  return s;
+}
+
+// Kill the edges of a node that will not run: the nodes behind lose a dependency; one
+// whose last dependency goes runs with what it got, or, if nothing reached it, does
+// not run and kills its own edges. Returns recv functions nothing reached (they still
+// tell their senders). Caller holds task->mutex_.
+void kill_edges(DistShare& s, std::vector<std::pair<Node*, uint32_t>> work,
+                std::vector<c10::intrusive_ptr<Node>>& dead_recvs) {
+  auto& task = *s.task;
+  while (!work.empty()) {
+    auto [next, input_nr] = work.back();
+    work.pop_back();
+    auto rf = s.recv_feeders.find(next);
+    if (rf != s.recv_feeders.end() && input_nr < rf->second.size()) rf->second[input_nr] -= 1;
+    auto it = task.dependencies_.find(next);
+    if (it == task.dependencies_.end()) continue;
+    if (--it->second != 0) continue;
+    task.dependencies_.erase(it);
+    auto nr = task.not_ready_.find(next);
+    if (nr != task.not_ready_.end()) {
+      auto buf = std::move(nr->second);
+      task.not_ready_.erase(nr);
+      s.queue->push(NodeTask(s.task, next->getptr(), std::move(buf)), true);
+      continue;
+    }
+    if (!task.exec_info_.empty()) {
+      auto ei = task.exec_info_.find(next);
+      if (ei == task.exec_info_.end() || !ei->second.should_execute()) continue;
+    }
+    if (dynamic_cast<RecvRpcBackward*>(next)) {
+      dead_recvs.push_back(next->getptr());
+      continue;
+    }
+    for (const auto& e : next->next_edges())
+      if (e.function) work.emplace_back(e.function.get(), e.input_nr);
+  }
+}
+
+std::vector<std::pair<Node*, uint32_t>> edges_of(Node* fn) {
+  std::vector<std::pair<Node*, uint32_t>> out;
+  for (const auto& e : fn->next_edges())
+    if (e.function) out.emplace_back(e.function.get(), e.input_nr);
+  return out;
+}
+
+void ship_dead(int64_t share, std::vector<c10::intrusive_ptr<Node>>& dead) {
+  if (dead.empty()) return;
+  py::gil_scoped_acquire gil;
+  for (auto& n : dead) {
+    auto* r = static_cast<RecvRpcBackward*>(n.get());
+    py::list gs;
+    std::vector<int64_t> all;
+    for (size_t i = 0; i < r->num_inputs(); ++i) { gs.append(py::none()); all.push_back(i); }
+    callbacks->ship(share, r->context_id, r->msg_id, r->sender, gs, py::cast(all));
+  }
+}
+
+}  // namespace distgrad
+
+using namespace distgrad;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "distgrad's native share of a distributed backward pass (one GraphTask a worker a pass)";
+
+  m.def("set_callbacks", [](py::object ship, py::object idle, py::object enter, py::object leave,
+                            py::object grad_of, py::object store) {
+    if (!callbacks) callbacks = new Callbacks();
+    callbacks->ship = ship; callbacks->idle = idle; callbacks->enter = enter;
+    callbacks->leave = leave; callbacks->grad_of = grad_of; callbacks->store = store;
+  });
+
+  // record_send(tensors) -> send node (its next edges: the tensors' gradient edges),
+  // without the GIL: a leaf's gradient accumulator is found under the leaf's own lock
+  m.def("record_send", [](const std::vector<at::Tensor>& tensors) {
+    c10::intrusive_ptr<Node> node;
+    {
+      py::gil_scoped_release nogil;
+      edge_list edges;
+      edges.reserve(tensors.size());
+      for (const auto& t : tensors) edges.push_back(impl::gradient_edge(t));
+      node = c10::make_intrusive<SendRpcBackward>(std::move(edges));
+    }
+    return py::reinterpret_steal<py::object>(functionToPyObject(node));
+  });
+
+  // record_recv(context_id, msg_id, sender, tensors): the recv node becomes the grad_fn
+  // of every tensor (they require grad); returns the node
+  m.def("record_recv", [](int64_t context_id, int64_t msg_id, int64_t sender,
+                          std::vector<at::Tensor> tensors) {
+    auto node = c10::make_intrusive<RecvRpcBackward>(context_id, msg_id, sender);
+    for (auto& t : tensors) {
+      auto nr = node->add_input_metadata(t);
+      impl::set_gradient_edge(t, Edge(node, nr));
+    }
+    return py::reinterpret_steal<py::object>(functionToPyObject(node));
+  });
+
+  m.def("is_send", [](py::handle obj) {
+    return THPCppFunction_Check(obj.ptr()) &&
+           dynamic_cast<SendRpcBackward*>(node_of(obj).get()) != nullptr;
+  });
+  m.def("is_recv", [](py::handle obj) {
+    return THPCppFunction_Check(obj.ptr()) &&
+           dynamic_cast<RecvRpcBackward*>(node_of(obj).get()) != nullptr;
+  });
+  m.def("recv_info", [](py::handle obj) {
+    auto* r = dynamic_cast<RecvRpcBackward*>(node_of(obj).get());
+    TORCH_CHECK(r, "not a recv function");
+    return py::make_tuple(r->context_id, r->msg_id, r->sender);
+  });
+
+  py::class_<DistShare, std::shared_ptr<DistShare>>(m, "Share")
+      .def(py::init(&make_share))
+      .def_property_readonly("id", [](DistShare& s) { return s.id; })
+      .def_property_readonly("task_id", [](DistShare& s) { return static_cast<int64_t>(s.task->id_); })
+      // run(): drive the task on this thread until the pass ends here (release()),
+      // without the GIL; raises the task's error
+      .def("run", [](std::shared_ptr<DistShare> s) {
+        {
+          std::lock_guard<std::mutex> g(s->mu);
+          TORCH_CHECK(!s->started, "a share runs once");
+          s->started = true;
+          s->push_marker_locked();
+        }
+        int64_t prev = tl_share;
+        tl_share = s->id;
+        c10::intrusive_ptr<at::ivalue::Future> fut;
+        try {
+          py::gil_scoped_release nogil;
+          auto& engine = Engine::get_default_engine();
+          EngineAccess::use_queue(engine, s->queue);
+          fut = engine.execute_with_graph_task(s->task, s->root, InputBuffer(0));
+        } catch (...) {
+          tl_share = prev;
+          throw;
+        }
+        tl_share = prev;
+        {
+          std::lock_guard<std::mutex> g(s->mu);
+          s->closed = true;
+        }
+        s->task->warning_handler_.replay_warnings();
+        if (fut->hasError()) {
+          fut->value();  // rethrows
+        }
+      })
+      // feed(send_node, grads): gradients for a send function arrived; slots listed in
+      // ``unreached`` got no path from the roots (what lies behind them must not run)
+      .def("feed", [](DistShare& s, py::handle send, std::vector<std::optional<at::Tensor>> grads,
+                      std::vector<int64_t> unreached) {
+        auto node = node_of(send);
+        auto* sn = dynamic_cast<SendRpcBackward*>(node.get());
+        TORCH_CHECK(sn, "feed: not a send function");
+        variable_list gs;
+        for (auto& g : grads) gs.push_back(g.has_value() ? *g : at::Tensor());
+        std::vector<c10::intrusive_ptr<Node>> dead;
+        {
+          py::gil_scoped_release nogil;
+          std::lock_guard<std::mutex> g(s.mu);
+          if (s.closed) return false;
+          if (unreached.empty()) {
+            sn->set_grads(std::move(gs));
+            s.queue->push(NodeTask(s.task, node, InputBuffer(0)), true);
+          } else {
+            // only the reached slots feed the nodes behind; the others' edges die
+            std::lock_guard<std::mutex> tg(s.task->mutex_);
+            std::vector<bool> dead_slot(node->num_outputs(), false);
+            for (auto i : unreached) if (i >= 0 && (size_t)i < dead_slot.size()) dead_slot[i] = true;
+            auto& task = *s.task;
+            validate_outputs(node->next_edges(), gs, [&](const std::string& msg) {
+              return "Function " + node->name() + " returned an " + msg;
+            });
+            // the send function itself is consumed: as if it ran
+            for (size_t i = 0; i < node->num_outputs(); ++i) {
+              const auto& e = node->next_edge(i);
+              if (!e.function) continue;
+              Node* next = e.function.get();
+              if (dead_slot[i]) {
+                kill_edges(s, {{next, e.input_nr}}, dead);
+                continue;
+              }
+              auto it = task.dependencies_.find(next);
+              bool ready = false;
+              if (it != task.dependencies_.end() && --it->second == 0) {
+                task.dependencies_.erase(it);
+                ready = true;
+              }
+              auto ei = task.exec_info_.find(next);
+              bool runs = task.exec_info_.empty() || (ei != task.exec_info_.end() && ei->second.should_execute());
+              auto nr = task.not_ready_.find(next);
+              if (nr == task.not_ready_.end()) {
+                if (!runs) continue;
+                InputBuffer buf(next->num_inputs());
+                if (gs[i].defined()) buf.add(e.input_nr, std::move(gs[i]), std::nullopt, std::nullopt, next);
+                if (ready) s.queue->push(NodeTask(s.task, e.function, std::move(buf)), true);
+                else task.not_ready_.emplace(next, std::move(buf));
+              } else {
+                if (gs[i].defined()) nr->second.add(e.input_nr, std::move(gs[i]), std::nullopt, std::nullopt, next);
+                if (ready) {
+                  auto buf = std::move(nr->second);
+                  task.not_ready_.erase(nr);
+                  s.queue->push(NodeTask(s.task, e.function, std::move(buf)), true);
+                }
+              }
+            }
+          }
+          s.push_marker_locked();
+        }
+        ship_dead(s.id, dead);
+        return true;
+      })
+      // retire(send_nodes): these send functions will receive no gradient in this pass
+      .def("retire", [](DistShare& s, py::list sends) {
+        std::vector<c10::intrusive_ptr<Node>> nodes;
+        for (auto h : sends) nodes.push_back(node_of(h));
+        std::vector<c10::intrusive_ptr<Node>> dead;
+        {
+          py::gil_scoped_release nogil;
+          std::lock_guard<std::mutex> g(s.mu);
+          if (s.closed) return;
+          std::lock_guard<std::mutex> tg(s.task->mutex_);
+          for (auto& n : nodes) {
+            if (!s.retired.insert(n.get()).second) continue;
+            kill_edges(s, edges_of(n.get()), dead);
+          }
+          s.push_marker_locked();
+        }
+        ship_dead(s.id, dead);
+      })
+      // whether nodes wait for gradients that have not come (a send function's, maybe never)
+      .def("blocked", [](DistShare& s) {
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> tg(s.task->mutex_);
+        return !s.task->not_ready_.empty();
+      })
+      .def("has_final_callbacks", [](DistShare& s) {
+        std::lock_guard<std::mutex> g(s.task->final_callbacks_lock_);
+        return !s.task->final_callbacks_.empty();
+      })
+      // release(): the pass ended everywhere: the task completes (final callbacks run)
+      // on the thread driving it
+      .def("release", [](DistShare& s) {
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(s.mu);
+        if (s.closed) return;
+        s.closed = true;
+        s.queue->push(NodeTask(s.task, c10::intrusive_ptr<Node>(), InputBuffer(0)), false);
+      })
+      // abort(): stop running (the pass failed elsewhere)
+      .def("abort", [](DistShare& s) {
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(s.mu);
+        if (s.closed) return;
+        s.closed = true;
+        s.task->has_error_ = true;
+        if (!s.task->future_completed_.exchange(true)) {
+          s.task->future_result_->setErrorIfNeeded(std::make_exception_ptr(
+              std::runtime_error("distributed backward pass aborted")));
+        }
+        s.queue->push(NodeTask(s.task, c10::intrusive_ptr<Node>(), InputBuffer(0)), false);
+      })
+      .def("forget", [](DistShare& s) {
+        std::lock_guard<std::mutex> g(shares_mu);
+        shares.erase(s.id);
+      });
+}
