@@ -26,6 +26,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 #include <mutex>
@@ -114,7 +115,7 @@ struct EngineAccess : Engine {
 // as the interpreter, and C++ objects holding no Python object need no GIL to die).
 struct Callbacks {
   py::object ship;      // ship(share_id, context_id, msg_id, sender, grads, unreached)
-  py::object idle;      // idle(share_id): the share's queue ran dry
+  py::object idle;      // idle(share_id, pieces): the share's queue ran dry; its weight
   py::object enter;     // enter(share_id) -> token: a leaf capture begins (context current)
   py::object leave;     // leave(token)
   py::object grad_of;   // grad_of(share_id, leaf_node) -> Tensor | None
@@ -141,7 +142,11 @@ struct SendRpcBackward : Node {
   // torch's send function has no inputs: the gradients that came back over RPC are
   // set on it before the engine runs it (setGrads), and it hands them on.
   variable_list apply(variable_list&& inputs) override {
-    TORCH_INTERNAL_ASSERT(inputs.empty(), "SendRpcBackward should receive no inputs");
+    if (!inputs.empty()) {
+      // run by a plain engine call that starts at its inputs (the Python engine's
+      // regions): an identity per slot
+      return std::move(inputs);
+    }
     std::lock_guard<std::mutex> g(mu_);
     variable_list out = std::move(grads_);
     grads_.clear();
@@ -189,6 +194,18 @@ struct DistShare : std::enable_shared_from_this<DistShare> {
   // per recv function: for each input slot, how many edges of the task still may feed it
   std::unordered_map<Node*, std::vector<int>> recv_feeders;
   std::unordered_set<Node*> retired;   // send functions that will never receive gradients
+  // the weight this share holds (termination by weight throwing, distgrad/autograd/engine.py):
+  // pieces of 2**-exp, added by arrivals, halved by shipped gradients, returned when idle
+  std::vector<int64_t> pieces;
+  bool reentrant_checkpoint = false;   // a reentrant checkpoint's node is in the share
+
+  // half of the largest piece, for a gradient shipped (caller holds mu)
+  int64_t split_locked() {
+    TORCH_CHECK(!pieces.empty(), "distgrad: a gradient shipped without weight");
+    auto it = std::min_element(pieces.begin(), pieces.end());
+    *it += 1;
+    return *it;
+  }
 
   void push_marker_locked() {
     if (!marker_pending) {
@@ -200,12 +217,21 @@ struct DistShare : std::enable_shared_from_this<DistShare> {
 
 variable_list IdleMarker::apply(variable_list&&) {
   auto s = find_share(share);
-  if (s) {
+  if (!s) return {};
+  std::vector<int64_t> pieces;
+  {
     std::lock_guard<std::mutex> g(s->mu);
     s->marker_pending = false;
+    if (!s->queue->empty()) {
+      // work came in after this marker was taken: idle after it
+      s->push_marker_locked();
+      return {};
+    }
+    pieces.swap(s->pieces);
   }
+  if (pieces.empty()) return {};
   py::gil_scoped_acquire gil;
-  callbacks->idle(share);
+  callbacks->idle(share, py::cast(pieces));
   return {};
 }
 
@@ -333,6 +359,7 @@ std::shared_ptr<DistShare> make_share(bool keep_graph, bool grad_mode,
       if (seen.insert(next).second) {
         q.push(next);
         task.nodes_in_graph_.insert(next);
+        if (next->name() == "CheckpointFunctionBackward") s->reentrant_checkpoint = true;
         if (next->next_edges().empty()) {
           if (dynamic_cast<RecvRpcBackward*>(next)) {
             recvs.push_back(next);
@@ -471,7 +498,41 @@ void ship_dead(int64_t share, std::vector<c10::intrusive_ptr<Node>>& dead) {
 
 using namespace distgrad;
 
+// Python types of the nodes: torch shows its send function as a "SendRpcBackward" and
+// its recv function as a plain "CppFunction"; distgrad's recv function also tells its
+// (context id, message id, sender) as ``dg_info``.
+static PyObject* recv_dg_info(PyObject* self, void*) {
+  HANDLE_TH_ERRORS
+  auto* r = dynamic_cast<RecvRpcBackward*>(reinterpret_cast<THPCppFunction*>(self)->cdata.get());
+  if (!r) Py_RETURN_NONE;
+  return py::make_tuple(r->context_id, r->msg_id, r->sender).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+static PyGetSetDef send_props[] = {THP_FUNCTION_DEFAULT_PROPERTIES, {nullptr}};
+static PyGetSetDef recv_props[] = {
+    THP_FUNCTION_DEFAULT_PROPERTIES,
+    {(char*)"dg_info", recv_dg_info, nullptr, nullptr, nullptr},
+    {nullptr}};
+static PyMethodDef node_methods[] = {
+    {(char*)"_register_hook_dict", THPCppFunction_register_hook_dict, METH_O, nullptr},
+    {(char*)"register_hook", THPCppFunction_register_hook, METH_O, nullptr},
+    {(char*)"register_prehook", THPCppFunction_register_prehook, METH_O, nullptr},
+    {(char*)"name", THPCppFunction_name, METH_NOARGS, nullptr},
+    {(char*)"_sequence_nr", THPCppFunction_sequence_nr, METH_NOARGS, nullptr},
+    {nullptr}};
+static PyTypeObject SendType;
+static PyTypeObject RecvType;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  _initFunctionPyTypeObject(SendType, "SendRpcBackward", send_props, node_methods);
+  registerCppFunction(typeid(SendRpcBackward), &SendType);
+  _initFunctionPyTypeObject(RecvType, "CppFunction", recv_props, node_methods);
+  registerCppFunction(typeid(RecvRpcBackward), &RecvType);
+  Py_INCREF(&SendType);
+  Py_INCREF(&RecvType);
+  m.attr("SendType") = py::handle(reinterpret_cast<PyObject*>(&SendType));
+  m.attr("RecvType") = py::handle(reinterpret_cast<PyObject*>(&RecvType));
+
   m.doc() = "distgrad's native share of a distributed backward pass (one GraphTask a worker a pass)";
 
   m.def("set_callbacks", [](py::object ship, py::object idle, py::object enter, py::object leave,
@@ -491,6 +552,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       edges.reserve(tensors.size());
       for (const auto& t : tensors) edges.push_back(impl::gradient_edge(t));
       node = c10::make_intrusive<SendRpcBackward>(std::move(edges));
+      for (const auto& t : tensors) node->add_input_metadata(t);
     }
     return py::reinterpret_steal<py::object>(functionToPyObject(node));
   });
@@ -527,11 +589,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("task_id", [](DistShare& s) { return static_cast<int64_t>(s.task->id_); })
       // run(): drive the task on this thread until the pass ends here (release()),
       // without the GIL; raises the task's error
-      .def("run", [](std::shared_ptr<DistShare> s) {
+      .def("run", [](std::shared_ptr<DistShare> s, std::optional<int64_t> exp) {
         {
           std::lock_guard<std::mutex> g(s->mu);
           TORCH_CHECK(!s->started, "a share runs once");
           s->started = true;
+          if (exp.has_value()) s->pieces.push_back(*exp);
           s->push_marker_locked();
         }
         int64_t prev = tl_share;
@@ -559,7 +622,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // feed(send_node, grads): gradients for a send function arrived; slots listed in
       // ``unreached`` got no path from the roots (what lies behind them must not run)
       .def("feed", [](DistShare& s, py::handle send, std::vector<std::optional<at::Tensor>> grads,
-                      std::vector<int64_t> unreached) {
+                      std::vector<int64_t> unreached, int64_t exp) {
         auto node = node_of(send);
         auto* sn = dynamic_cast<SendRpcBackward*>(node.get());
         TORCH_CHECK(sn, "feed: not a send function");
@@ -570,6 +633,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::gil_scoped_release nogil;
           std::lock_guard<std::mutex> g(s.mu);
           if (s.closed) return false;
+          s.pieces.push_back(exp);
           if (unreached.empty()) {
             sn->set_grads(std::move(gs));
             s.queue->push(NodeTask(s.task, node, InputBuffer(0)), true);
@@ -622,14 +686,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return true;
       })
       // retire(send_nodes): these send functions will receive no gradient in this pass
-      .def("retire", [](DistShare& s, py::list sends) {
+      .def("retire", [](DistShare& s, py::list sends, int64_t exp) {
         std::vector<c10::intrusive_ptr<Node>> nodes;
         for (auto h : sends) nodes.push_back(node_of(h));
         std::vector<c10::intrusive_ptr<Node>> dead;
         {
           py::gil_scoped_release nogil;
           std::lock_guard<std::mutex> g(s.mu);
-          if (s.closed) return;
+          if (s.closed) return false;
+          s.pieces.push_back(exp);
           std::lock_guard<std::mutex> tg(s.task->mutex_);
           for (auto& n : nodes) {
             if (!s.retired.insert(n.get()).second) continue;
@@ -638,7 +703,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           s.push_marker_locked();
         }
         ship_dead(s.id, dead);
+        return true;
       })
+      // half of the largest piece of weight this share holds, for a gradient it ships
+      .def("split", [](DistShare& s) {
+        std::lock_guard<std::mutex> g(s.mu);
+        return s.split_locked();
+      })
+      // what weight is left (the share ended: run() returned or raised)
+      .def("take_pieces", [](DistShare& s) {
+        std::lock_guard<std::mutex> g(s.mu);
+        std::vector<int64_t> out;
+        out.swap(s.pieces);
+        return out;
+      })
+      .def_property_readonly("reentrant_checkpoint", [](DistShare& s) { return s.reentrant_checkpoint; })
       // whether nodes wait for gradients that have not come (a send function's, maybe never)
       .def("blocked", [](DistShare& s) {
         py::gil_scoped_release nogil;
