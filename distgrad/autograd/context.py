@@ -40,6 +40,8 @@ class DistAutogradContext:
     def __init__(self, context_id: int) -> None:
         self.id = context_id
         self.lock = threading.RLock()
+        # the native engine's accumulation of one leaf (read, torch's rule, store) is atomic
+        self.acc_lock = threading.Lock()
         self.send_functions: dict[int, Any] = {}
         self.send_outputs: dict[int, tuple] = {}   # keeps each send node alive
         self.recv_functions: dict[int, Any] = {}
@@ -127,6 +129,15 @@ class DistAutogradContext:
             else:
                 self.gradients[leaf] = _copy(grad, leaf)
                 self.grads_mine.add(leaf)
+
+    def store(self, leaf: Any, grad: torch.Tensor) -> None:
+        """Hold ``grad`` for ``leaf`` as it is: the native engine computed it by torch's
+        ``AccumulateGrad::accumulateGrad`` rules (stolen, a view of the engine's, a copy,
+        or the held tensor summed in place) from what :meth:`gradient_of` returned."""
+        with self.lock:
+            self._settle()
+            self.gradients[leaf] = grad
+            self.grads_mine.add(leaf)
 
     def replace(self, leaf: Any, grad: torch.Tensor) -> None:
         """Make ``grad`` the gradient of ``leaf`` (DDP's result for what the context
@@ -240,6 +251,15 @@ class DistAutogradContext:
 
     def __repr__(self) -> str:
         return f"DistAutogradContext(id={self.id})"
+
+
+def _stop_native(ctx: DistAutogradContext) -> None:
+    """A released context's native shares stop (their threads wait for nothing more)."""
+    with ctx.lock:
+        states = list(ctx.passes.values())
+    for st in states:
+        if getattr(st, "native", False):
+            st.abort()
 
 
 def _calibrate() -> int:
@@ -437,6 +457,7 @@ class Container:
             self._bury(context_id)
         if ctx is not None:
             ctx.released = True
+            _stop_native(ctx)
         cur = getattr(self._tls, "current", None)
         if cur is not None and cur.id == context_id:
             self._tls.current = None
@@ -468,6 +489,7 @@ class Container:
                 ctx.released = True
                 del self.contexts[cid]
                 self._bury(cid)
+                _stop_native(ctx)
 
     def _bury(self, context_id: int) -> None:
         """Remember ``context_id`` as released (the newest _GONE_KEPT ids); under lock."""

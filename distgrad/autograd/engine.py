@@ -52,6 +52,7 @@ from .gradients import fed_slots as fed_slots  # noqa: F401  (its old home)
 from .gradients import ship_absent as ship_absent  # noqa: F401
 from .gradients import ship_gradients as ship_gradients  # noqa: F401
 from .nodes import UNREACHED
+from . import native_pass
 from .share import ANOMALY, CREATE_GRAPH, ENGINE, RETAIN, PassState
 
 _MAX_RESUMES = 8
@@ -120,7 +121,7 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
 _RUNS = {"run_entry": "run", "resume": "resume", "flush_ddp": "DDP flush"}
 
 
-def _report(context_id: int, pass_id: tuple, initiator: int, exp: int, blocked: bool,
+def _report(context_id: int, pass_id: tuple, initiator: int, exp: Any, blocked: bool,
             targets: set, err: BaseException | None, held: bool = False) -> None:
     """Return weight ``2**-exp`` to the initiator, with whether this worker still waits
     (``blocked``) and whether it holds DDP gradients for the flush (``held``)."""
@@ -157,14 +158,22 @@ def _unpack_error(blob: bytes) -> BaseException:
     return err
 
 
-def on_report(sender: int, context_id: int, pass_id: tuple, exp: int, blocked: bool,
+def on_report(sender: int, context_id: int, pass_id: tuple, exp: Any, blocked: bool,
               targets: list, blob: bytes | None, held: bool = False) -> None:
-    """Control message (reading thread): a worker's run of one of our passes ended."""
+    """Control message (reading thread): a worker's run of one of our passes ended
+    (``exp``: an exponent, or a native share's list of them)."""
     err = _unpack_error(blob) if blob is not None else None
-    _returned(tuple(pass_id), sender, int(exp), bool(blocked), set(targets), err, bool(held))
+    exp = [int(e) for e in exp] if isinstance(exp, (list, tuple)) else int(exp)
+    _returned(tuple(pass_id), sender, exp, bool(blocked), set(targets), err, bool(held))
 
 
-def _returned(pass_id: tuple, worker: int, exp: int, blocked: bool, targets: set,
+def _weight(exp: Any) -> Fraction:
+    if isinstance(exp, list):
+        return sum((Fraction(1, 1 << e) for e in exp), Fraction(0))
+    return Fraction(1, 1 << exp)
+
+
+def _returned(pass_id: tuple, worker: int, exp: Any, blocked: bool, targets: set,
               err: BaseException | None, held: bool = False) -> None:
     """Initiator: weight ``2**-exp`` came back from ``worker``."""
     state = ENGINE.initiated.get(pass_id)
@@ -180,7 +189,7 @@ def _returned(pass_id: tuple, worker: int, exp: int, blocked: bool, targets: set
             if gone is not None:
                 err = _agent()._lost_error(gone)
         if err is None:
-            state.weight += Fraction(1, 1 << exp)
+            state.weight += _weight(exp)
             if blocked:
                 state.round_blocked.add(worker)
             if held:
@@ -227,7 +236,30 @@ def on_abort(sender: int, context_id: int, pass_id: tuple) -> None:
         with ctx.lock:
             state = ctx.passes.get(tuple(pass_id))
         if state is not None:
-            state.aborted = True
+            if getattr(state, "native", False):
+                state.abort()
+            else:
+                state.aborted = True
+
+
+def on_pass_end(sender: int, context_id: int, pass_id: tuple) -> None:
+    """Control message (reading thread): a pass this worker took part in ended; its
+    native share's task completes."""
+    ctx = CONTAINER.contexts.get(context_id)
+    if ctx is not None:
+        with ctx.lock:
+            state = ctx.passes.get(tuple(pass_id))
+        if state is not None and getattr(state, "native", False):
+            state.release()
+
+
+def _end_remote_shares(state: Any) -> None:
+    """Initiator: the pass ended well; every other participant's native share ends."""
+    agent, me = _agent(), CONTAINER.worker_id
+    with state.term_lock:
+        others = [w for w in state.participants if w != me and w not in agent.lost]
+    for w in others:
+        agent.send_control(w, "ag_pass_end", state.ctx.id, state.pass_id)
 
 
 def fail_passes(peer: int, err_for: Any) -> None:
@@ -250,6 +282,9 @@ def _propagate(context_id: int, pass_id: tuple, initiator: int, flags: int,
         node = _send_function(state, msg_id)
     except BaseException as e:  # noqa: BLE001
         _report(context_id, pass_id, initiator, exp, False, set(), e)
+        return
+    if getattr(state, "native", False):
+        state.arrive(msg_id, node, grads, list(unreached), exp)
         return
     outputs = [GradientEdge(node, i) for i in range(len(grads))]
     _run_here_or_inline(state, exp, state.run_entry, msg_id, outputs, grads)
@@ -307,6 +342,9 @@ def _run_round_step(context_id: int, pass_id: tuple, exp: int, method: Callable)
     except BaseException as e:  # noqa: BLE001
         _report(context_id, pass_id, pass_id[0], exp, False, set(), e)
         return
+    if getattr(state, "native", False):
+        state.round_step("resume" if method is PassState.resume else "flush", exp)
+        return
     _run_here_or_inline(state, exp, method, state)
 
 
@@ -339,7 +377,10 @@ def _round(state: PassState, workers: set, remote: Callable, local: Callable) ->
             _fail(state, agent._lost_error(w))
             return
     if mine is not None:
-        _run_here_or_inline(state, mine, local)
+        if getattr(state, "native", False):
+            state.round_step("resume" if remote is _resume else "flush", mine)
+        else:
+            _run_here_or_inline(state, mine, local)
     _returned(state.pass_id, me, exp, False, set(), None)  # the rest of the round's weight
 
 
@@ -361,19 +402,27 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
     roots, grads = _check_roots(roots, grad_tensors)
     flags = ((RETAIN if retain_graph or create_graph else 0) | (CREATE_GRAPH if create_graph else 0)
              | (ANOMALY if anomaly_mode.enabled() else 0))
-    state = ENGINE.new_pass(ctx, flags, roots)
-    state.inline = inline
+    state = ENGINE.new_pass(ctx, flags, roots, grads)
+    native = getattr(state, "native", False)
+    state.inline = None if native else inline
     state.user_grads = grad_tensors is not None
-    if (inline is None or alone) and state.alone():
+    if not native and (inline is None or alone) and state.alone():
         _run_alone(state, roots, grads, deliver)
-        return
+        return state
     rounds = [0]
 
     def finish(exc: BaseException | None) -> None:
         ENGINE.finish(state)
         if exc is not None:
             _abort(state)
+        elif native:
+            _end_remote_shares(state)
         deliver(exc)
+        if native:   # the initiator's task completes (its final callbacks run) or stops
+            if exc is not None:
+                state.abort()
+            else:
+                state.release()
 
     def on_round(exc: BaseException | None, blocked: set) -> None:
         if exc is not None or not blocked:
@@ -410,7 +459,12 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
         _resume_all(state, blocked)
 
     state.on_round = on_round
+    if native:
+        # the caller drives it: _backward_inline on its thread, backward_async on a runner
+        state.first_exp = 0
+        return state
     _run(state, 0, state.run_entry, "root", list(roots), grads)
+    return state
 
 
 def _run_alone(state: PassState, roots: list, grads: list,
@@ -468,7 +522,21 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
         else:
             complete(exc)
 
-    start_backward(context_id, roots, retain_graph, grad_tensors, deliver, create_graph=create_graph)
+    native = [False]
+    outcome: list = [None]
+
+    def deliver_any(exc: BaseException | None) -> None:
+        if native[0]:   # completed once the initiator's task did (its final callbacks ran)
+            outcome[0] = exc
+        else:
+            deliver(exc)
+
+    state = start_backward(context_id, roots, retain_graph, grad_tensors, deliver_any,
+                           create_graph=create_graph)
+    if getattr(state, "native", False):
+        native[0] = True
+        state.after_drive = lambda: complete(outcome[0])
+        native_pass._start(state)
     return result
 
 
@@ -512,9 +580,16 @@ def _backward_inline(context_id: int, roots: Sequence[torch.Tensor], retain_grap
     reading threads queue them here); ``alone``: a pass no other worker takes part in
     runs at once, without the queue."""
     tasks: queue.SimpleQueue = queue.SimpleQueue()
-    start_backward(context_id, roots, retain_graph, grad_tensors,
-                   lambda exc: tasks.put((None, exc)), inline=tasks, create_graph=create_graph,
-                   alone=alone)
+    state = start_backward(context_id, roots, retain_graph, grad_tensors,
+                           lambda exc: tasks.put((None, exc)), inline=tasks,
+                           create_graph=create_graph, alone=alone)
+    if getattr(state, "native", False):
+        # one graph task of torch's engine, driven here until the pass ends everywhere
+        state.drive(0)
+        _, exc = tasks.get()
+        if exc is not None:
+            raise exc
+        return
     while True:
         state, *task = _next_task(tasks)
         if state is None:

@@ -16,8 +16,9 @@ from ..rpc.agent import agent_or_none
 from ..rpc.extensions import AgentExtension, register_extension
 from . import anomaly as anomaly_mode
 from . import ddp
+from . import native_pass
 from .context import CONTAINER, DistAutogradContext
-from .engine import debug_info, fail_passes, on_abort, on_report
+from .engine import debug_info, fail_passes, on_abort, on_pass_end, on_report
 from .rpc_functions import _ANCHOR, RecvRpc, SendRpc, _node_types
 
 _Parameter = torch.nn.Parameter
@@ -52,10 +53,12 @@ class AutogradExtension(AgentExtension):
     def __init__(self, agent) -> None:
         self.agent = agent
         CONTAINER.init(agent.rank, *agent_range(agent))  # its incarnation's ids (distgrad/ids.py)
+        native_pass.module()   # the native engine where it can be had (built once, cached)
         _node_types()
         agent.control_handlers["ag_release"] = _release_remote
         agent.control_handlers["ag_report"] = on_report
         agent.control_handlers["ag_abort"] = on_abort
+        agent.control_handlers["ag_pass_end"] = on_pass_end
         ddp.attach()
 
     def current(self) -> Any:
@@ -80,11 +83,19 @@ class AutogradExtension(AgentExtension):
             msg_id = None
         else:
             msg_id = CONTAINER.new_message_id()
-            outs = SendRpc.apply(*rg)
-            with ctx.lock:
-                ctx.send_functions[msg_id] = outs[0].grad_fn
-                ctx.send_outputs[msg_id] = outs
-                ctx.known_workers.add(dest)  # (with only_grad: only with a send function)
+            native = native_pass.M
+            if native is not None:
+                # a C++ node recorded without the GIL (torch's addSendRpcBackward)
+                node = native.record_send(rg)
+                with ctx.lock:
+                    ctx.send_functions[msg_id] = node
+                    ctx.known_workers.add(dest)
+            else:
+                outs = SendRpc.apply(*rg)
+                with ctx.lock:
+                    ctx.send_functions[msg_id] = outs[0].grad_fn
+                    ctx.send_outputs[msg_id] = outs
+                    ctx.known_workers.add(dest)  # (with only_grad: only with a send function)
         return (ctx.id, msg_id, True) if anomaly_mode.enabled() else (ctx.id, msg_id)
 
     def outgoing_if_grad(self, dest: int, tensors: list, ctx: DistAutogradContext) -> Any:
@@ -104,10 +115,17 @@ class AutogradExtension(AgentExtension):
             if not idx:
                 return tensors
             plain = [tensors[i].detach() for i in idx]
-            with torch.enable_grad():
-                outs = RecvRpc.apply(_ANCHOR, context_id, msg_id, sender, plain)
+            native = native_pass.M
+            if native is not None:
+                # torch's addRecvRpcBackward: the node becomes the received tensors' grad_fn
+                node = native.record_recv(context_id, msg_id, sender, plain)
+                outs = plain
+            else:
+                with torch.enable_grad():
+                    outs = RecvRpc.apply(_ANCHOR, context_id, msg_id, sender, plain)
+                node = outs[0].grad_fn
             with ctx.lock:
-                ctx.recv_functions[msg_id] = outs[0].grad_fn
+                ctx.recv_functions[msg_id] = node
             out = list(tensors)
             for i, t in zip(idx, outs):
                 out[i] = t
@@ -141,6 +159,9 @@ class AutogradExtension(AgentExtension):
         # until its block ends (get_gradients works after shutdown); contexts of
         # other workers' passes go, since no release can reach them any more
         CONTAINER.clear(keep_own=True)
+        for st in list(native_pass.PASSES.values()):
+            if st.initiator != CONTAINER.worker_id:
+                st.abort()   # no initiator can end them any more
         ddp.detach()
 
 

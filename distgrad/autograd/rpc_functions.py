@@ -65,6 +65,12 @@ SEND_NODE_TYPE = None
 RECV_NODE_TYPE = None
 
 
+def use_native_types(send_t: type, recv_t: type) -> None:
+    """From now on this process records native send and recv nodes (:mod:`.native_pass`)."""
+    global SEND_NODE_TYPE, RECV_NODE_TYPE
+    SEND_NODE_TYPE, RECV_NODE_TYPE = send_t, recv_t
+
+
 def _node_types() -> tuple[type, type]:
     global SEND_NODE_TYPE, RECV_NODE_TYPE
     if SEND_NODE_TYPE is None:

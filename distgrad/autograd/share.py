@@ -39,7 +39,7 @@ from torch.autograd.graph import GradientEdge
 
 from ..trace import recorder as _trace
 from ..trace.clock import local_ns
-from . import ddp, node_hooks
+from . import ddp, native_pass, node_hooks
 from .context import CONTAINER, DistAutogradContext
 from .executor import Executor
 from .gradients import fed_slots, ship_absent
@@ -308,6 +308,14 @@ class PassState(Executor):
                     self.ctx.accumulate(node, g)
 
 
+def native_ok(flags: int) -> bool:
+    """Whether this worker's share of a pass with ``flags`` runs on the native engine:
+    the module is built, and the pass needs nothing only the Python engine does yet
+    (``create_graph``, anomaly mode's per-node checks and reports, DDP's flush)."""
+    return (native_pass.M is not None and not flags & (CREATE_GRAPH | ANOMALY)
+            and not ddp.active[0])
+
+
 class Engine:
     """Creates and finds passes (kept in their contexts) and counts them."""
 
@@ -318,26 +326,39 @@ class Engine:
         # how this worker's shares ran: native calls or the executor; executor node count
         self.stats: collections.Counter = collections.Counter()
 
-    def _register(self, state: PassState) -> PassState:
+    def _register(self, state: Any) -> Any:
         with self.lock:
-            self.stats["passes_shared" if state.shared else "passes_native"] += 1
+            kind = ("passes_native_engine" if getattr(state, "native", False)
+                    else "passes_shared" if state.shared else "passes_native")
+            self.stats[kind] += 1
         with state.ctx.lock:
             state.ctx.passes[state.pass_id] = state
         return state
 
-    def new_pass(self, ctx: DistAutogradContext, flags: int, roots: list) -> PassState:
+    def new_pass(self, ctx: DistAutogradContext, flags: int, roots: list,
+                 grads: list | None = None) -> Any:
+        """A pass started here: on the native engine where it can run there
+        (``grads`` given: the roots' gradients), else on the Python engine."""
         pass_id = (CONTAINER.worker_id, next(self._ids))
-        state = self._register(PassState(ctx, pass_id, CONTAINER.worker_id, flags, roots))
+        state = None
+        if grads is not None and native_ok(flags):
+            state = native_pass.NativePass.create(ctx, pass_id, CONTAINER.worker_id, flags, roots, grads)
+        if state is None:
+            state = PassState(ctx, pass_id, CONTAINER.worker_id, flags, roots)
+        self._register(state)
         self.initiated[pass_id] = state
         return state
 
     def get_or_create(self, context_id: int, pass_id: tuple, initiator: int,
-                      flags: int) -> PassState:
+                      flags: int) -> Any:
         ctx = CONTAINER.retrieve(context_id)
         with ctx.lock:
             state = ctx.passes.get(pass_id)
             if state is None:
-                state = PassState(ctx, pass_id, initiator, flags)
+                if native_ok(flags):
+                    state = native_pass.NativePass.create(ctx, pass_id, initiator, flags)
+                if state is None:
+                    state = PassState(ctx, pass_id, initiator, flags)
                 self._register(state)
             return state
 

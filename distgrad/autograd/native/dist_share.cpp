@@ -114,12 +114,12 @@ struct EngineAccess : Engine {
 // Python callables set once by distgrad.autograd.native (never freed: they live as long
 // as the interpreter, and C++ objects holding no Python object need no GIL to die).
 struct Callbacks {
-  py::object ship;      // ship(share_id, context_id, msg_id, sender, grads, unreached)
+  py::object ship;      // ship(share_id, context_id, msg_id, sender, grads, unreached, exp)
   py::object idle;      // idle(share_id, pieces): the share's queue ran dry; its weight
   py::object enter;     // enter(share_id) -> token: a leaf capture begins (context current)
   py::object leave;     // leave(token)
-  py::object grad_of;   // grad_of(share_id, leaf_node) -> Tensor | None
-  py::object store;     // store(share_id, leaf_node, grad)
+  py::object grad_of;   // grad_of(share_id, leaf_node) -> Tensor | None (locks the context's gradients)
+  py::object store;     // store(share_id, leaf_node, grad | None) (and unlocks them)
 };
 Callbacks* callbacks = nullptr;
 
@@ -197,6 +197,9 @@ struct DistShare : std::enable_shared_from_this<DistShare> {
   // the weight this share holds (termination by weight throwing, distgrad/autograd/engine.py):
   // pieces of 2**-exp, added by arrivals, halved by shipped gradients, returned when idle
   std::vector<int64_t> pieces;
+  // send functions whose gradients came while work was queued: they start once it ran
+  // (first come, first served; the queue would otherwise put them first by sequence number)
+  std::vector<c10::intrusive_ptr<Node>> deferred;
   bool reentrant_checkpoint = false;   // a reentrant checkpoint's node is in the share
 
   // half of the largest piece, for a gradient shipped (caller holds mu)
@@ -227,6 +230,12 @@ variable_list IdleMarker::apply(variable_list&&) {
       s->push_marker_locked();
       return {};
     }
+    if (!s->deferred.empty()) {
+      for (auto& n : s->deferred) s->queue->push(NodeTask(s->task, n, InputBuffer(0)), true);
+      s->deferred.clear();
+      s->push_marker_locked();
+      return {};
+    }
     pieces.swap(s->pieces);
   }
   if (pieces.empty()) return {};
@@ -238,21 +247,28 @@ variable_list IdleMarker::apply(variable_list&&) {
 variable_list RecvRpcBackward::apply(variable_list&& grads) {
   std::vector<int64_t> unreached;
   int64_t share = tl_share;
+  int64_t exp = -1;
   if (auto s = find_share(share)) {
-    std::lock_guard<std::mutex> g(s->task->mutex_);
-    auto it = s->recv_feeders.find(this);
-    if (it != s->recv_feeders.end()) {
-      for (size_t i = 0; i < it->second.size(); ++i) {
-        if (it->second[i] == 0) unreached.push_back(static_cast<int64_t>(i));
+    {
+      std::lock_guard<std::mutex> g(s->task->mutex_);
+      auto it = s->recv_feeders.find(this);
+      if (it != s->recv_feeders.end()) {
+        for (size_t i = 0; i < it->second.size(); ++i) {
+          if (it->second[i] == 0) unreached.push_back(static_cast<int64_t>(i));
+        }
       }
     }
+    std::lock_guard<std::mutex> g(s->mu);
+    exp = s->split_locked();
+  } else {
+    share = -1;
   }
   py::gil_scoped_acquire gil;
   py::list gs;
   for (auto& t : grads) {
     if (t.defined()) gs.append(py::cast(t)); else gs.append(py::none());
   }
-  callbacks->ship(share, context_id, msg_id, sender, gs, py::cast(unreached));
+  callbacks->ship(share, context_id, msg_id, sender, gs, py::cast(unreached), exp);
   return {};
 }
 
@@ -277,10 +293,16 @@ struct LeafCapture : GraphTask::ExecInfo::Capture::GradCaptureHook {
     if (inputGrads[0].defined()) {
       py::object leaf = py::reinterpret_steal<py::object>(functionToPyObject(acc_));
       py::object old_obj = callbacks->grad_of(share_, leaf);
-      at::Tensor old = old_obj.is_none() ? at::Tensor() : old_obj.cast<at::Tensor>();
-      old_obj = py::none();
       at::Tensor result;
       bool updated = false;
+      struct Store {   // always called: it also unlocks the context's gradients
+        int64_t share; py::object& leaf; at::Tensor& result; bool& updated;
+        ~Store() {
+          callbacks->store(share, leaf, updated ? py::cast(result) : py::none());
+        }
+      } store{share_, leaf, result, updated};
+      at::Tensor old = old_obj.is_none() ? at::Tensor() : old_obj.cast<at::Tensor>();
+      old_obj = py::none();
       {
         auto forward_stream = acc_->stream();
         c10::OptionalStreamGuard stream_guard(forward_stream);
@@ -290,9 +312,6 @@ struct LeafCapture : GraphTask::ExecInfo::Capture::GradCaptureHook {
         AccumulateGrad::accumulateGrad(
             acc_->variable, old, inputGrads[0], 3,
             [&](at::Tensor&& g) { result = std::move(g); updated = true; });
-      }
-      if (updated) {
-        callbacks->store(share_, leaf, py::cast(result));
       }
     }
     const variable_list kEmpty;
@@ -482,16 +501,21 @@ std::vector<std::pair<Node*, uint32_t>> edges_of(Node* fn) {
   return out;
 }
 
-void ship_dead(int64_t share, std::vector<c10::intrusive_ptr<Node>>& dead) {
+// Recv functions no path reached still tell their senders (all slots unreached): a
+// sender may be waiting for them. Caller holds s.mu (not the GIL).
+void ship_dead(DistShare& s, std::vector<c10::intrusive_ptr<Node>>& dead) {
   if (dead.empty()) return;
+  std::vector<int64_t> exps;
+  for (size_t k = 0; k < dead.size(); ++k) exps.push_back(s.split_locked());
   py::gil_scoped_acquire gil;
-  for (auto& n : dead) {
-    auto* r = static_cast<RecvRpcBackward*>(n.get());
+  for (size_t k = 0; k < dead.size(); ++k) {
+    auto* r = static_cast<RecvRpcBackward*>(dead[k].get());
     py::list gs;
     std::vector<int64_t> all;
     for (size_t i = 0; i < r->num_inputs(); ++i) { gs.append(py::none()); all.push_back(i); }
-    callbacks->ship(share, r->context_id, r->msg_id, r->sender, gs, py::cast(all));
+    callbacks->ship(s.id, r->context_id, r->msg_id, r->sender, gs, py::cast(all), exps[k]);
   }
+  dead.clear();
 }
 
 }  // namespace distgrad
@@ -633,10 +657,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::gil_scoped_release nogil;
           std::lock_guard<std::mutex> g(s.mu);
           if (s.closed) return false;
-          s.pieces.push_back(exp);
           if (unreached.empty()) {
             sn->set_grads(std::move(gs));
-            s.queue->push(NodeTask(s.task, node, InputBuffer(0)), true);
+            s.deferred.push_back(node);
           } else {
             // only the reached slots feed the nodes behind; the others' edges die
             std::lock_guard<std::mutex> tg(s.task->mutex_);
@@ -680,9 +703,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               }
             }
           }
+          s.pieces.push_back(exp);
+          ship_dead(s, dead);
           s.push_marker_locked();
         }
-        ship_dead(s.id, dead);
         return true;
       })
       // retire(send_nodes): these send functions will receive no gradient in this pass
@@ -695,23 +719,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           std::lock_guard<std::mutex> g(s.mu);
           if (s.closed) return false;
           s.pieces.push_back(exp);
-          std::lock_guard<std::mutex> tg(s.task->mutex_);
-          for (auto& n : nodes) {
-            if (!s.retired.insert(n.get()).second) continue;
-            kill_edges(s, edges_of(n.get()), dead);
+          {
+            std::lock_guard<std::mutex> tg(s.task->mutex_);
+            for (auto& n : nodes) {
+              if (!s.retired.insert(n.get()).second) continue;
+              kill_edges(s, edges_of(n.get()), dead);
+            }
           }
+          ship_dead(s, dead);
           s.push_marker_locked();
         }
-        ship_dead(s.id, dead);
         return true;
       })
       // half of the largest piece of weight this share holds, for a gradient it ships
       .def("split", [](DistShare& s) {
+        py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(s.mu);
         return s.split_locked();
       })
       // what weight is left (the share ended: run() returned or raised)
       .def("take_pieces", [](DistShare& s) {
+        py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(s.mu);
         std::vector<int64_t> out;
         out.swap(s.pieces);
@@ -725,6 +753,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return !s.task->not_ready_.empty();
       })
       .def("has_final_callbacks", [](DistShare& s) {
+        py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(s.task->final_callbacks_lock_);
         return !s.task->final_callbacks_.empty();
       })

@@ -1,0 +1,337 @@
+"""One worker's share of a distributed backward pass on the native engine
+(:mod:`.native`, ``native/dist_share.cpp``): one ``GraphTask`` of torch's own engine
+per worker per pass, as torch's ``DistEngine`` runs it.
+
+The task's dependencies are computed once over the whole share (the roots and
+every send function of the context); gradients that arrive over RPC are fed
+into the running task; the caller's thread-local state is the task's (torch's
+``ThreadLocalStateGuard`` restores it around every node); leaves' gradients go
+to the context by torch's own ``AccumulateGrad::accumulateGrad`` rules; hooks,
+``queue_callback``, multi-grad hooks and graph freeing are torch's. Nothing is
+run by hand.
+
+The pass speaks the same messages as the Python engine (:mod:`.share`,
+:mod:`.engine`), so one worker may run its share natively and another in
+Python: gradients as one-way requests with a weight, and weight reports to the
+initiator. A share reports when its queue runs dry (the idle marker of the C++
+module), with the weight it holds, whether nodes wait for gradients that have
+not come (``blocked``) and whether its task holds final callbacks. A send
+function that will never get a gradient (an unused RPC result) is retired after
+the initiator's discovery: the nodes behind it lose that dependency, as if no
+path reached them.
+
+The thread that drives a share: the caller of ``backward`` on the initiator;
+on every other worker a runner thread, from the first gradient until the
+initiator ends the pass (``ag_release``, or a round of weight when a task holds
+final callbacks, so that they ran everywhere before ``backward`` returns).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..trace import recorder as _trace
+from ..trace.clock import local_ns
+from . import native as _build
+from . import rpc_functions
+from .context import CONTAINER, DistAutogradContext
+from .gradients import RECEIVER, _agent, backward_error
+
+M: Any = None                    # the compiled module, once loaded
+PASSES: dict[int, "NativePass"] = {}   # share id -> pass, while its share lives
+_LOCK = threading.Lock()
+
+
+def module() -> Any:
+    """The native module (loaded, built if needed, once), or None: the Python engine
+    then runs every pass (``distgrad.autograd.native.WHY_NOT`` says why)."""
+    global M
+    if M is None and _build.wanted():
+        m = _build.load()
+        if m is not None:
+            m.set_callbacks(_ship, _idle, _enter, _leave, _grad_of, _store)
+            rpc_functions.use_native_types(m.SendType, m.RecvType)
+            M = m
+    return M
+
+
+def is_native_node(node: Any) -> bool:
+    return M is not None and type(node) in (M.SendType, M.RecvType)
+
+
+# -- the C++ module's callbacks (the thread driving a share, or a feeding thread) ----
+def _ship(share_id: int, context_id: int, msg_id: int, sender: int, grads: list,
+          unreached: list, exp: int) -> None:
+    """A recv function ran (or nothing reached it): its gradients go to its sender
+    with weight ``2**-exp`` taken from the share."""
+    st = PASSES.get(share_id)
+    if st is None:
+        raise RuntimeError(f"recv function of context {context_id} ran outside a distributed "
+                           "backward pass (use distgrad.autograd.backward)")
+    gone = st.ctx.lost_peers.get(sender)
+    if gone is not None:
+        raise gone
+    with st.lock:
+        st.targets.add(sender)
+    _agent().notify(sender, RECEIVER[0], (context_id, st.pass_id, st.initiator, st.flags, msg_id,
+                                          list(grads), exp, list(unreached)))
+
+
+def _idle(share_id: int, pieces: list) -> None:
+    """The share's queue ran dry: return its weight to the initiator."""
+    st = PASSES.get(share_id)
+    if st is not None:
+        st.report(pieces)
+
+
+def _enter(share_id: int) -> Any:
+    st = PASSES.get(share_id)
+    # torch's capture hook makes the pass's context current while the leaf's hooks run
+    return CONTAINER.set_current(st.ctx if st is not None else None)
+
+
+def _leave(token: Any) -> None:
+    CONTAINER.set_current(token)
+
+
+def _grad_of(share_id: int, leaf: Any) -> torch.Tensor | None:
+    st = PASSES[share_id]
+    st.ctx.acc_lock.acquire()
+    try:
+        return st.ctx.gradient_of(leaf)
+    except BaseException:
+        st.ctx.acc_lock.release()
+        raise
+
+
+def _store(share_id: int, leaf: Any, grad: torch.Tensor | None) -> None:
+    st = PASSES[share_id]
+    try:
+        if grad is not None:
+            st.ctx.store(leaf, grad)
+    finally:
+        st.ctx.acc_lock.release()
+
+
+# -- runner threads for the shares of passes started elsewhere ---------------------------
+_idle_runners: list = []
+
+
+def _runner(tasks: queue.SimpleQueue) -> None:
+    while True:
+        st = tasks.get()
+        if st is None:
+            return
+        try:
+            st.drive(st.first_exp)
+            if st.after_drive is not None:
+                st.after_drive()
+        finally:
+            with _LOCK:
+                _idle_runners.append(tasks)
+
+
+def _start(st: NativePass) -> None:
+    with _LOCK:
+        tasks = _idle_runners.pop() if _idle_runners else None
+    if tasks is None:
+        tasks = queue.SimpleQueue()
+        threading.Thread(target=_runner, args=(tasks,), name="distgrad-share", daemon=True).start()
+    tasks.put(st)
+
+
+class NativePass:
+    """One worker's share of one pass, on the native engine (see the module's doc)."""
+
+    native = True
+    shared = False
+    first_exp: int | None = None     # initiator driven by a runner (backward_async): its weight
+    after_drive: Any = None          # ... and what runs once its task completed
+    nodes_run = 0
+    checkpoints: list = []
+
+    def __init__(self, ctx: DistAutogradContext, pass_id: tuple, initiator: int, flags: int,
+                 share: Any, sends: dict, roots: Sequence[torch.Tensor] = ()) -> None:
+        from .share import CREATE_GRAPH, RETAIN
+        self.ctx, self.pass_id, self.initiator, self.flags = ctx, pass_id, initiator, flags
+        self.retain_graph = bool(flags & (RETAIN | CREATE_GRAPH))
+        self.create_graph = False
+        self.anomaly = False
+        self.aborted = False
+        self.roots = list(roots)
+        self.share = share
+        self.sends = sends               # msg id -> send node, at first contact
+        self.lock = threading.RLock()
+        self.targets: set = set()        # workers shipped to since the last report
+        self.fed: set = set()            # send functions that got their gradients
+        self.discovered: set = set()
+        self.reach: set | None = None
+        self.running = 0
+        self.started = False
+        self.ack: list = []              # weight of a release round, returned once ended
+        self.outcome: BaseException | None = None
+        # initiator only: termination (engine._returned), as PassState's
+        self.term_lock = threading.Lock()
+        from fractions import Fraction
+        self.weight = Fraction(0)
+        self.round_blocked: set = set()
+        self.ddp_holders: set = set()
+        self.participants: set = {CONTAINER.worker_id}
+        self.finished = False
+        self.on_round = None
+        self.inline = None
+        self.user_grads = False
+        PASSES[share.id] = self
+
+    @classmethod
+    def create(cls, ctx: DistAutogradContext, pass_id: tuple, initiator: int, flags: int,
+               roots: Sequence[torch.Tensor] = (), grads: Sequence[torch.Tensor] = ()
+               ) -> NativePass | None:
+        """The native share of this pass, or None where the Python engine must run it
+        (a send function recorded by the Python engine, a reentrant checkpoint)."""
+        from .share import RETAIN, CREATE_GRAPH
+        with ctx.lock:
+            sends = dict(ctx.send_functions)
+        if any(type(n) is not M.SendType for n in sends.values()):
+            return None
+        share = M.Share(bool(flags & (RETAIN | CREATE_GRAPH)), False, list(roots), list(grads),
+                        list(sends.values()))
+        if share.reentrant_checkpoint:
+            share.forget()
+            return None
+        return cls(ctx, pass_id, initiator, flags, share, sends, roots)
+
+    def resume(self) -> None:   # (the engine calls round_step on native shares)
+        raise AssertionError("native shares resume through round_step")
+
+    flush_ddp = resume
+
+    # -- the engine's questions ---------------------------------------------------------
+    def blocked(self) -> bool:
+        return self.share.blocked()
+
+    def holds_ddp(self) -> bool:
+        return False
+
+    def trace_key(self) -> str:
+        return f"{self.pass_id[0]}.{self.pass_id[1]}"
+
+    def walk_reach(self, starts: Sequence[Any]) -> list:
+        """Discovery: mark what ``starts`` reach; returns the recv functions met."""
+        from .walk import walk_reach
+        if self.reach is None:
+            self.reach = set()
+        return walk_reach(self.reach, starts)
+
+    # -- gradients in -------------------------------------------------------------------
+    def arrive(self, msg_id: int, node: Any, grads: list, unreached: Sequence[int], exp: int) -> None:
+        """Gradients for send function ``msg_id`` came with weight ``2**-exp``."""
+        from .engine import _report
+        if self.aborted:
+            _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), None)
+            return
+        with self.lock:
+            self.fed.add(msg_id)
+        try:
+            ok = self.share.feed(node, [g if isinstance(g, torch.Tensor) else None for g in grads],
+                                 list(unreached), exp)
+        except BaseException as e:  # noqa: BLE001 - the pass's error
+            _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), backward_error(e))
+            return
+        if not ok:   # the share ended (the pass did): nothing in flight can be lost
+            _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), None)
+            return
+        if self.initiator != CONTAINER.worker_id:
+            self.ensure_running()
+
+    def ensure_running(self) -> None:
+        with self.lock:
+            if self.started:
+                return
+            self.started = True
+        _start(self)
+
+    def round_step(self, kind: str, exp: int) -> None:
+        """A round the initiator began: ``resume`` (discovery is done: send functions it
+        did not reach will get nothing) or ``flush`` (the pass is quiet: end the task,
+        its final callbacks run, then return the weight)."""
+        from .engine import _report
+        if kind == "resume":
+            with self.lock:
+                dead = [n for m, n in self.sends.items() if m not in self.discovered and m not in self.fed]
+            ok = self.share.retire(dead, exp)
+            if not ok:
+                _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), None)
+            elif self.initiator != CONTAINER.worker_id:
+                self.ensure_running()
+            return
+        if self.initiator == CONTAINER.worker_id:
+            # the initiator's task ends when its backward returns: its callbacks then run
+            _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), None)
+            return
+        with self.lock:
+            self.ack.append(exp)
+        self.share.release()
+        self.ensure_running()
+
+    # -- weight out ---------------------------------------------------------------------
+    def report(self, pieces: list, err: BaseException | None = None) -> None:
+        from .engine import _report
+        with self.lock:
+            targets, self.targets = self.targets, set()
+        blocked = err is None and self.share.blocked()
+        callbacks = err is None and self.share.has_final_callbacks()
+        _report(self.ctx.id, self.pass_id, self.initiator, list(pieces), blocked, targets, err,
+                callbacks)
+
+    # -- the task ------------------------------------------------------------------------
+    def drive(self, exp: int | None = None) -> None:
+        """Run the task on this thread until the pass ends here (``release``)."""
+        prev = CONTAINER.set_current(None)   # a pass's nodes run outside any context
+        err = None
+        tr = _trace.ACTIVE
+        t0 = local_ns() if tr is not None else 0
+        self.running += 1
+        try:
+            self.share.run(exp)
+        except BaseException as e:  # noqa: BLE001 - the pass's error
+            if not self.aborted:
+                err = backward_error(e)
+        finally:
+            self.running -= 1
+            CONTAINER.set_current(prev)
+            if tr is not None:
+                tr.span("backward run (native share)", "backward", t0, {"pass": self.trace_key()})
+        pieces = self.share.take_pieces()
+        with self.lock:
+            pieces += self.ack
+            self.ack = []
+        self.end()
+        if err is not None or pieces:
+            self.report(pieces, err) if err is None else self._report_error(pieces, err)
+
+    def _report_error(self, pieces: list, err: BaseException) -> None:
+        from .engine import _report
+        with self.lock:
+            targets, self.targets = self.targets, set()
+        _report(self.ctx.id, self.pass_id, self.initiator, list(pieces), False, targets, err)
+
+    def release(self) -> None:
+        """The pass ended: the task completes on the thread driving it."""
+        self.share.release()
+
+    def abort(self) -> None:
+        """The pass failed elsewhere: stop running it."""
+        self.aborted = True
+        self.share.abort()
+
+    def end(self) -> None:
+        PASSES.pop(self.share.id, None)
+        self.share.forget()
+        with self.ctx.lock:
+            if self.ctx.passes.get(self.pass_id) is self:
+                del self.ctx.passes[self.pass_id]
