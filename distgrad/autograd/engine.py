@@ -415,8 +415,6 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
         ENGINE.finish(state)
         if exc is not None:
             _abort(state)
-        elif native:
-            _end_remote_shares(state)
         deliver(exc)
         if native:   # the initiator's task completes (its final callbacks run) or stops
             if exc is not None:

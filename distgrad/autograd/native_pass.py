@@ -81,11 +81,12 @@ def _ship(share_id: int, context_id: int, msg_id: int, sender: int, grads: list,
                                           list(grads), exp, list(unreached)))
 
 
-def _idle(share_id: int, pieces: list) -> None:
-    """The share's queue ran dry: return its weight to the initiator."""
+def _idle(share_id: int, pieces: list, open_: bool) -> None:
+    """The share's queue ran dry: return its weight to the initiator (``open_``: some of
+    its send functions may still get gradients, so its task has not ended)."""
     st = PASSES.get(share_id)
     if st is not None:
-        st.report(pieces)
+        st.report(pieces, open_=open_)
 
 
 def _enter(share_id: int) -> Any:
@@ -279,14 +280,15 @@ class NativePass:
         self.ensure_running()
 
     # -- weight out ---------------------------------------------------------------------
-    def report(self, pieces: list, err: BaseException | None = None) -> None:
+    def report(self, pieces: list, err: BaseException | None = None, open_: bool = False) -> None:
+        """Return weight; ``open_`` (a share of a pass started elsewhere whose task has not
+        ended): the initiator ends it with a round once the pass is quiet (``held``)."""
         from .engine import _report
         with self.lock:
             targets, self.targets = self.targets, set()
         blocked = err is None and self.share.blocked()
-        callbacks = err is None and self.share.has_final_callbacks()
-        _report(self.ctx.id, self.pass_id, self.initiator, list(pieces), blocked, targets, err,
-                callbacks)
+        held = open_ and err is None and self.initiator != CONTAINER.worker_id
+        _report(self.ctx.id, self.pass_id, self.initiator, list(pieces), blocked, targets, err, held)
 
     # -- the task ------------------------------------------------------------------------
     def drive(self, exp: int | None = None) -> None:

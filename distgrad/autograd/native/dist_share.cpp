@@ -115,7 +115,8 @@ struct EngineAccess : Engine {
 // as the interpreter, and C++ objects holding no Python object need no GIL to die).
 struct Callbacks {
   py::object ship;      // ship(share_id, context_id, msg_id, sender, grads, unreached, exp)
-  py::object idle;      // idle(share_id, pieces): the share's queue ran dry; its weight
+  py::object idle;      // idle(share_id, pieces, open): the queue ran dry; its weight, and
+                        // whether send functions may still get gradients
   py::object enter;     // enter(share_id) -> token: a leaf capture begins (context current)
   py::object leave;     // leave(token)
   py::object grad_of;   // grad_of(share_id, leaf_node) -> Tensor | None (locks the context's gradients)
@@ -201,6 +202,14 @@ struct DistShare : std::enable_shared_from_this<DistShare> {
   // (first come, first served; the queue would otherwise put them first by sequence number)
   std::vector<c10::intrusive_ptr<Node>> deferred;
   bool reentrant_checkpoint = false;   // a reentrant checkpoint's node is in the share
+  // a share of a pass started elsewhere ends by itself once every send function got its
+  // gradients (or will get none) and nothing is queued: its task completes, as torch's
+  // does once every send function ran (its final callbacks run then)
+  bool auto_end = false;
+  std::unordered_set<Node*> sends;      // the share's send functions
+  std::unordered_set<Node*> consumed;   // ... fed or retired
+
+  bool open_locked() const { return consumed.size() < sends.size(); }
 
   // half of the largest piece, for a gradient shipped (caller holds mu)
   int64_t split_locked() {
@@ -222,6 +231,7 @@ variable_list IdleMarker::apply(variable_list&&) {
   auto s = find_share(share);
   if (!s) return {};
   std::vector<int64_t> pieces;
+  bool open = false;
   {
     std::lock_guard<std::mutex> g(s->mu);
     s->marker_pending = false;
@@ -236,11 +246,18 @@ variable_list IdleMarker::apply(variable_list&&) {
       s->push_marker_locked();
       return {};
     }
+    if (s->auto_end && !s->open_locked() && !s->closed) {
+      // done here: the task completes; the thread driving it returns the weight after
+      s->closed = true;
+      s->queue->push(NodeTask(s->task, c10::intrusive_ptr<Node>(), InputBuffer(0)), false);
+      return {};
+    }
     pieces.swap(s->pieces);
+    open = s->open_locked();
   }
   if (pieces.empty()) return {};
   py::gil_scoped_acquire gil;
-  callbacks->idle(share, py::cast(pieces));
+  callbacks->idle(share, py::cast(pieces), open);
   return {};
 }
 
@@ -343,7 +360,11 @@ std::shared_ptr<DistShare> make_share(bool keep_graph, bool grad_mode,
   for (const auto& r : roots) root_edges.push_back(impl::gradient_edge(r));
   s->root = c10::make_intrusive<GraphRoot>(std::move(root_edges), root_grads);
   std::vector<c10::intrusive_ptr<Node>> sends;
-  for (auto h : send_nodes) sends.push_back(node_of(h));
+  for (auto h : send_nodes) {
+    sends.push_back(node_of(h));
+    s->sends.insert(sends.back().get());
+  }
+  s->auto_end = roots.empty();
 
   c10::SmallVector<Node*, 4> graph_roots{s->root.get()};
   for (auto& n : sends) graph_roots.push_back(n.get());
@@ -657,6 +678,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::gil_scoped_release nogil;
           std::lock_guard<std::mutex> g(s.mu);
           if (s.closed) return false;
+          s.consumed.insert(node.get());
           if (unreached.empty()) {
             sn->set_grads(std::move(gs));
             s.deferred.push_back(node);
@@ -723,6 +745,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             std::lock_guard<std::mutex> tg(s.task->mutex_);
             for (auto& n : nodes) {
               if (!s.retired.insert(n.get()).second) continue;
+              s.consumed.insert(n.get());
               kill_edges(s, edges_of(n.get()), dead);
             }
           }
