@@ -172,4 +172,11 @@ def info() -> dict:
     fallback = _CHOOSER.built.get(FALLBACK_KEY) if _CHOOSER is not None else None
     if fallback:
         out["install_fell_back"] = str(fallback)
+    # the distributed backward's engine: native (one torch GraphTask a worker a pass) where
+    # distgrad/autograd/native could be built, else the Python engine (and why)
+    from .autograd import native
+    mod = native.load(build=False) if native.built() else None
+    out["autograd_engine"] = "native" if mod is not None else "python"
+    if mod is None:
+        out["autograd_engine_why"] = native.WHY_NOT or "not built yet (python -m distgrad build-native)"
     return out

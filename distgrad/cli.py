@@ -46,6 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "a store is unpickled; on one node it stays in the agent, and the workers' "
                     "store listens on MASTER_ADDR 127.0.0.1 or --master-addr alone). Exit code: "
                     "the first failed worker's.")
+    bn = sub.add_parser(
+        "build-native", help="build the native distributed autograd engine now (else on first use)",
+        description="Compile distgrad's native share of a distributed backward (one GraphTask of "
+                    "torch's engine per worker per pass) against the installed torch, into "
+                    "$DISTGRAD_NATIVE_CACHE or ~/.cache/distgrad/native; needs a C++ compiler and "
+                    "ninja. Without them the Python engine runs every pass (the reason is "
+                    "printed; exit code 0 unless --require).")
+    bn.add_argument("--require", action="store_true",
+                    help="exit with code 1 when the native engine cannot be built")
     store = sub.add_parser(
         "store", help="serve a torch.distributed TCPStore for dynamic groups (until interrupted)",
         description="Serve the rendezvous store of a dynamic group (init_rpc without world_size) "
@@ -101,7 +110,10 @@ def _version() -> str:
     from . import info
     i = info()
     why = f": the install fell back: {i['install_fell_back']}" if "install_fell_back" in i else ""
-    return f"{i['version']} ({i['message_path']} message path{why})"
+    engine = f"{i['autograd_engine']} autograd engine"
+    if "autograd_engine_why" in i:
+        engine += f": {i['autograd_engine_why']}"
+    return f"{i['version']} ({i['message_path']} message path{why}; {engine})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,6 +127,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch(args)
     if args.command == "store":
         return _serve_store(args.host, args.port)
+    if args.command == "build-native":
+        from .autograd import native
+        mod = native.load()
+        if mod is None:
+            print(f"distgrad: the native autograd engine cannot be built: {native.WHY_NOT}; "
+                  "the Python engine runs every pass", file=sys.stderr)
+            return 1 if args.require else 0
+        print(f"distgrad: native autograd engine built: {mod.__file__}")
+        return 0
     if args.command == "trace-plot":
         from .trace.plot import main as trace_plot
         return trace_plot(args)

@@ -42,7 +42,7 @@ from ..trace.clock import local_ns
 from . import ddp, native_pass, node_hooks
 from .context import CONTAINER, DistAutogradContext
 from .executor import Executor
-from .gradients import fed_slots, ship_absent
+from .gradients import fed_slots, ship_absent, ship_gradients
 from .nodes import UNREACHED, grad_call, validate
 from .rpc_functions import _ANCHOR, _node_types
 from .walk import Region, fed_slots_below, recv_slot, walk_reach, walk_region
@@ -222,8 +222,23 @@ class PassState(Executor):
             # hook kept it since (DistAutogradContext.accumulate_fresh)
             before = list(map(sys.getrefcount, given)) if key != "root" else None
             with fed_slots(fed):
-                inputs = variables + [_ANCHOR] if region.recvs else variables
+                native_recvs = region.recvs and native_pass.is_native_node(region.recvs[0])
+                if native_recvs:
+                    # native recv functions have no anchor: the call captures what reaches
+                    # their inputs, and they ship it from here
+                    recv_edges = [GradientEdge(r, i) for r in region.recvs
+                                  for i in range(len(r._input_metadata))]
+                    inputs = variables + recv_edges
+                else:
+                    inputs = variables + [_ANCHOR] if region.recvs else variables
                 res = grad_call(outs, given, tuple(inputs), self.retain_graph, self.create_graph)
+                if native_recvs and res is not None:
+                    got, res = res[len(variables):], res[:len(variables)]
+                    k = 0
+                    for r in region.recvs:
+                        n = len(r._input_metadata)
+                        ship_gradients(r.dg_info, list(got[k:k + n]))
+                        k += n
             if res is not None:
                 # gradients that came over the network belong to this pass: no defensive copy
                 self.take_leaves(region.leaves, res, given, owned=key != "root",

@@ -30,6 +30,17 @@ def _cache_dir() -> str:
     return os.path.join(base, f"torch-{torch.__version__}-{digest}")
 
 
+def built() -> bool:
+    """Whether a build for this torch and source is in the cache (loading it is quick)."""
+    try:
+        where = _cache_dir()
+    except Exception:  # noqa: BLE001 - no torch, an unreadable source
+        return False
+    return os.path.exists(os.path.join(where, "distgrad_native.so")) or any(
+        f.startswith("distgrad_native") and f.endswith((".so", ".pyd")) for f in
+        (os.listdir(where) if os.path.isdir(where) else ()))
+
+
 def wanted() -> bool:
     """Whether the native engine may be used (``DISTGRAD_NATIVE=0`` turns it off)."""
     return os.environ.get("DISTGRAD_NATIVE", "1").strip() not in ("0", "")
@@ -47,6 +58,8 @@ def load(build: bool = True, verbose: bool = False):
     global _module, _tried, WHY_NOT
     if _module is not None or (_tried and not build):
         return _module
+    if not build and not built():
+        return None
     with _lock:
         if _module is not None:
             return _module

@@ -678,7 +678,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::gil_scoped_release nogil;
           std::lock_guard<std::mutex> g(s.mu);
           if (s.closed) return false;
-          s.consumed.insert(node.get());
+          if (!s.consumed.insert(node.get()).second) {
+            // it got its gradients already, or was retired (its recv function was dead
+            // and discovery did not reach it): nothing more runs behind it
+            s.pieces.push_back(exp);
+            s.push_marker_locked();
+            return true;
+          }
           if (unreached.empty()) {
             sn->set_grads(std::move(gs));
             s.deferred.push_back(node);
@@ -744,8 +750,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           {
             std::lock_guard<std::mutex> tg(s.task->mutex_);
             for (auto& n : nodes) {
-              if (!s.retired.insert(n.get()).second) continue;
-              s.consumed.insert(n.get());
+              if (!s.consumed.insert(n.get()).second) continue;
+              s.retired.insert(n.get());
               kill_edges(s, edges_of(n.get()), dead);
             }
           }
