@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import pickle
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -582,8 +583,17 @@ def _backward_inline(context_id: int, roots: Sequence[torch.Tensor], retain_grap
                            lambda exc: tasks.put((None, exc)), inline=tasks,
                            create_graph=create_graph, alone=alone)
     if getattr(state, "native", False):
-        # one graph task of torch's engine, driven here until the pass ends everywhere
-        state.drive(0)
+        if torch._C._current_graph_task_id() == -1:
+            # one graph task of torch's engine, driven here until the pass ends everywhere
+            state.drive(0)
+        else:
+            # called from inside a backward (a hook): this thread's engine queue is that
+            # backward's, so a runner thread drives the share (the task still carries
+            # this thread's state) while this one waits
+            done = threading.Event()
+            state.after_drive = done.set
+            native_pass._start(state)
+            done.wait()
         _, exc = tasks.get()
         if exc is not None:
             raise exc

@@ -398,7 +398,9 @@ std::shared_ptr<DistShare> make_share(bool keep_graph, bool grad_mode,
       }
       if (seen.insert(next).second) {
         q.push(next);
-        task.nodes_in_graph_.insert(next);
+        // (nodes_in_graph_ stays empty, as torch's DistEngine leaves it: so
+        // torch.autograd.graph._will_engine_execute_node is False in a distributed
+        // backward, and a multi-grad hook in mode "all" never fires, as under torch)
         if (next->name() == "CheckpointFunctionBackward") s->reentrant_checkpoint = true;
         if (next->next_edges().empty()) {
           if (dynamic_cast<RecvRpcBackward*>(next)) {
