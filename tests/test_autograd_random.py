@@ -230,7 +230,7 @@ def test_random_programs(world):
     res = _run_checked(world, SEEDS[world], {"features": CLASSIC}, "programs differ from local autograd",
                        " --features none")
     stats = res["engine_stats"]  # every way of running a worker's share was exercised
-    if stats.get("passes_native_engine", 0) == 0:   # the Python engine (DISTGRAD_NATIVE=0)
+    if stats.get("passes_graph_task", 0) == 0:   # the Python engine (DISTGRAD_NATIVE=0)
         assert stats.get("passes_native", 0) > 0 and stats.get("passes_shared", 0) > 0, stats
 
 

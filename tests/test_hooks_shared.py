@@ -176,7 +176,7 @@ def _passes_shared():
     """Passes whose shares ran as one graph task (native engine) or, on the Python
     engine, with a region two entries share (the node-by-node executor)."""
     from distgrad.autograd.share import ENGINE
-    return ENGINE.stats.get("passes_shared", 0) + ENGINE.stats.get("passes_native_engine", 0)
+    return ENGINE.stats.get("passes_shared", 0) + ENGINE.stats.get("passes_graph_task", 0)
 
 
 def test_hooks_in_shared_regions_match_local_autograd():

@@ -101,7 +101,7 @@ def _hooks(rank, ws):
     # a shared region (y both sent and used locally): the node-by-node executor
     from distgrad.autograd.share import ENGINE
     def _shared():   # (one graph task on the native engine)
-        return ENGINE.stats.get("passes_shared", 0) + ENGINE.stats.get("passes_native_engine", 0)
+        return ENGINE.stats.get("passes_shared", 0) + ENGINE.stats.get("passes_graph_task", 0)
     shared = _shared()
     x = torch.ones(2, requires_grad=True)
     calls = []

@@ -189,7 +189,9 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 
 def get_engine_stats() -> dict[str, int]:
     """distgrad's own engine counters on this worker (torch's two keys stay in
-    :func:`_get_debug_info`): ``passes_native`` (this worker's share ran as
+    :func:`_get_debug_info`): ``passes_graph_task`` (this worker's share ran as
+    one graph task of torch's engine: the native engine), and on the Python engine
+    ``passes_native`` (this worker's share ran as
     native engine calls), ``passes_shared`` (entries shared nodes, so the
     node-by-node executor ran it), ``executor_nodes_run``, ``passes_discovered``
     (passes this worker started that needed the discovery fallback because a
@@ -197,11 +199,11 @@ def get_engine_stats() -> dict[str, int]:
 
     Example::
 
-        >>> dist_autograd.get_engine_stats()["passes_native"]
+        >>> dist_autograd.get_engine_stats()["passes_graph_task"]
         12
     """
     with ENGINE.lock:
-        return {k: ENGINE.stats.get(k, 0) for k in ("passes_native", "passes_shared",
+        return {k: ENGINE.stats.get(k, 0) for k in ("passes_graph_task", "passes_native", "passes_shared",
                                                     "executor_nodes_run", "passes_discovered")}
 
 

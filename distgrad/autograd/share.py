@@ -343,7 +343,7 @@ class Engine:
 
     def _register(self, state: Any) -> Any:
         with self.lock:
-            kind = ("passes_native_engine" if getattr(state, "native", False)
+            kind = ("passes_graph_task" if getattr(state, "native", False)
                     else "passes_shared" if state.shared else "passes_native")
             self.stats[kind] += 1
         with state.ctx.lock:

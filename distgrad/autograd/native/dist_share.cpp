@@ -637,30 +637,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // run(): drive the task on this thread until the pass ends here (release()),
       // without the GIL; raises the task's error
       .def("run", [](std::shared_ptr<DistShare> s, std::optional<int64_t> exp) {
-        {
-          std::lock_guard<std::mutex> g(s->mu);
-          TORCH_CHECK(!s->started, "a share runs once");
-          s->started = true;
-          if (exp.has_value()) s->pieces.push_back(*exp);
-          s->push_marker_locked();
-        }
+        // (never wait for a share's mutex holding the GIL: a thread holding the mutex
+        // may be waiting for the GIL to ship a gradient)
         int64_t prev = tl_share;
         tl_share = s->id;
         c10::intrusive_ptr<at::ivalue::Future> fut;
         try {
           py::gil_scoped_release nogil;
+          {
+            std::lock_guard<std::mutex> g(s->mu);
+            TORCH_CHECK(!s->started, "a share runs once");
+            s->started = true;
+            if (exp.has_value()) s->pieces.push_back(*exp);
+            s->push_marker_locked();
+          }
           auto& engine = Engine::get_default_engine();
           EngineAccess::use_queue(engine, s->queue);
           fut = engine.execute_with_graph_task(s->task, s->root, InputBuffer(0));
+          std::lock_guard<std::mutex> g(s->mu);
+          s->closed = true;
         } catch (...) {
           tl_share = prev;
           throw;
         }
         tl_share = prev;
-        {
-          std::lock_guard<std::mutex> g(s->mu);
-          s->closed = true;
-        }
         s->task->warning_handler_.replay_warnings();
         if (fut->hasError()) {
           fut->value();  // rethrows
