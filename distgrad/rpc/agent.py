@@ -209,7 +209,8 @@ class RpcAgent(FastPath, Serving, Members):
 
     def read_reply(self, p: _Pending) -> None:
         """Wait for the reply of an rpc_async call on this thread, reading it here
-        when nobody else reads that connection, and complete its future."""
+        when nobody else reads that connection; its future is then completed on a
+        pool thread (the caller's ``wait()`` waits for that)."""
         read_until = getattr(self.transport, "read_until", None)
         if read_until is None:
             return
@@ -220,9 +221,17 @@ class RpcAgent(FastPath, Serving, Members):
             p.reader = None
         result, p.result = p.result, None
         if result is not None:
-            # callbacks run on a pool thread after the waiter wakes, as torch runs them
-            # (never inside this wait(): the waiter may hold what a callback needs)
-            self._finish_async(p, result)
+            # Completed (decoded, then set) on a pool thread, which wakes this waiter
+            # and then runs the future's callbacks there, as torch completes every
+            # reply on its RPC threads: never here, inside wait(), where the waiter
+            # may hold what a callback needs. Always, not only when then() or
+            # add_done_callback() marked it: a callback registered in C++
+            # (torch.futures.collect_all, wait_all, torch._C.Future.then) cannot be
+            # seen, and torch.futures.Future does not tell whether it has any.
+            # rpc_sync does not come here (agent.wait: no future, no hand-off).
+            # submit_now: this waiter blocks until it runs, so it must not queue
+            # behind callbacks that themselves wait in such a wait().
+            self.callbacks.submit_now(self._finish_own, p, result)
 
     def abandon(self, future: torch.futures.Future, why: str) -> None:
         """Stop waiting for the reply of the rpc_async call whose future is
@@ -443,11 +452,14 @@ class RpcAgent(FastPath, Serving, Members):
         _settle(p.future, *self._outcome(p, result))
 
     def _finish_async(self, p: _Pending, result: tuple) -> None:
-        """Complete ``p``'s future where several reply completions may run in turn
-        on one thread: only while it has no callback (checked and sealed against
-        a concurrent ``then``, see RpcFuture); one that has callbacks is completed
-        on a thread of its own, as torch completes every reply (a callback may
-        wait for a reply behind it on this thread)."""
+        """Complete ``p``'s future on a reading thread, where several reply
+        completions may run in turn: only while it has no callback seen from Python
+        (checked and sealed against a concurrent ``then``, see RpcFuture); one that
+        has is completed on a thread of its own, as torch completes every reply (a
+        callback may wait for a reply behind it on this thread). Never the waiter's
+        own reply (see read_reply). A callback registered in C++ runs here: the
+        reading thread runs only the first completion of a read, and queues the
+        rest (leader.py, ``_split``)."""
         value, exc = self._outcome(p, result)
         fut = p.future
         d = fut.__dict__

@@ -1,6 +1,6 @@
 """The caller's side of a call in flight: the pending entry and the future of
-an ``rpc_async`` whose ``wait()`` reads its own reply (no thread hand-off), and
-the holder of the running agent (:func:`current_agent`).
+an ``rpc_async`` whose ``wait()`` reads its own reply, and the holder of the
+running agent (:func:`current_agent`).
 
 Example::
 
@@ -43,12 +43,19 @@ _SEAL = threading.Lock()
 
 class RpcFuture(torch.futures.Future):
     """The future of an ``rpc_async``: ``wait()`` reads the reply on the waiting
-    thread when nobody else is reading that connection (no thread hand-off).
+    thread when nobody else is reading that connection (no wake-up of a reading
+    thread), and the future is then completed on a pool thread, which wakes the
+    waiter and runs the callbacks there, as torch completes every reply on its RPC
+    threads: no callback runs inside ``wait()`` on the waiting thread, whoever
+    registered it (``then``, ``add_done_callback``, ``torch.futures.collect_all``
+    and ``wait_all`` in C++), since the waiter may hold what a callback needs.
 
-    A future with callbacks (``then``, ``add_done_callback``) is completed on a
-    thread of its own, as torch completes every reply: a callback is user code and
-    may wait, for instance for another reply read in the same read, which a
-    thread completing replies in turn would never reach (issue 34)."""
+    A reply read by a reading thread (not the waiter) is completed there, in turn
+    with the others of its read, while its future has no callback seen here
+    (``then``, ``add_done_callback`` mark it); one with callbacks is completed on a
+    thread of its own: a callback is user code and may wait, for instance for
+    another reply read in the same read, which a thread completing replies in turn
+    would never reach (issue 34)."""
 
     def then(self, callback):  # noqa: D102 - torch.futures.Future.then
         self._dg_mark_user()

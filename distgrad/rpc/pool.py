@@ -45,6 +45,30 @@ class WorkerPool:
             self._threads.append(t)
         t.start()
 
+    def submit_now(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Like :meth:`submit`, but never queued behind work that waits for a busy
+        thread: when every thread is busy (or has work queued for it) and the pool
+        is full, ``fn`` runs on a thread started for it alone (beyond
+        ``max_workers``; it ends after). For a task that a thread blocks on (the
+        completion of the reply a ``wait()`` read): queued behind callbacks that
+        themselves wait for such a completion, it would never run."""
+        if self._shutdown:
+            raise RuntimeError("cannot schedule new work after shutdown")
+        with self._lock:
+            room = len(self._threads) < self.max_workers or (self._idle > 0 and self._q.empty())
+        if room:
+            self.submit(fn, *args)
+            return
+        threading.Thread(target=self._once, args=(fn, args), daemon=True,
+                         name=f"{self._prefix}_extra").start()
+
+    def _once(self, fn: Callable[..., Any], args: tuple) -> None:
+        mark_distgrad_thread()
+        try:
+            fn(*args)
+        except BaseException:  # noqa: BLE001 - as a pool thread
+            log.exception("uncaught error in %s", self._prefix)
+
     def _work(self) -> None:
         mark_distgrad_thread()
         q = self._q
