@@ -455,13 +455,12 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
         except BaseException as e:  # noqa: BLE001
             _fail(state, e)
             return
-        if native:
-            # a worker may wait for a gradient whose way runs through another worker's
-            # share held up by a send function that will get nothing (not blocked there:
-            # nothing reached those nodes yet): every open share retires what discovery
-            # did not reach, the initiator's too
-            with state.term_lock:
-                blocked = set(blocked) | state.ddp_holders | {CONTAINER.worker_id}
+        # a worker may wait for a gradient whose way runs through another worker's native
+        # share held up by a send function that will get nothing (not blocked there:
+        # nothing reached those nodes yet): every open share (they report "held") retires
+        # what discovery did not reach, and the initiator's share resumes too
+        with state.term_lock:
+            blocked = set(blocked) | state.ddp_holders | {CONTAINER.worker_id}
         _resume_all(state, blocked)
 
     state.on_round = on_round

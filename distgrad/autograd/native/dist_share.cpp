@@ -757,6 +757,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               kill_edges(s, edges_of(n.get()), dead);
             }
           }
+          // recv functions that died with them tell nobody: discovery did not reach
+          // them either, so their senders retire those send functions in this round
+          // (a Python engine there has already left them out of its count)
+          dead.clear();
           ship_dead(s, dead);
           s.push_marker_locked();
         }
