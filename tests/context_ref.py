@@ -51,3 +51,20 @@ def sin_grads():
     x, loss = sin_program(lambda to, fn, args: fn(*args))
     loss.backward()
     return [x.grad]
+
+
+def mixed_program(call):
+    """w * 1.5 sent to worker0, which sends it doubled back to worker1 (nested) and adds
+    1; the same tensor also goes to worker0 in a call whose result is never used."""
+    w = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, requires_grad=True)
+    h = w * 1.5
+    y = call("worker0", "outer", h)
+    call("worker0", "unused", h)
+    return w, y.sum()
+
+
+def mixed_grads():
+    fns = {"outer": lambda t: (t * 2) * 3 + 1, "unused": torch.sin}
+    w, loss = mixed_program(lambda to, name, t: fns[name](t))
+    loss.backward()
+    return [w.grad]
