@@ -250,7 +250,43 @@ def _leaf_sent_while_used(rpc, dist_autograd) -> bool:
     return True
 
 
-CASES = [("multi_grad", _multi_grad), ("final_callback", _final_callback),
+def _final_callback_error(rpc, dist_autograd) -> list:
+    x = torch.ones(2, requires_grad=True)
+
+    def boom():
+        raise ValueError("boom")
+    with dist_autograd.context() as cid:
+        y = x * 2
+        y.register_hook(lambda g: torch.autograd.Variable._execution_engine.queue_callback(boom))
+        loss = rpc.rpc_sync("worker1", ident, args=(y,)).sum()
+        try:
+            dist_autograd.backward(cid, [loss])
+            return ["returned"]
+        except RuntimeError as e:
+            return ["raised", "boom" in str(e)]
+
+
+def _acc_hook_context(rpc, dist_autograd) -> list:
+    seen = []
+    w = torch.ones(2, requires_grad=True)
+
+    def pre(grads):
+        try:
+            dist_autograd._current_context()
+            seen.append("current")
+        except RuntimeError:
+            seen.append("none current")
+    with dist_autograd.context() as cid:
+        y = w * 3
+        torch.autograd.graph.get_gradient_edge(w).node.register_prehook(pre)
+        loss = rpc.rpc_sync("worker1", ident, args=(y,)).sum()
+        dist_autograd.backward(cid, [loss])
+        seen.append(dist_autograd.get_gradients(cid)[w].tolist())
+    return seen
+
+
+CASES = [("final_callback_error", _final_callback_error), ("acc_hook_context", _acc_hook_context),
+         ("multi_grad", _multi_grad), ("final_callback", _final_callback),
          ("dispatch_mode", _dispatch_mode), ("hook_context", _hook_context),
          ("second_pass", _second_pass), ("kept_views", _kept_views), ("nodes", _nodes),
          ("inside_hook", _inside_hook), ("leaf_sent_while_used", _leaf_sent_while_used)]

@@ -40,3 +40,49 @@ def test_graph_task_observations_equal_torchs():
     got = _run("distgrad")
     assert "error" not in want, want
     assert got == want
+
+
+def _leak(rank, world):
+    import threading
+
+    import torch
+
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    from distgrad.autograd import native_pass
+
+    def callee_state():
+        return rpc.rpc_sync("worker1", _callee_state)
+    if rank != 0:
+        return None
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(30):
+        with dist_autograd.context() as cid:
+            a = rpc.rpc_sync("worker1", torch.mul, args=(x, 2.0))
+            b = rpc.rpc_sync("worker1", torch.mul, args=(x, 3.0))
+            dist_autograd.backward(cid, [(a + b).sum()])
+    threads_after_30 = callee_state()[1]
+    for _ in range(30):
+        with dist_autograd.context() as cid:
+            a = rpc.rpc_sync("worker1", torch.mul, args=(x, 2.0))
+            b = rpc.rpc_sync("worker1", torch.mul, args=(x, 3.0))
+            dist_autograd.backward(cid, [(a + b).sum()])
+    shares, threads = callee_state()
+    return len(native_pass.PASSES), shares, threads - threads_after_30, threading.active_count()
+
+
+def _callee_state():
+    import threading
+
+    from distgrad.autograd import native_pass
+    return len(native_pass.PASSES), threading.active_count()
+
+
+def test_no_share_outlives_its_pass():
+    """(audit, issue 43) A discovery reaching a worker whose share already ended built
+    a new share there that nobody ran: each leaked its context, its graph task and its
+    leaves. Shares and runner threads must not grow with the number of passes."""
+    from mp_utils import run_workers
+    here, callee, more_threads, _ = run_workers(_leak, world_size=2, timeout=200)[0]
+    assert (here, callee) == (0, 0)
+    assert more_threads <= 0

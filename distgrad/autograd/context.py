@@ -66,6 +66,7 @@ class DistAutogradContext:
         # never left pending until the next read
         self.exposed = False
         self.passes: dict[tuple, Any] = {}         # backward passes' state on this worker
+        self.ended_passes: set = set()             # native shares that ended here
         self.released = False
         # workers this context's RPCs reached that were lost since (rank -> the error): a
         # process that later joins under such a rank has none of this context

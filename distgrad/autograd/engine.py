@@ -413,6 +413,9 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
     rounds = [0]
 
     def finish(exc: BaseException | None) -> None:
+        if native:
+            with state.term_lock:
+                state.finished = True
         ENGINE.finish(state)
         if exc is not None:
             _abort(state)
@@ -601,6 +604,8 @@ def _backward_inline(context_id: int, roots: Sequence[torch.Tensor], retain_grap
             native_pass._start(state)
             done.wait()
         _, exc = tasks.get()
+        if exc is None:
+            exc = state.late_error   # a final callback of this worker's task raised
         if exc is not None:
             raise exc
         return

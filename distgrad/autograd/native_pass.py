@@ -90,13 +90,13 @@ def _idle(share_id: int, pieces: list, open_: bool) -> None:
 
 
 def _enter(share_id: int) -> Any:
-    st = PASSES.get(share_id)
-    # torch's capture hook makes the pass's context current while the leaf's hooks run
-    return CONTAINER.set_current(st.ctx if st is not None else None)
+    # torch's capture hook sets its C++ thread-local context for DDP's reducer only: the
+    # leaf's hooks see no current context from Python (none is current in a pass here)
+    return None
 
 
 def _leave(token: Any) -> None:
-    CONTAINER.set_current(token)
+    pass
 
 
 def _grad_of(share_id: int, leaf: Any) -> torch.Tensor | None:
@@ -151,6 +151,7 @@ class NativePass:
     native = True
     shared = False
     first_exp: int | None = None     # initiator driven by a runner (backward_async): its weight
+    late_error: BaseException | None = None   # raised by the task once the pass had ended
     after_drive: Any = None          # ... and what runs once its task completed
     nodes_run = 0
     checkpoints: list = []
@@ -313,6 +314,11 @@ class NativePass:
             pieces += self.ack
             self.ack = []
         self.end()
+        if err is not None and self.finished and self.initiator == CONTAINER.worker_id:
+            # the pass had ended (a final callback of the initiator's task raised): the
+            # caller raises it
+            self.late_error = err
+            return
         if err is not None or pieces:
             self.report(pieces, err) if err is None else self._report_error(pieces, err)
 
@@ -337,3 +343,46 @@ class NativePass:
         with self.ctx.lock:
             if self.ctx.passes.get(self.pass_id) is self:
                 del self.ctx.passes[self.pass_id]
+            # a late discovery or round for this pass must not build a new share
+            self.ctx.ended_passes.add(self.pass_id)
+
+
+class EndedShare:
+    """This worker's share of a pass that already ended here: a discovery still walks
+    from its send functions; a round or a late message only returns its weight."""
+
+    native = True
+    shared = False
+    nodes_run = 0
+    running = 0
+    aborted = True
+
+    def __init__(self, ctx: DistAutogradContext, pass_id: tuple, initiator: int, flags: int) -> None:
+        self.ctx, self.pass_id, self.initiator, self.flags = ctx, pass_id, initiator, flags
+        self.lock = threading.RLock()
+        self.discovered: set = set()
+        self.reach: set | None = None
+
+    walk_reach = NativePass.walk_reach
+
+    def blocked(self) -> bool:
+        return False
+
+    def holds_ddp(self) -> bool:
+        return False
+
+    def _back(self, exp: int) -> None:
+        from .engine import _report
+        _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), None)
+
+    def arrive(self, msg_id: int, node: Any, grads: list, unreached: Sequence[int], exp: int) -> None:
+        self._back(exp)
+
+    def round_step(self, kind: str, exp: int) -> None:
+        self._back(exp)
+
+    def release(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass

@@ -369,6 +369,8 @@ class Engine:
         ctx = CONTAINER.retrieve(context_id)
         with ctx.lock:
             state = ctx.passes.get(pass_id)
+            if state is None and pass_id in ctx.ended_passes:
+                return native_pass.EndedShare(ctx, pass_id, initiator, flags)
             if state is None:
                 if native_ok(flags):
                     state = native_pass.NativePass.create(ctx, pass_id, initiator, flags)

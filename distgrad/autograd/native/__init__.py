@@ -26,7 +26,9 @@ def _cache_dir() -> str:
     base = os.environ.get("DISTGRAD_NATIVE_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "distgrad", "native")
     with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:16]
+        # (the build files name the source by its path: one build per checkout)
+        digest = hashlib.sha256(f.read() + torch.__version__.encode()
+                                + _SOURCE.encode()).hexdigest()[:16]
     return os.path.join(base, f"torch-{torch.__version__}-{digest}")
 
 

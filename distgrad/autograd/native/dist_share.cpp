@@ -301,7 +301,9 @@ struct LeafCapture : GraphTask::ExecInfo::Capture::GradCaptureHook {
     py::object token = callbacks->enter(share_);
     struct Leave {
       py::object& t;
-      ~Leave() { callbacks->leave(t); }
+      ~Leave() {
+        try { callbacks->leave(t); } catch (...) {}   // (a destructor must not throw)
+      }
     } leave{token};
     variable_list inputGrads = {grad};
     for (const auto& hook : acc_->pre_hooks()) {
@@ -315,7 +317,12 @@ struct LeafCapture : GraphTask::ExecInfo::Capture::GradCaptureHook {
       struct Store {   // always called: it also unlocks the context's gradients
         int64_t share; py::object& leaf; at::Tensor& result; bool& updated;
         ~Store() {
-          callbacks->store(share, leaf, updated ? py::cast(result) : py::none());
+          try {
+            callbacks->store(share, leaf, updated ? py::cast(result) : py::none());
+          } catch (py::error_already_set& e) {
+            e.discard_as_unraisable("distgrad: storing a leaf's gradient in the context");
+          } catch (...) {
+          }
         }
       } store{share_, leaf, result, updated};
       at::Tensor old = old_obj.is_none() ? at::Tensor() : old_obj.cast<at::Tensor>();
