@@ -64,9 +64,12 @@ def _multi_grad(rpc, dist_autograd) -> dict:
         with dist_autograd.context() as cid:
             a = x1 * 2
             b = x2 * 3
-            torch.autograd.graph.register_multi_grad_hook(
-                (a, b), lambda gs: calls.append([None if g is None else g.tolist() for g in gs])
-                if isinstance(gs, (list, tuple)) else calls.append(gs.tolist()), mode=mode)
+            def fn(gs, calls=calls):
+                if isinstance(gs, (list, tuple)):
+                    calls.append([None if g is None else g.tolist() for g in gs])
+                else:
+                    calls.append(gs.tolist())
+            torch.autograd.graph.register_multi_grad_hook((a, b), fn, mode=mode)
             loss = a.sum() + rpc.rpc_sync("worker1", ident, args=(b,)).sum()
             dist_autograd.backward(cid, [loss])
             g = dist_autograd.get_gradients(cid)
@@ -173,7 +176,7 @@ def _kept_views(rpc, dist_autograd) -> dict:
         kept = []
         with dist_autograd.context() as cid:
             s = torch.stack([x1, x2]) if how == "stack" else torch.cat([x1, x2])
-            s.register_hook(lambda g: kept.append(g))
+            s.register_hook(lambda g, kept=kept: kept.append(g))
             loss = (rpc.rpc_sync("worker1", ident, args=(s,)) * w.repeat(2 if how == "cat" else 1)).sum()
             dist_autograd.backward(cid, [loss])
             before = [dist_autograd.get_gradients(cid)[t].clone() for t in (x1, x2)]
@@ -185,7 +188,7 @@ def _kept_views(rpc, dist_autograd) -> dict:
         x = (torch.arange(9.).reshape(3, 3) / 7).requires_grad_()
         y = x.reshape(3, 3)
         kept = []
-        y.register_hook(lambda g: kept.append(g))
+        y.register_hook(lambda g, kept=kept: kept.append(g))
         with dist_autograd.context() as cid:
             root = (rpc.rpc_sync("worker1", ident, args=(y,)) * 2).sum()
             if use_local:

@@ -44,6 +44,7 @@ from ..trace.clock import local_ns
 from ..transport import reading as _reading
 from . import anomaly as anomaly_mode
 from . import checkpoint as _checkpoint
+from . import native_pass
 from .checks import check_roots as _check_roots
 from .context import CONTAINER
 from .futures import all_of as _all
@@ -53,7 +54,6 @@ from .gradients import fed_slots as fed_slots  # noqa: F401  (its old home)
 from .gradients import ship_absent as ship_absent  # noqa: F401
 from .gradients import ship_gradients as ship_gradients  # noqa: F401
 from .nodes import UNREACHED
-from . import native_pass
 from .share import ANOMALY, CREATE_GRAPH, ENGINE, RETAIN, PassState
 
 _MAX_RESUMES = 8

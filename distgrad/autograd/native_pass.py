@@ -42,7 +42,7 @@ from .context import CONTAINER, DistAutogradContext
 from .gradients import RECEIVER, _agent, backward_error
 
 M: Any = None                    # the compiled module, once loaded
-PASSES: dict[int, "NativePass"] = {}   # share id -> pass, while its share lives
+PASSES: dict[int, NativePass] = {}   # share id -> pass, while its share lives
 _LOCK = threading.Lock()
 
 
@@ -195,7 +195,7 @@ class NativePass:
                ) -> NativePass | None:
         """The native share of this pass, or None where the Python engine must run it
         (a send function recorded by the Python engine, a reentrant checkpoint)."""
-        from .share import RETAIN, CREATE_GRAPH
+        from .share import CREATE_GRAPH, RETAIN
         with ctx.lock:
             sends = dict(ctx.send_functions)
         if any(type(n) is not M.SendType for n in sends.values()):

@@ -15,8 +15,7 @@ from ..ids import agent_range
 from ..rpc.agent import agent_or_none
 from ..rpc.extensions import AgentExtension, register_extension
 from . import anomaly as anomaly_mode
-from . import ddp
-from . import native_pass
+from . import ddp, native_pass
 from .context import CONTAINER, DistAutogradContext
 from .engine import debug_info, fail_passes, on_abort, on_pass_end, on_report
 from .rpc_functions import _ANCHOR, RecvRpc, SendRpc, _node_types
