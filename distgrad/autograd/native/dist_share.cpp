@@ -25,6 +25,8 @@
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <pybind11/pybind11.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
 #include <atomic>
@@ -125,6 +127,19 @@ struct Callbacks {
 Callbacks* callbacks = nullptr;
 
 thread_local int64_t tl_share = -1;   // the share whose task this thread drives
+
+// distgrad's own Python (shipping a gradient, a weight report) runs inside the task's
+// thread-local state, which carries the caller's dispatch and function modes: torch's
+// engine does that work in C++, where no mode sees it, so neither may a mode here
+struct NoUserModes {
+  c10::impl::ExcludeDispatchKeyGuard no_dispatch_modes{
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot})};
+  at::impl::TorchFunctionDisabledState prev = at::impl::PythonTorchFunctionTLS::get_disabled_state();
+  NoUserModes() {
+    at::impl::PythonTorchFunctionTLS::set_disabled_state(at::impl::TorchFunctionDisabledState::ALL_DISABLED);
+  }
+  ~NoUserModes() { at::impl::PythonTorchFunctionTLS::set_disabled_state(prev); }
+};
 
 struct DistShare;
 std::mutex shares_mu;
@@ -256,6 +271,7 @@ variable_list IdleMarker::apply(variable_list&&) {
     open = s->open_locked();
   }
   if (pieces.empty()) return {};
+  NoUserModes no_modes;
   py::gil_scoped_acquire gil;
   callbacks->idle(share, py::cast(pieces), open);
   return {};
@@ -280,6 +296,7 @@ variable_list RecvRpcBackward::apply(variable_list&& grads) {
   } else {
     share = -1;
   }
+  NoUserModes no_modes;
   py::gil_scoped_acquire gil;
   py::list gs;
   for (auto& t : grads) {
@@ -537,6 +554,7 @@ void ship_dead(DistShare& s, std::vector<c10::intrusive_ptr<Node>>& dead) {
   if (dead.empty()) return;
   std::vector<int64_t> exps;
   for (size_t k = 0; k < dead.size(); ++k) exps.push_back(s.split_locked());
+  NoUserModes no_modes;
   py::gil_scoped_acquire gil;
   for (size_t k = 0; k < dead.size(); ++k) {
     auto* r = static_cast<RecvRpcBackward*>(dead[k].get());
