@@ -1134,7 +1134,8 @@ def check(prog: dict, pair: Pair, backward_timeout: float = BACKWARD_TIMEOUT, wa
     if want is None:
         want = pair.torch.run(prog, backward_timeout)
         if want.get("hang") or want.get("crash"):   # torch's own run failed (it segfaulted
-            want = pair.torch.run(prog, backward_timeout)   # once in ~100): once more
+            rec["torch_retried"] = str(want.get("crash") or "hang")[:300]   # once in ~300)
+            want = pair.torch.run(prog, backward_timeout)
     rec["torch"] = want
     rec["exercised"] = sorted(exercised(prog, want))
     if want.get("hang") or want.get("crash"):
