@@ -129,7 +129,8 @@ def make_leaf(name: str, shape: tuple, rg: bool, kind: str, randn) -> torch.Tens
 
 
 def builtin_dist(worker: int, opname: str, xs: list):
-    import distgrad.rpc as rpc
+    from random_programs import dist_modules
+    rpc = dist_modules()[0]
     return rpc.rpc_sync(f"worker{worker}", BUILTINS[opname], args=tuple(xs))
 
 

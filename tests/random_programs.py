@@ -71,12 +71,21 @@ Parameter argument are linked::
 
 plus calls given a bare Parameter argument, or returning one (a reply, an RRef).
 
+What torch ties to one graph task (issue 43; tests/random_round3.py; group ``round3``,
+off by default): multi-grad hooks, queue_callback from a hook, dispatch / function modes
+around backward, hooks that open contexts or take seconds, checkpoint outputs used and
+sent, anomaly mode with a NaN in a shared region, grad_dtype, backward again without
+retain_graph, a leaf sent while a thread uses it. These programs are compared with
+torch's own distributed autograd run on the same program in processes that never
+imported distgrad (:data:`IMPL` selects whose RPC a process's distributed runs use).
+
 CLI (see ``--help``); without ``--seed`` the base seed is fresh (and printed)::
 
     python tests/random_programs.py --programs 500 --workers 2,3,4 [--seed S] [--shrink 2]
     python tests/random_programs.py --programs 60 --features hooks,checkpoint   # only these
     python tests/random_programs.py --programs 60 --workers 2,3 --features params
     python tests/random_programs.py --programs 500 --features default,threads=0.5
+    python tests/random_programs.py --programs 20 --workers 2,3 --features round3=0.4
 """
 from __future__ import annotations
 
@@ -96,6 +105,7 @@ import zlib
 
 import random_params as rt_params
 import random_round2 as rt_round2
+import random_round3 as rt_round3
 import random_threads as rt_threads
 import torch
 
@@ -229,6 +239,8 @@ def _apply_op(name: str, xs: list, a: dict, counter) -> torch.Tensor:
         return x.clone()
     if name == "view_as":         # of an nn.Parameter: a plain tensor, linked (random_params)
         return x.view_as(x)
+    if name == "lowgrad":         # a float32 gradient for a float64 input (random_round3)
+        return rt_round3.LowGrad.apply(x)
     if name == "embed":           # sparse gradients (issue 34)
         return torch.nn.functional.embedding(torch.tensor(a["idx"]), x, sparse=True)
     if name == "compiled":        # torch.compile(backend="aot_eager"), once per process
@@ -516,6 +528,8 @@ def run_block(block: dict, values, rt) -> tuple:
             fa, fb = env.pop(fa), env.pop(fb)
             bind(outs, rt_round2.chain_dist(fa, fb, kind) if isinstance(rt, DistRuntime)
                  else rt_round2.chain_local(rt, fa, fb))
+        elif op in rt_round3.OPS:   # (local autograd: grad_dtype only)
+            rt_round3.run_ins(ins, env, state, isinstance(rt, DistRuntime))
         elif op == "post_acc":      # (local autograd: no hook; it changes nothing)
             t = env[ins[1]]
             if isinstance(rt, DistRuntime) and t.requires_grad and t.grad_fn is None:
@@ -578,6 +592,22 @@ class LocalRuntime:
 
 STATE = WorkerState()   # this process's state as a distributed worker
 
+# whose RPC and distributed autograd this process's distributed runs use: "distgrad", or
+# "torch" (torch.distributed.rpc / .autograd, in workers that never import distgrad: the
+# reference of tests/random_round3.py)
+IMPL = "distgrad"
+
+
+def dist_modules() -> tuple:
+    """(rpc, dist_autograd) of :data:`IMPL`."""
+    if IMPL == "torch":
+        import torch.distributed.autograd as dist_autograd
+        import torch.distributed.rpc as rpc
+    else:
+        import distgrad.autograd as dist_autograd
+        import distgrad.rpc as rpc
+    return rpc, dist_autograd
+
 
 def _serve(block: dict, values) -> tuple:
     """RPC target: run a call block on this worker."""
@@ -601,7 +631,7 @@ class DistRuntime:
         return STATE
 
     def call(self, mode, block, values, me=None):
-        import distgrad.rpc as rpc
+        rpc = dist_modules()[0]
         to, args = f"worker{block['worker']}", (block, tuple(values))
         if mode == "sync":
             return rpc.rpc_sync(to, _serve, args=args)
@@ -612,14 +642,14 @@ class DistRuntime:
         raise ValueError(mode)
 
     def call_async(self, block, values):
-        import distgrad.rpc as rpc
+        rpc = dist_modules()[0]
         return rpc.rpc_async(f"worker{block['worker']}", _serve, args=(block, tuple(values)))
 
     def wait(self, fut):
         return fut.wait()
 
     def remote(self, block, values):
-        import distgrad.rpc as rpc
+        rpc = dist_modules()[0]
         with STATE.lock:
             STATE.remote_issued += 1
         return rpc.remote(f"worker{block['worker']}", _serve_remote, args=(block, tuple(values)))
@@ -631,7 +661,7 @@ class DistRuntime:
         if worker == me:
             STATE.event(key).set()
         else:
-            import distgrad.rpc as rpc
+            rpc = dist_modules()[0]
             rpc.rpc_sync(f"worker{worker}", rt_threads.signal, args=(key,))
 
 
@@ -658,7 +688,7 @@ def _take_counts() -> dict:
 def _collect_grads(cid: int) -> tuple:
     """({leaf name: grad}, [descriptions of entries that are none of our leaves]) from
     this worker's context; no context here means no gradients here."""
-    import distgrad.autograd as dist_autograd
+    dist_autograd = dist_modules()[1]
     try:
         grads = dist_autograd.get_gradients(cid)
     except RuntimeError as e:  # only this one means "no gradients"; any other is an error
@@ -760,10 +790,15 @@ FEATURE_GROUPS = {"hooks": ("hook", "nodehook", "module"), "checkpoint": ("ckpt"
                   "threads": rt_threads.THREAD_FEATURES, "round2": rt_round2.ROUND2_FEATURES + ("sparse",),
                   "params": rt_params.PARAM_FEATURES,
                   "all": tuple(FEATURE_WEIGHTS), "none": ()}
+# issue 43 (tests/random_round3.py): off by default, and in no group but their own;
+# their programs are compared with torch's distributed autograd, not with local autograd
+FEATURE_WEIGHTS.update(dict.fromkeys(rt_round3.ROUND3_FEATURES, 0.0))
+FEATURE_GROUPS["round3"] = rt_round3.ROUND3_FEATURES
 NOT_TWICE_DIFFERENTIABLE = ("compile", "ckpt_reentrant", "sparse")
 STEP_WEIGHTS = {"hook": 0.7, "nodehook": 0.5, "module": 0.5, "ckpt": 0.4, "ckpt_reentrant": 0.3,
                 "compile": 0.5, "autocast": 0.5, "inplace": 0.5, "keep_grad": 0.5, "rendezvous": 0.5,
-                "plain_thread": 0.6, "chain": 0.5, "post_acc": 0.4, "sparse": 0.5, "param": 1.2}
+                "plain_thread": 0.6, "chain": 0.5, "post_acc": 0.4, "sparse": 0.5, "param": 1.2,
+                **rt_round3.STEP_WEIGHTS}
 # ops whose backward does not save their output: a fresh result may be modified in place
 INPLACE_SAFE = {"scale", "add", "sub", "mul", "div", "square", "sin", "sum", "mean", "index",
                 "index_select", "cat", "stack", "matmul", "first_only", "count", "dot", "clone"}
@@ -797,7 +832,8 @@ def weights_for(cfg: dict) -> dict:
     if cfg.get("order", 1) == 2:
         w.update(dict.fromkeys(NOT_TWICE_DIFFERENTIABLE, 0.0))
     if cfg.get("order", 1) == 2 or cfg.get("anomaly"):
-        w.update(dict.fromkeys(rt_threads.THREAD_FEATURES + rt_round2.ROUND2_FEATURES, 0.0))
+        w.update(dict.fromkeys(rt_threads.THREAD_FEATURES + rt_round2.ROUND2_FEATURES
+                               + rt_round3.ROUND3_FEATURES, 0.0))
     return w
 
 
@@ -1252,7 +1288,7 @@ class Generator:
               "inplace": True, "keep_grad": bool(self.own_rg(b) or b.leaves), "rendezvous": b.depth < 2,
               "plain_thread": bool(b.leaves), "two_passes": False,
               "chain": b.depth < 2, "post_acc": bool(b.leaves), "watch": False, "keep_between": False,
-              "sparse": True, "param": True}
+              "sparse": True, "param": True, **rt_round3.fits(self, b)}
         return [f for f in FEATURE_WEIGHTS if f in self.on and ok[f]]
 
     def g_hook(self, b):
@@ -1347,6 +1383,30 @@ class Generator:
 
     def g_param(self, b):
         rt_params.g_param(self, b)
+
+    def g_multi_grad(self, b):
+        rt_round3.g_multi_grad(self, b)
+
+    def g_queue_callback(self, b):
+        rt_round3.g_queue_callback(self, b)
+
+    def g_ctx_hook(self, b):
+        rt_round3.g_ctx_hook(self, b)
+
+    def g_ckpt_shared(self, b):
+        rt_round3.g_ckpt_shared(self, b)
+
+    def g_grad_dtype(self, b):
+        rt_round3.g_grad_dtype(self, b)
+
+    def g_leaf_thread(self, b):
+        rt_round3.g_leaf_thread(self, b)
+
+    def g_anomaly_nan(self, b):
+        rt_round3.g_anomaly_nan(self, b)
+
+    def g_slow_hook(self, b):
+        rt_round3.g_slow_hook(self, b)
 
     def g_compile(self, b):
         """A small function under torch.compile(backend="aot_eager")."""
@@ -1451,8 +1511,17 @@ class Generator:
 
 def generate(seed: int, world: int, weights=None) -> dict:
     """The program for ``seed`` on ``world`` workers (deterministic; ``weights``: the
-    features' probabilities, FEATURE_WEIGHTS when None)."""
+    features' probabilities, FEATURE_WEIGHTS when None; with a feature of issue 43 on,
+    random_round3's generator)."""
+    if round3(weights):
+        return rt_round3.generate(seed, world, weights)
     return Generator(seed, world, weights).program()
+
+
+def round3(weights) -> bool:
+    """Whether ``weights`` draw a feature of issue 43 (tests/random_round3.py)."""
+    w = FEATURE_WEIGHTS if weights is None else weights
+    return any(w.get(f, 0.0) > 0 for f in rt_round3.ROUND3_FEATURES)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1490,7 +1559,8 @@ def dump(prog: dict) -> str:
              f"{' backward twice (retain_graph=True)' if prog['retain'] else ''}"
              f"{'; forward twice, both backward passes at once' if prog.get('twice') else ''}"
              f"{'; every .grad watched' if prog.get('watch') else ''}"
-             f"{'; get_gradients kept between the passes' if prog.get('keep_between') else ''}"]
+             f"{'; get_gradients kept between the passes' if prog.get('keep_between') else ''}"
+             f"{rt_round3.header(prog)}"]
     for spec in prog.get("plain", []):
         lines.append(f"  during the passes, on worker{spec['worker']}: loop plain backward() of "
                      f"sum(tanh(leaf) . {spec['w']}) over {spec['leaves']}")
@@ -1571,6 +1641,8 @@ def _feature_line(ins) -> str:
         return rt_threads.dump_line(ins)
     if op in ("chain", "post_acc"):
         return rt_round2.dump_line(ins)
+    if op in rt_round3.OPS:
+        return rt_round3.dump_line(ins)
     raise ValueError(f"unknown instruction {ins!r}")
 
 
@@ -1743,6 +1815,7 @@ def features(prog: dict) -> set:
     f |= rt_threads.static_features(prog, instructions)
     f |= rt_round2.static_features(prog, instructions)
     f |= rt_params.static_features(prog, walk, _sub_block)
+    f |= rt_round3.static_features(prog, instructions, rt_round3.shared_registers(prog))
     if len(prog["roots"]) > 1:
         f.add("several roots")
     if prog["retain"]:
@@ -1850,7 +1923,7 @@ def _backward(cid: int, roots: list, retain: bool, timeout: float, create_graph:
 def _drain(world: int, timeout: float = 10.0) -> None:
     """Wait until every remote() body of the program has finished on its owner, so the
     backward never overlaps the forward (an unfetched RRef's body may still run)."""
-    import distgrad.rpc as rpc
+    rpc = dist_modules()[0]
     deadline = time.monotonic() + timeout
     while True:
         bal = [rpc.rpc_sync(f"worker{w}", _remote_balance) for w in range(world)]
@@ -1956,7 +2029,7 @@ def _backward_all(cid: int, roots: list, prog: dict, backward_timeout: float) ->
 
 def _gather_grads(cid: int, world: int) -> tuple:
     """({(worker, leaf name): gradient}, [entries that are no leaf]) of context ``cid``."""
-    import distgrad.rpc as rpc
+    rpc = dist_modules()[0]
     grads, unknown = {}, []
     for w in range(world):
         found, unk = rpc.rpc_sync(f"worker{w}", _collect_grads, args=(cid,))
@@ -2134,6 +2207,8 @@ def _uses(ins) -> list:
         return [ins[1]]
     if op == "chain":
         return [ins[2], ins[3]]
+    if op in rt_round3.OPS:
+        return rt_round3.uses(ins)
     if op == "inplace":
         return [ins[1], *ins[3]]
     if op in ("wait", "to_here", "stash"):
@@ -2203,6 +2278,8 @@ def _rename(prog: dict, old: int, new: int) -> dict:
                 ins = (ins[0], sub(ins[1]), ins[2], [sub(z) for z in ins[3]], ins[4])
             elif ins[0] == "builtin":
                 ins = ins[:4] + ([sub(x) for x in ins[4]],)
+            elif ins[0] in rt_round3.OPS:
+                ins = rt_round3.rename(ins, sub)
             body.append(ins)
         block["body"] = body
     prog["roots"] = prog["main"]["returns"]
@@ -2527,13 +2604,14 @@ def report(records: list, per_group: int = 3, out=sys.stdout) -> None:
     print(file=out)
 
 
-def feature_table(records: list, out=sys.stdout) -> None:
+def feature_table(records: list, names=None, out=sys.stdout) -> None:
     """Per feature: how many programs used it, and how many of those were exact."""
+    names = FEATURES if names is None else names
     used = collections.Counter(f for r in records for f in r.get("features", []))
     exact = collections.Counter(f for r in records if r["ok"] for f in r.get("features", []))
-    width = max(map(len, FEATURES))
+    width = max(map(len, names))
     print(f"\n{'feature':<{width}}  programs  exact", file=out)
-    for f in FEATURES:
+    for f in names:
         print(f"{f:<{width}}  {used[f]:>8}  {exact[f]:>5}{'' if used[f] == exact[f] else '  <-'}", file=out)
 
 
@@ -2586,6 +2664,22 @@ def main(argv=None) -> int:
         return 0
     records: list = []
     t_start = time.monotonic()
+    if round3(weights):   # issue 43: each program against torch's distributed autograd
+        for w, seeds in sorted(plan.items()):
+            t0 = time.monotonic()
+            got = rt_round3.run_seeds(w, seeds, weights, shrink_n=args.shrink,
+                                      shrink_budget=args.shrink_budget * 4,
+                                      backward_timeout=max(args.backward_timeout, rt_round3.BACKWARD_TIMEOUT))
+            print(f"world {w}: {len(seeds)} programs, {sum(not r['ok'] for r in got)} differ from torch, "
+                  f"{time.monotonic() - t0:.0f} s", flush=True)
+            records += got
+        if args.json:
+            with open(args.json, "w") as f:
+                for r in records:
+                    f.write(json.dumps({k: v for k, v in r.items() if k not in ("torch", "distgrad")}) + "\n")
+        feature_table(records, FEATURES + rt_round3.FEATURES)
+        report(records, args.show)
+        return 1 if any(not r["ok"] for r in records) else 0
     for w, seeds in sorted(plan.items()):
         t0 = time.monotonic()
         # torch.compile costs seconds per new shape and process (more under --anomaly)
