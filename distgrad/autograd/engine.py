@@ -400,7 +400,8 @@ def start_backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
         raise TypeError("backward(): incompatible function arguments. roots must be a list of "
                         f"tensors, got {type(roots).__name__}")
     ctx = CONTAINER.retrieve(context_id)
-    roots, grads = _check_roots(roots, grad_tensors)
+    with torch._C.DisableTorchFunction():   # (torch checks them in C++: no mode sees it)
+        roots, grads = _check_roots(roots, grad_tensors)
     flags = ((RETAIN if retain_graph or create_graph else 0) | (CREATE_GRAPH if create_graph else 0)
              | (ANOMALY if anomaly_mode.enabled() else 0))
     state = ENGINE.new_pass(ctx, flags, roots, grads)
