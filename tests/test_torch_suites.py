@@ -8,8 +8,9 @@ shape of the DDP-with-RPC tutorial, run with distgrad swapped in for
   (``torch.testing._internal.distributed.nn.api.remote_module_test``): built by
   ``tests/torch_suites.py`` and run by ``python -m pytest`` in a subprocess (each
   test spawns its 2 to 6 workers there), in one run; each test here reports one
-  of them. The suite runs :data:`SAMPLE` (about 60 s on 2 cores); with
-  ``DISTGRAD_TORCH_SUITES_FULL=1`` all 24 tests of the four classes (about 5 min).
+  of them. The suite runs :data:`SAMPLE` (45 s on 2 cores, 70 s beside other
+  work); with ``DISTGRAD_TORCH_SUITES_FULL=1`` all 24 tests of the four classes
+  (140 s, 4-5 min beside other work; torch's own take 3-16 s each).
 * ``tests/ddp_rpc_program.py``: the tutorial's program shape, written for
   torch's names, run unchanged with the swap made by a ``sitecustomize`` in
   every one of its processes.
