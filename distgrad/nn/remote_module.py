@@ -40,8 +40,9 @@ the remote module, fetched over RPC); ``repr()`` names the worker and device
 ``rm.forward(x)`` (those instances have no ``nn.Module`` state, so torch's
 ``__call__`` fails on them); a CUDA device on a worker without CUDA (or an
 ordinal it lacks) fails with a :class:`~distgrad.errors.DistgradError` naming
-the worker and device. TorchScript-ing the RemoteModule itself
-(``torch.jit.script(remote_module)``) is not supported.
+the worker and device. ``torch.jit.script(remote_module)`` (with
+``_module_interface_cls``) compiles a twin with torch's attributes and typed
+methods that call distgrad's RPC (:mod:`.scriptable`).
 
 Example (two processes)::
 
@@ -357,6 +358,19 @@ class _RemoteModule(nn.Module):
         _install_methods(remote_module)
         remote_module._check_attribute_picklability()
         return remote_module
+
+    # -- TorchScript ----------------------------------------------------------------
+    def __prepare_scriptable__(self):
+        """What ``torch.jit.script`` compiles for this module (torch's hook): with
+        ``_module_interface_cls``, a twin with torch's attributes and typed
+        ``forward``/``forward_async`` (:mod:`.scriptable`); otherwise the module
+        itself, which does not compile (its methods take ``*args``), as in torch."""
+        methods = self.__dict__.get("generated_methods") or [None]
+        interface_cls = getattr(methods[0], "_module_interface_cls", None)
+        if interface_cls is None:
+            return self
+        from .scriptable import scriptable_twin
+        return scriptable_twin(self, interface_cls)
 
     # -- calling and printing --------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -23,7 +23,7 @@ from ..launch import keeper, rendezvous
 from ..transport import SocketTransport, netaddr
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
-from . import collective, dynamic, membership, mixing, remote_profiling
+from . import c10d_order, collective, dynamic, membership, mixing, remote_profiling
 from .agent import RpcAgent, _holder
 from .options import RpcBackendOptions
 from .worker_info import WorkerInfo
@@ -102,6 +102,7 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
             remote_profiling.detach()
             raise
         remote_profiling.attach(agent.rank)
+        c10d_order.attach()
         return
     transport = make_transport(rank)
     raw, slot = store, None
@@ -126,10 +127,12 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         _holder["agent"] = agent
         collective.set_members({w.name for w in workers})
         remote_profiling.attach(rank)
+        c10d_order.attach()
         agent.start({r: a for r, (_, a) in enumerate(peers) if r != rank})
     except BaseException:
         _holder.pop("agent", None)
         remote_profiling.detach()
+        c10d_order.detach()
         transport.close(0)
         if slot is not None:
             _uncount(raw, slot, seal)
@@ -240,6 +243,7 @@ def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
             keeper.let_go(store)
         _holder.pop("agent", None)
         remote_profiling.detach()
+        c10d_order.detach()
 
 
 def await_arrivals(agent: RpcAgent, deadline: float) -> bool:
