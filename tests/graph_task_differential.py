@@ -123,16 +123,21 @@ def _dispatch_mode(rpc, dist_autograd) -> list:
             [round(v, 6) for v in g.tolist()]]
 
 
+def _note_current(dist_autograd, seen: list) -> None:
+    """Record whether a distributed autograd context is current on this thread."""
+    try:
+        dist_autograd._current_context()
+        seen.append("current")
+    except RuntimeError:
+        seen.append("none current")
+
+
 def _hook_context(rpc, dist_autograd) -> list:
     seen = []
     x = torch.ones(2, requires_grad=True)
 
     def hook(g):
-        try:
-            dist_autograd._current_context()
-            seen.append("current")
-        except RuntimeError:
-            seen.append("none current")
+        _note_current(dist_autograd, seen)
         try:
             with dist_autograd.context():
                 seen.append("opened")
@@ -274,11 +279,7 @@ def _acc_hook_context(rpc, dist_autograd) -> list:
     w = torch.ones(2, requires_grad=True)
 
     def pre(grads):
-        try:
-            dist_autograd._current_context()
-            seen.append("current")
-        except RuntimeError:
-            seen.append("none current")
+        _note_current(dist_autograd, seen)
     with dist_autograd.context() as cid:
         y = w * 3
         torch.autograd.graph.get_gradient_edge(w).node.register_prehook(pre)
