@@ -68,3 +68,44 @@ def mixed_grads():
     w, loss = mixed_program(lambda to, name, t: fns[name](t))
     loss.backward()
     return [w.grad]
+
+
+def partial_program(call):
+    """(x * 2, q * 3) go to worker1, which returns only the first doubled: the send
+    function's second slot is reached by no path (q has no gradient, q * 3's node never
+    runs). Returns the leaves, the loss and the node of q * 3."""
+    x = torch.tensor([1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    q = torch.tensor([3.0, 0.5], dtype=torch.float64, requires_grad=True)
+    b = q * 3
+    z = call("worker1", "first_doubled", (x * 2, b))
+    return (x, q), z.sum(), b.grad_fn
+
+
+def unused_reply_chain_program(call):
+    """seed 7449/w3 of the round-2 generator, shrunk: r is sent to worker1, which
+    returns it after an rpc_async to worker2 whose reply nobody uses; that result and
+    r three times go to worker2, which returns the second argument."""
+    r = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    r30 = call("worker1", "relay_after_unused_call", (r, r))
+    r42 = call("worker2", "second_of_four", (r30, r, r, r))
+    return (r,), r42 * 1.5
+
+
+PARTIAL_FNS = {"first_doubled": lambda a, b: a * 2, "second_of_four": lambda a, b, c, d: b,
+               "relay_after_unused_call": lambda a, b: a}
+
+
+def local_call(to, name, args):
+    return PARTIAL_FNS[name](*args)
+
+
+def partial_grads():
+    (x, q), loss, _ = partial_program(local_call)
+    loss.backward()
+    return [x.grad, q.grad]
+
+
+def unused_reply_chain_grads():
+    (r,), loss = unused_reply_chain_program(local_call)
+    loss.backward()
+    return [r.grad]

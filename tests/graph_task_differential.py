@@ -24,10 +24,12 @@ What worker0 records, on two workers:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -289,22 +291,64 @@ def _acc_hook_context(rpc, dist_autograd) -> list:
     return seen
 
 
+_CID = [None]
+
+
+def _set_cid(cid) -> None:
+    _CID[0] = cid
+
+
+def _release_in_hook(t):
+    u = t * 3
+    u.register_hook(lambda g: _modules(_IMPL[0])[1]._release_context(_CID[0]))
+    return u
+
+
+def _released_mid_pass(rpc, dist_autograd) -> str:
+    """worker1's hook releases the pass's context (the release spreads to worker0):
+    backward fails, naming the missing context."""
+    x = torch.ones(2, requires_grad=True)
+    out = "?"
+    try:
+        with dist_autograd.context() as cid:
+            rpc.rpc_sync("worker1", _set_cid, args=(cid,))
+            z = rpc.rpc_sync("worker1", _release_in_hook, args=(x * 2,))
+            try:
+                dist_autograd.backward(cid, [z.sum()])
+                out = "returned"
+            except RuntimeError as e:
+                found = "Could not find autograd context" in str(e)
+                out = "raised" + (" (context not found)" if found else "")
+    except RuntimeError:
+        pass   # the with-block's exit raises too: the context is gone
+    return out
+
+
 CASES = [("final_callback_error", _final_callback_error), ("acc_hook_context", _acc_hook_context),
          ("multi_grad", _multi_grad), ("final_callback", _final_callback),
          ("dispatch_mode", _dispatch_mode), ("hook_context", _hook_context),
          ("second_pass", _second_pass), ("kept_views", _kept_views), ("nodes", _nodes),
-         ("inside_hook", _inside_hook), ("leaf_sent_while_used", _leaf_sent_while_used)]
+         ("inside_hook", _inside_hook), ("leaf_sent_while_used", _leaf_sent_while_used),
+         ("released_mid_pass", _released_mid_pass)]
+_IMPL = ["torch"]   # which implementation this worker runs
 
 
-def _worker(rank: int, port: int, impl: str, out) -> None:
+def _worker(rank: int, port: int, impl: str, out, timeout: float) -> None:
+    # a hang shows where every thread of both workers stood (the test prints stderr)
+    faulthandler.dump_traceback_later(max(timeout - 10.0, 1.0), exit=False)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     os.environ.setdefault("DISTGRAD_SECRET", SECRET)
+    _IMPL[0] = impl
     rpc, dist_autograd = _modules(impl)
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     if rank == 0:
         res = {}
+        only = os.environ.get("GRAPH_TASK_CASES")   # (debugging: a comma-separated subset)
         for name, fn in CASES:
+            if only and name not in only.split(","):
+                continue
+            print(f"worker0: case {name}", file=sys.stderr, flush=True)
             try:
                 res[name] = fn(rpc, dist_autograd)
             except BaseException as e:  # noqa: BLE001 - recorded: it must match too
@@ -318,7 +362,7 @@ def run(impl: str, timeout: float = 150.0) -> dict:
     port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(r, port, impl, out), daemon=True) for r in range(2)]
+    ps = [ctx.Process(target=_worker, args=(r, port, impl, out, timeout), daemon=True) for r in range(2)]
     for p in ps:
         p.start()
     try:

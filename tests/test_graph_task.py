@@ -2,9 +2,10 @@
 (multi-grad hooks, queue_callback, the caller's dispatch mode, no context in
 hooks, the graph freed without retain_graph, AccumulateGrad's keep-or-copy, the
 send and recv nodes' shape, a backward inside a hook, a leaf sent while another
-thread uses it) observed on torch's RPC and on distgrad's native engine, each in
-processes of their own (tests/graph_task_differential.py; the torch run never
-imports distgrad): every observation equal."""
+thread uses it, a context released by a hook mid-pass) observed on torch's RPC
+and on distgrad's native engine, each in processes of their own
+(tests/graph_task_differential.py; the torch run never imports distgrad): every
+observation equal."""
 import json
 import os
 import subprocess
@@ -21,11 +22,12 @@ pytestmark = [
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _run(impl: str) -> dict:
+def _run(impl: str) -> tuple[dict, str]:
+    """The record of one run, and its stderr (on a hang: every thread's stack)."""
     p = subprocess.run([sys.executable, os.path.join(HERE, "graph_task_differential.py"), "--impl", impl],
                        capture_output=True, text=True, timeout=400, cwd=HERE)
     assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
 
 def test_native_engine_is_built():
@@ -34,12 +36,12 @@ def test_native_engine_is_built():
 
 
 def test_graph_task_observations_equal_torchs():
-    want = _run("torch")
+    want, _ = _run("torch")
     if "hung" in want:   # torch's reference run gets a second chance, distgrad's none
-        want = _run("torch")
-    got = _run("distgrad")
+        want, _ = _run("torch")
+    got, err = _run("distgrad")
     assert "error" not in want, want
-    assert got == want
+    assert got == want, err[-12000:]
 
 
 def _leak(rank, world):
@@ -85,4 +87,6 @@ def test_no_share_outlives_its_pass():
     from mp_utils import run_workers
     here, callee, more_threads, _ = run_workers(_leak, world_size=2, timeout=200)[0]
     assert (here, callee) == (0, 0)
-    assert more_threads <= 0
+    # a leak grows with the passes (30 more here); pools may still add a thread or two
+    # once (a new pass's share may start before the last one's runner is back)
+    assert more_threads <= 2, more_threads

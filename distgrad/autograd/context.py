@@ -255,12 +255,14 @@ class DistAutogradContext:
 
 
 def _stop_native(ctx: DistAutogradContext) -> None:
-    """A released context's native shares stop (their threads wait for nothing more)."""
+    """A released context's native shares stop (their threads wait for nothing more),
+    and the pass fails as torch's does: its context is gone."""
     with ctx.lock:
         states = list(ctx.passes.values())
     for st in states:
         if getattr(st, "native", False):
-            st.abort()
+            st.abort(RuntimeError(f"Could not find autograd context with id: {ctx.id} (it was "
+                                  "released here while a backward pass of it ran)"))
 
 
 def _calibrate() -> int:

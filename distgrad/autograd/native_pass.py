@@ -152,6 +152,7 @@ class NativePass:
     shared = False
     first_exp: int | None = None     # initiator driven by a runner (backward_async): its weight
     late_error: BaseException | None = None   # raised by the task once the pass had ended
+    abort_error: BaseException | None = None  # why this share stopped, if the pass fails for it
     after_drive: Any = None          # ... and what runs once its task completed
     nodes_run = 0
     checkpoints: list = []
@@ -172,6 +173,7 @@ class NativePass:
         self.fed: set = set()            # send functions that got their gradients
         self.discovered: set = set()
         self.reach: set | None = None
+        self.reached_recvs: list = []    # recv functions discovery reached here
         self.running = 0
         self.started = False
         self.ack: list = []              # weight of a release round, returned once ended
@@ -227,14 +229,16 @@ class NativePass:
         from .walk import walk_reach
         if self.reach is None:
             self.reach = set()
-        return walk_reach(self.reach, starts)
+        recvs = walk_reach(self.reach, starts)
+        self.reached_recvs.extend(recvs)
+        return recvs
 
     # -- gradients in -------------------------------------------------------------------
     def arrive(self, msg_id: int, node: Any, grads: list, unreached: Sequence[int], exp: int) -> None:
         """Gradients for send function ``msg_id`` came with weight ``2**-exp``."""
         from .engine import _report
         if self.aborted:
-            _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), None)
+            _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), self.abort_error)
             return
         with self.lock:
             self.fed.add(msg_id)
@@ -265,7 +269,9 @@ class NativePass:
         if kind == "resume":
             with self.lock:
                 dead = [n for m, n in self.sends.items() if m not in self.discovered and m not in self.fed]
-            ok = self.share.retire(dead, exp)
+            # a recv function discovery reached that dies with them still tells its
+            # sender, whose send function discovery counted as one to wait for
+            ok = self.share.retire(dead, list(self.reached_recvs), exp)
             if not ok:
                 _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), None)
             elif self.initiator != CONTAINER.worker_id:
@@ -306,6 +312,8 @@ class NativePass:
                 err = backward_error(e)
         finally:
             self.running -= 1
+            if self.abort_error is not None and err is None:
+                err = self.abort_error
             CONTAINER.set_current(prev)
             if tr is not None:
                 tr.span("backward run (native share)", "backward", t0, {"pass": self.trace_key()})
@@ -332,8 +340,11 @@ class NativePass:
         """The pass ended: the task completes on the thread driving it."""
         self.share.release()
 
-    def abort(self) -> None:
-        """The pass failed elsewhere: stop running it."""
+    def abort(self, err: BaseException | None = None) -> None:
+        """Stop running the share: the pass failed elsewhere, or (``err``) here, as when
+        its context was released mid-pass."""
+        if err is not None and self.abort_error is None:
+            self.abort_error = err
         self.aborted = True
         self.share.abort()
 
@@ -362,6 +373,7 @@ class EndedShare:
         self.lock = threading.RLock()
         self.discovered: set = set()
         self.reach: set | None = None
+        self.reached_recvs: list = []
 
     walk_reach = NativePass.walk_reach
 
@@ -384,5 +396,5 @@ class EndedShare:
     def release(self) -> None:
         pass
 
-    def abort(self) -> None:
+    def abort(self, err: BaseException | None = None) -> None:
         pass

@@ -179,6 +179,40 @@ struct SendRpcBackward : Node {
   variable_list grads_;
 };
 
+// A send function fed with some slots that no path reached runs as this stand-in,
+// once: its edges are the send function's live ones (the dead slots' edges were killed
+// at the feed), its hooks the send function's own, its gradients what came (undefined
+// in the dead slots), its place in the queue the send function's sequence number.
+struct PartialSend : Node {
+  struct Pre : FunctionPreHook {
+    explicit Pre(Node* send) : send(send) {}
+    variable_list operator()(const variable_list& grads) override {
+      variable_list out = grads;
+      for (size_t i = 0; i < send->pre_hooks().size(); ++i) out = (*send->pre_hooks()[i])(out);
+      return out;
+    }
+    Node* send;
+  };
+  struct Post : FunctionPostHook {
+    explicit Post(Node* send) : send(send) {}
+    variable_list operator()(const variable_list& outputs, const variable_list& inputs) override {
+      variable_list out = outputs;
+      for (size_t i = 0; i < send->post_hooks().size(); ++i) out = (*send->post_hooks()[i])(out, inputs);
+      return out;
+    }
+    Node* send;
+  };
+  PartialSend(c10::intrusive_ptr<Node> send, edge_list&& live, variable_list grads)
+      : Node(send->sequence_nr(), std::move(live)), send_(std::move(send)), grads_(std::move(grads)) {
+    add_pre_hook(std::make_unique<Pre>(send_.get()));
+    add_post_hook(std::make_unique<Post>(send_.get()));
+  }
+  std::string name() const override { return send_->name(); }
+  variable_list apply(variable_list&&) override { return std::move(grads_); }
+  c10::intrusive_ptr<Node> send_;
+  variable_list grads_;
+};
+
 struct RecvRpcBackward : Node {
   RecvRpcBackward(int64_t context_id, int64_t msg_id, int64_t sender)
       : Node(), context_id(context_id), msg_id(msg_id), sender(sender) {}
@@ -216,6 +250,11 @@ struct DistShare : std::enable_shared_from_this<DistShare> {
   // send functions whose gradients came while work was queued: they start once it ran
   // (first come, first served; the queue would otherwise put them first by sequence number)
   std::vector<c10::intrusive_ptr<Node>> deferred;
+  // stand-ins of send functions fed with unreached slots (PartialSend) -> their send
+  // functions, until their exec_info_ entries are made on the driving thread
+  std::unordered_map<Node*, Node*> stand_ins;
+  // every stand-in, kept until the share ends: an exec_info_ key is never a freed address
+  std::vector<c10::intrusive_ptr<Node>> kept_stand_ins;
   bool reentrant_checkpoint = false;   // a reentrant checkpoint's node is in the share
   // a share of a pass started elsewhere ends by itself once every send function got its
   // gradients (or will get none) and nothing is queued: its task completes, as torch's
@@ -256,6 +295,19 @@ variable_list IdleMarker::apply(variable_list&&) {
       return {};
     }
     if (!s->deferred.empty()) {
+      if (!s->stand_ins.empty()) {
+        // a stand-in runs where its send function would (the task reads exec_info_
+        // without a lock, on this thread only: it is not reading it now)
+        std::lock_guard<std::mutex> tg(s->task->mutex_);
+        auto& exec = s->task->exec_info_;
+        if (!exec.empty()) {
+          for (auto& [stand_in, send] : s->stand_ins) {
+            auto it = exec.find(send);
+            exec[stand_in].needed_ = it != exec.end() && it->second.needed_;
+          }
+        }
+        s->stand_ins.clear();
+      }
       for (auto& n : s->deferred) s->queue->push(NodeTask(s->task, n, InputBuffer(0)), true);
       s->deferred.clear();
       s->push_marker_locked();
@@ -716,47 +768,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             sn->set_grads(std::move(gs));
             s.deferred.push_back(node);
           } else {
-            // only the reached slots feed the nodes behind; the others' edges die
+            // only the reached slots feed the nodes behind; the others' edges die now,
+            // and the send function runs (its hooks see undefined gradients there) as a
+            // stand-in that has only the live edges
             std::lock_guard<std::mutex> tg(s.task->mutex_);
             std::vector<bool> dead_slot(node->num_outputs(), false);
             for (auto i : unreached) if (i >= 0 && (size_t)i < dead_slot.size()) dead_slot[i] = true;
-            auto& task = *s.task;
-            validate_outputs(node->next_edges(), gs, [&](const std::string& msg) {
-              return "Function " + node->name() + " returned an " + msg;
-            });
-            // the send function itself is consumed: as if it ran
+            gs.resize(node->num_outputs());
+            edge_list live;
             for (size_t i = 0; i < node->num_outputs(); ++i) {
               const auto& e = node->next_edge(i);
-              if (!e.function) continue;
-              Node* next = e.function.get();
               if (dead_slot[i]) {
-                kill_edges(s, {{next, e.input_nr}}, dead);
-                continue;
-              }
-              auto it = task.dependencies_.find(next);
-              bool ready = false;
-              if (it != task.dependencies_.end() && --it->second == 0) {
-                task.dependencies_.erase(it);
-                ready = true;
-              }
-              auto ei = task.exec_info_.find(next);
-              bool runs = task.exec_info_.empty() || (ei != task.exec_info_.end() && ei->second.should_execute());
-              auto nr = task.not_ready_.find(next);
-              if (nr == task.not_ready_.end()) {
-                if (!runs) continue;
-                InputBuffer buf(next->num_inputs());
-                if (gs[i].defined()) buf.add(e.input_nr, std::move(gs[i]), std::nullopt, std::nullopt, next);
-                if (ready) s.queue->push(NodeTask(s.task, e.function, std::move(buf)), true);
-                else task.not_ready_.emplace(next, std::move(buf));
+                gs[i] = at::Tensor();
+                live.emplace_back();
+                if (e.function) kill_edges(s, {{e.function.get(), e.input_nr}}, dead);
               } else {
-                if (gs[i].defined()) nr->second.add(e.input_nr, std::move(gs[i]), std::nullopt, std::nullopt, next);
-                if (ready) {
-                  auto buf = std::move(nr->second);
-                  task.not_ready_.erase(nr);
-                  s.queue->push(NodeTask(s.task, e.function, std::move(buf)), true);
-                }
+                live.push_back(e);
               }
             }
+            auto stand_in = c10::make_intrusive<PartialSend>(node, std::move(live), std::move(gs));
+            s.stand_ins.emplace(stand_in.get(), node.get());
+            s.kept_stand_ins.push_back(stand_in);
+            s.deferred.push_back(stand_in);
           }
           s.pieces.push_back(exp);
           ship_dead(s, dead);
@@ -765,9 +798,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return true;
       })
       // retire(send_nodes): these send functions will receive no gradient in this pass
-      .def("retire", [](DistShare& s, py::list sends, int64_t exp) {
+      .def("retire", [](DistShare& s, py::list sends, py::list reached, int64_t exp) {
         std::vector<c10::intrusive_ptr<Node>> nodes;
         for (auto h : sends) nodes.push_back(node_of(h));
+        std::unordered_set<Node*> reached_recvs;
+        for (auto h : reached) reached_recvs.insert(node_of(h).get());
         std::vector<c10::intrusive_ptr<Node>> dead;
         {
           py::gil_scoped_release nogil;
@@ -782,11 +817,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               kill_edges(s, edges_of(n.get()), dead);
             }
           }
-          // recv functions that died with them tell nobody: discovery did not reach
-          // them either, so their senders retire those send functions in this round
-          // (a Python engine there has already left them out of its count)
+          // a recv function that died with them tells its sender only if discovery
+          // reached it (the sender waits for that send function); one it did not
+          // reach tells nobody: its sender retires that send function in this round
+          // (a Python engine there has already left it out of its count)
+          std::vector<c10::intrusive_ptr<Node>> reached_dead;
+          for (auto& r : dead)
+            if (reached_recvs.count(r.get())) reached_dead.push_back(r);
           dead.clear();
-          ship_dead(s, dead);
+          ship_dead(s, reached_dead);
           s.push_marker_locked();
         }
         return true;
