@@ -1,0 +1,313 @@
+"""``dgtest``: a test accelerator for machines without a GPU.
+
+A PrivateUse1 backend (``accel.cpp``) built against the installed torch with
+:mod:`torch.utils.cpp_extension` the first time :func:`load` runs, cached under
+``$DISTGRAD_ACCEL_CACHE`` or ``~/.cache/distgrad/accel`` (one build per torch version,
+source and checkout). Its devices are ``dgtest:0`` .. ``dgtest:N-1`` (N = 2, or
+``DISTGRAD_TEST_DEVICES`` = 2..8, read before the first load). Memory is host
+memory; every op runs torch's CPU kernel in place on it; streams, events and
+``torch.futures.Future(devices=...)`` work through a device guard.
+
+Because the device runs everything synchronously, a missing stream synchronization
+would never give a wrong number. The **stream-order checker** (on by default) makes
+it an error instead: ``RuntimeError("stream-order violation: ...")`` naming the op,
+device, streams and logical times. A free that races a stream (no ``record_stream``)
+is found in the deleter, which cannot raise: it raises at the next dgtest op,
+synchronize or :func:`check`.
+
+Call :func:`load` before the process's first backward pass: torch's autograd engine
+sizes its device threads once, at its first use.
+
+Where no compiler is found :func:`load` raises and ``WHY_NOT`` says why;
+:func:`available` answers without raising.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import threading
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = [os.path.join(_HERE, "accel.cpp")]
+_NAME = "distgrad_accel"
+BACKEND = "dgtest"
+_lock = threading.Lock()
+_loaded = False
+WHY_NOT: str | None = None
+#: set when autograd cannot reach dgtest in this process (the engine started before load)
+AUTOGRAD_WHY_NOT: str | None = None
+
+
+def _cache_dir() -> str:
+    import torch
+    base = os.environ.get("DISTGRAD_ACCEL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "distgrad", "accel")
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        with open(src, "rb") as f:
+            h.update(f.read())
+        h.update(src.encode())
+    h.update(torch.__version__.encode())
+    return os.path.join(base, f"torch-{torch.__version__}-{h.hexdigest()[:16]}")
+
+
+def _library(where: str) -> str:
+    return os.path.join(where, f"{_NAME}.so")
+
+
+def built() -> bool:
+    """Whether a build for this torch and source is in the cache (loading it is quick)."""
+    try:
+        return os.path.exists(_library(_cache_dir()))
+    except Exception:  # noqa: BLE001 - no torch, an unreadable source
+        return False
+
+
+def _device_count_from_env() -> int:
+    raw = os.environ.get("DISTGRAD_TEST_DEVICES", "").strip()
+    if not raw:
+        return 2
+    if not raw.isdigit() or not 2 <= int(raw) <= 8:
+        raise ValueError(f"DISTGRAD_TEST_DEVICES={raw!r}: expected a number from 2 to 8")
+    return int(raw)
+
+
+def _build(verbose: bool) -> str:
+    """The shared library's path, building it under a file lock if it is not cached."""
+    import fcntl
+
+    where = _cache_dir()
+    os.makedirs(where, exist_ok=True)
+    lib = _library(where)
+    if os.path.exists(lib):
+        return lib
+    with open(os.path.join(where, ".build-lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build; the others wait, then load it
+        try:
+            if not os.path.exists(lib):
+                from torch.utils import cpp_extension
+                cpp_extension.load(
+                    name=_NAME, sources=_SOURCES, build_directory=where,
+                    extra_cflags=["-O1"], is_python_module=False, verbose=verbose)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return lib
+
+
+def load(verbose: bool = False) -> str:
+    """Build (first time) and load the ``dgtest`` backend; returns ``"dgtest"``.
+
+    Renames PrivateUse1 to ``dgtest``, adds ``Tensor.dgtest()`` / ``Tensor.is_dgtest``
+    (and the module and storage methods) and registers ``torch.dgtest`` (see
+    :mod:`distgrad.testing.accel.device`). Idempotent, thread-safe; each process
+    (spawned workers too) calls it for itself.
+
+    Example::
+
+        >>> from distgrad.testing import accel
+        >>> dev = accel.load()                  # doctest: +SKIP
+        >>> x = torch.ones(3, device=f"{dev}:1")  # doctest: +SKIP
+        >>> (x * 2).sum().item()                # doctest: +SKIP
+        6.0
+    """
+    global _loaded, WHY_NOT
+    if _loaded:
+        return BACKEND
+    with _lock:
+        if _loaded:
+            return BACKEND
+        import torch
+        _device_count_from_env()
+        name = torch._C._get_privateuse1_backend_name()
+        if name not in ("privateuseone", BACKEND):
+            raise RuntimeError(f"dgtest: PrivateUse1 is already taken by {name!r} in this process")
+        try:
+            lib = _build(verbose)
+            torch.ops.load_library(lib)
+        except Exception as exc:  # noqa: BLE001 - no compiler, no headers
+            WHY_NOT = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            raise RuntimeError(f"dgtest cannot be built here: {WHY_NOT}") from exc
+        from . import device as _device
+        if name != BACKEND:
+            torch.utils.rename_privateuse1_backend(BACKEND)
+        if not hasattr(torch, BACKEND):
+            torch._register_device_module(BACKEND, _device)
+        if not hasattr(torch.Tensor, "is_" + BACKEND):
+            torch.utils.generate_methods_for_privateuse1_backend(
+                for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+        _loaded = True
+        _probe_autograd()
+    return BACKEND
+
+
+def _probe_autograd() -> None:
+    """One tiny backward on dgtest:0, which also makes the autograd engine start
+    its device threads now (when it has not started yet, as it should not have)."""
+    global AUTOGRAD_WHY_NOT
+    import torch
+    try:
+        x = torch.ones(1, device=f"{BACKEND}:0", requires_grad=True)
+        (x * 2).sum().backward()
+    except RuntimeError as exc:
+        AUTOGRAD_WHY_NOT = ("autograd on dgtest is not available in this process: torch's engine "
+                            "started before dgtest was loaded (call load() before any backward); "
+                            + str(exc).splitlines()[0][:200])
+
+
+def available() -> bool:
+    """Whether :func:`load` works here (builds on first call). ``WHY_NOT`` says why not.
+
+    Example::
+
+        >>> from distgrad.testing import accel
+        >>> if not accel.available(): print(accel.WHY_NOT)   # doctest: +SKIP
+    """
+    try:
+        load()
+    except Exception as exc:  # noqa: BLE001
+        global WHY_NOT
+        WHY_NOT = WHY_NOT or f"{type(exc).__name__}: {exc}"
+        return False
+    return True
+
+
+def device_under_test() -> str:
+    """The device type that device tests run on: ``"cuda"`` where
+    ``DISTGRAD_TEST_DEVICE=cuda`` (or the variable is unset and CUDA is available),
+    else ``"dgtest"`` (loading it). The one switch that runs the same tests on a GPU.
+
+    Example::
+
+        >>> from distgrad.testing.accel import device_under_test
+        >>> dev = device_under_test()            # doctest: +SKIP
+        >>> torch.zeros(2, device=f"{dev}:0")    # doctest: +SKIP
+    """
+    want = os.environ.get("DISTGRAD_TEST_DEVICE", "").strip().lower()
+    if want == "cuda":
+        return "cuda"
+    if want in ("", "auto"):
+        import torch
+        if torch.cuda.is_available():
+            return "cuda"
+    elif want != BACKEND:
+        raise ValueError(f"DISTGRAD_TEST_DEVICE={want!r}: expected 'cuda' or 'dgtest'")
+    return load()
+
+
+# ------------------------------------------------------------------ checker control
+
+def _ops():
+    load()
+    import torch
+    return torch.ops.dgtest
+
+
+def checker_enabled() -> bool:
+    """Whether the stream-order checker is on (it is by default).
+
+    Example::
+
+        >>> accel.checker_enabled()   # doctest: +SKIP
+        True
+    """
+    return bool(_ops().checker_state()[0])
+
+
+def set_checker(on: bool, *, raise_errors: bool = True) -> None:
+    """Turn the stream-order checker on or off; with ``raise_errors=False`` it only
+    logs (see :func:`violations`). Turning it back on forgets what happened while off.
+
+    Example::
+
+        >>> accel.set_checker(False)   # doctest: +SKIP
+        >>> accel.set_checker(True)    # doctest: +SKIP
+    """
+    _ops().set_checker(bool(on), bool(raise_errors))
+
+
+def violations() -> list[str]:
+    """The last (up to 200) violations found, raised or not, oldest first.
+
+    Example::
+
+        >>> accel.clear_violations(); accel.violations()   # doctest: +SKIP
+        []
+    """
+    return list(_ops().violations())
+
+
+def clear_violations() -> None:
+    """Forget the logged violations (and a free's violation not raised yet).
+
+    Example::
+
+        >>> accel.clear_violations()   # doctest: +SKIP
+    """
+    _ops().clear_violations()
+
+
+def check() -> None:
+    """Raise a violation found in a free (deleters cannot raise) if there is one.
+
+    Example::
+
+        >>> del t; accel.check()   # doctest: +SKIP
+    """
+    _ops().check()
+
+
+class _Expected:
+    def __init__(self) -> None:
+        self.message: str | None = None
+
+
+@contextlib.contextmanager
+def expect_violation(match: str | None = None):
+    """Expect a stream-order violation inside the block: the raising op's error (or a
+    racing free's, checked at the end of the block) is caught; none, or one whose text
+    does not match the regex ``match``, fails with AssertionError. The caught text is
+    on the yielded object's ``message``.
+
+    Example::
+
+        >>> with accel.expect_violation("reads") as v:        # doctest: +SKIP
+        ...     with torch.dgtest.stream(s2): y = x + 1        # x written on s1, no wait
+        >>> v.message.startswith("stream-order violation:")   # doctest: +SKIP
+        True
+    """
+    out = _Expected()
+    try:
+        yield out
+        check()
+    except RuntimeError as exc:
+        text = str(exc)
+        if not text.startswith("stream-order violation:"):
+            raise
+        out.message = text
+    if out.message is None:
+        raise AssertionError("expected a stream-order violation; none happened")
+    if match is not None and not re.search(match, out.message):
+        raise AssertionError(f"stream-order violation {out.message!r} does not match {match!r}")
+
+
+@contextlib.contextmanager
+def checker_off():
+    """The checker off inside the block (what happens there is forgotten after).
+
+    Example::
+
+        >>> with accel.checker_off(): racy_code()   # doctest: +SKIP
+    """
+    state = _ops().checker_state()
+    set_checker(False)
+    try:
+        yield
+    finally:
+        set_checker(bool(state[0]), raise_errors=bool(state[1]))
+
+
+__all__ = ["BACKEND", "WHY_NOT", "AUTOGRAD_WHY_NOT", "load", "available", "built", "device_under_test",
+           "checker_enabled", "set_checker", "violations", "clear_violations", "check",
+           "expect_violation", "checker_off"]
