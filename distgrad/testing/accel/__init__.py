@@ -142,18 +142,54 @@ def load(verbose: bool = False) -> str:
     return BACKEND
 
 
-def _probe_autograd() -> None:
-    """One tiny backward on dgtest:0, which also makes the autograd engine start
-    its device threads now (when it has not started yet, as it should not have)."""
-    global AUTOGRAD_WHY_NOT
+# Objects of the engine runs below, kept alive until the interpreter's very end so
+# that no autograd thread ever drops the last reference to a Python object.
+_KEEP: list = []
+
+
+def _run_backward_on(index: int) -> None:
+    """One tiny backward whose node runs on dgtest:index's autograd thread, through
+    the engine directly: unlike ``Tensor.backward`` it stashes no Python object in
+    the graph task's thread-local state."""
     import torch
+    x = torch.ones(1, device=f"{BACKEND}:{index}", requires_grad=True)
+    y = x * 2
+    g = torch.ones_like(y)
+    _KEEP.append((x, y, g))
+    torch.autograd.Variable._execution_engine.run_backward(
+        (y,), (g,), False, False, (), True, True)
+
+
+def _probe_autograd() -> None:
+    """Make torch's autograd engine start its device threads now (it sizes them once,
+    at its first run), and find out whether it had already started without dgtest."""
+    global AUTOGRAD_WHY_NOT
+    import atexit
     try:
-        x = torch.ones(1, device=f"{BACKEND}:0", requires_grad=True)
-        (x * 2).sum().backward()
+        _run_backward_on(0)
     except RuntimeError as exc:
         AUTOGRAD_WHY_NOT = ("autograd on dgtest is not available in this process: torch's engine "
                             "started before dgtest was loaded (call load() before any backward); "
                             + str(exc).splitlines()[0][:200])
+        return
+    atexit.register(_settle_autograd_threads)
+
+
+def _settle_autograd_threads() -> None:
+    """At exit: let each dgtest autograd thread finish what it holds.
+
+    ``Tensor.backward`` (torch 2.13) stashes a Python object in the graph task; a
+    device thread that drops the last reference to that task while the interpreter
+    is finalizing cannot take the GIL and aborts the process ("terminate called
+    without an active exception"). A device thread runs its queue in order, so once
+    a backward of our own (with nothing Python in it) has run on every device, the
+    earlier tasks are gone."""
+    try:
+        import torch
+        for i in range(torch.dgtest.device_count()):
+            _run_backward_on(i)
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
 
 
 def available() -> bool:
