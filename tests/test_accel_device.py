@@ -194,7 +194,8 @@ def _same_device_rule() -> None:
     import torch
     a = torch.ones(3, device="dgtest:0")
     b = torch.ones(3, device="dgtest:1")
-    msg = "Expected all tensors to be on the same device, but found at least two devices, dgtest:0 and dgtest:1!"
+    msg = ("Expected all tensors to be on the same device, but found at least two devices, "
+           "dgtest:0 and dgtest:1!")
     for bad in (lambda: a + b, lambda: torch.cat([a, b]), lambda: a.add_(b), lambda: a @ b,
                 lambda: torch.add(a, a, out=b)):
         try:
