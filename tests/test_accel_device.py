@@ -242,6 +242,24 @@ def _autograd_linear_sgd() -> None:
         torch.testing.assert_close(a, b.cpu())
         torch.testing.assert_close(a.grad, b.grad.cpu())
 
+    # modules whose ops pick a backend by device: convolution, the fused RNN cells
+    for make in (lambda: torch.nn.Conv2d(2, 3, 3), lambda: torch.nn.LSTM(3, 4, num_layers=2),
+                 lambda: torch.nn.GRU(3, 4, bias=False)):
+        m = make()
+        md = copy.deepcopy(m).to("dgtest:0")
+        xin = torch.randn(1, 2, 5, 5) if isinstance(m, torch.nn.Conv2d) else torch.randn(5, 2, 3)
+        xd = xin.to("dgtest:0").requires_grad_()
+        xin.requires_grad_()
+        out, outd = m(xin), md(xd)
+        if isinstance(out, tuple):
+            out, outd = out[0], outd[0]
+        torch.testing.assert_close(out, outd.cpu())
+        (out * out).sum().backward()
+        (outd * outd).sum().backward()
+        torch.testing.assert_close(xin.grad, xd.grad.cpu())
+        for a, b in zip(m.parameters(), md.parameters()):
+            torch.testing.assert_close(a.grad, b.grad.cpu())
+
     # torch.autograd.grad, double backward, a leaf's .grad accumulating
     w = torch.randn(5, dtype=torch.float64, requires_grad=True)
     wd = w.detach().to("dgtest:0").requires_grad_()
@@ -264,7 +282,7 @@ def _autograd_linear_sgd() -> None:
     torch.testing.assert_close(a.grad.cpu(), 8 * a.detach().cpu())
 
 
-def test_autograd_linear_and_sgd_on_the_device_equal_the_cpu(dev):
+def test_autograd_linear_sgd_conv_rnn_on_the_device_equal_the_cpu(dev):
     dev.run(_autograd_linear_sgd)
 
 

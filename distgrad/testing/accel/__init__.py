@@ -125,7 +125,12 @@ def load(verbose: bool = False) -> str:
             raise RuntimeError(f"dgtest: PrivateUse1 is already taken by {name!r} in this process")
         try:
             lib = _build(verbose)
-            torch.ops.load_library(lib)
+            try:
+                torch.ops.load_library(lib)
+            except OSError:   # a cached library that does not load (cut short): build anew
+                os.remove(lib)
+                lib = _build(verbose)
+                torch.ops.load_library(lib)
         except Exception as exc:  # noqa: BLE001 - no compiler, no headers
             WHY_NOT = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             raise RuntimeError(f"dgtest cannot be built here: {WHY_NOT}") from exc

@@ -20,6 +20,9 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/resize_native.h>
 #include <ATen/ops/set_native.h>
@@ -33,6 +36,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -95,22 +99,43 @@ std::string key_name(Key k) {
   return s + " of dgtest:" + std::to_string(key_device(k));
 }
 
+// a vector clock: (stream, time) pairs sorted by stream
 struct Clock {
   std::vector<std::pair<Key, uint64_t>> v;
+  std::vector<std::pair<Key, uint64_t>>::iterator find(Key k) {
+    return std::lower_bound(v.begin(), v.end(), k, [](const auto& e, Key x) { return e.first < x; });
+  }
   uint64_t get(Key k) const {
-    for (const auto& e : v) if (e.first == k) return e.second;
-    return 0;
+    auto it = std::lower_bound(v.begin(), v.end(), k, [](const auto& e, Key x) { return e.first < x; });
+    return it != v.end() && it->first == k ? it->second : 0;
   }
-  void raise_to(Key k, uint64_t t) {
-    for (auto& e : v) if (e.first == k) { if (e.second < t) e.second = t; return; }
-    v.emplace_back(k, t);
+  // returns whether anything rose
+  bool raise_to(Key k, uint64_t t) {
+    auto it = find(k);
+    if (it != v.end() && it->first == k) {
+      if (it->second >= t) return false;
+      it->second = t;
+      return true;
+    }
+    v.insert(it, {k, t});
+    return true;
   }
-  void merge(const Clock& o) { for (const auto& e : o.v) raise_to(e.first, e.second); }
+  bool merge(const Clock& o) {
+    bool rose = false;
+    for (const auto& e : o.v) rose = raise_to(e.first, e.second) || rose;
+    return rose;
+  }
   uint64_t bump(Key k) {
-    for (auto& e : v) if (e.first == k) return ++e.second;
-    v.emplace_back(k, 1);
+    auto it = find(k);
+    if (it != v.end() && it->first == k) return ++it->second;
+    v.insert(it, {k, 1});
     return 1;
   }
+};
+
+struct StreamState {
+  Clock clock;
+  uint64_t host_seen = 0;  // the host clock's version last merged in
 };
 
 struct OpName {
@@ -162,8 +187,9 @@ class Checker {
   bool enabled = true;
   bool raise = true;
   uint64_t epoch = 1;
-  std::unordered_map<Key, Clock> streams;
+  std::unordered_map<Key, StreamState> streams;
   Clock host;
+  uint64_t host_version = 1;
   std::deque<std::string> log;
   uint64_t total = 0;
   std::vector<std::string> pending;  // found in a free (a deleter may not throw)
@@ -172,14 +198,24 @@ class Checker {
   uint64_t next_id = 1;
   size_t live_bytes[kMaxDevices] = {};
 
-  Clock& clock_of(Key k) { return streams[k]; }
+  Clock& clock_of(Key k) { return streams[k].clock; }
 
-  // the op's start on stream `s`: it follows everything the host has seen
-  uint64_t tick(Key s) {
-    Clock& c = clock_of(s);
-    c.merge(host);
-    return c.bump(s);
+  // a stream's clock after the host's: work queued now follows what the host saw
+  Clock& synced(Key k) {
+    StreamState& st = streams[k];
+    if (st.host_seen != host_version) {
+      st.clock.merge(host);
+      st.host_seen = host_version;
+    }
+    return st.clock;
   }
+
+  void host_merge(const Clock& c) {
+    if (host.merge(c)) ++host_version;
+  }
+
+  // the op's start on stream `s`
+  uint64_t tick(Key s) { return synced(s).bump(s); }
 
   void refresh(Allocation* a) {
     if (a->epoch == epoch) return;
@@ -255,8 +291,7 @@ class Checker {
   void free_check(Allocation* a) {
     if (!enabled) return;
     refresh(a);
-    Clock c = clock_of(a->alloc_stream);
-    c.merge(host);
+    Clock c = synced(a->alloc_stream);
     for (const auto& u : a->uses) {
       if (u.first == a->alloc_stream) continue;
       bool rec = false;
@@ -327,7 +362,7 @@ void host_sync_stream(Key s) {
   Checker& k = checker();
   std::lock_guard<std::mutex> g(k.mu);
   if (!k.enabled) return;
-  k.host.merge(k.clock_of(s));
+  k.host_merge(k.clock_of(s));
 }
 
 Key current_key(DeviceIndex d) {
@@ -513,9 +548,7 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
     e->time_ms = now_ms();
     Checker& k = checker();
     std::lock_guard<std::mutex> g(k.mu);
-    Clock& c = k.clock_of(key_of(stream));
-    c.merge(k.host);
-    e->clock = c;
+    e->clock = k.synced(key_of(stream));
     e->recorded = true;
   }
   void block(void* event, const c10::Stream& stream) const override {
@@ -530,7 +563,7 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
     if (e && e->recorded) {  // "done" orders the host after it, as a CUDA query does
       Checker& k = checker();
       std::lock_guard<std::mutex> g(k.mu);
-      k.host.merge(e->clock);
+      k.host_merge(e->clock);
     }
     return true;
   }
@@ -552,7 +585,7 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
       Checker& k = checker();
       std::lock_guard<std::mutex> g(k.mu);
       for (auto& kv : k.streams)
-        if (kv.first != kHost && key_device(kv.first) == d) k.host.merge(kv.second);
+        if (key_device(kv.first) == d) k.host_merge(kv.second.clock);
     }
     raise_pending();
   }
@@ -788,7 +821,7 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
     {
       Checker& k = checker();
       std::lock_guard<std::mutex> g(k.mu);
-      if (k.enabled) k.clock_of(ks).merge(k.clock_of(kd));  // the copy waits for dst's stream
+      if (k.enabled) k.synced(ks).merge(k.synced(kd));  // the copy waits for dst's stream
     }
     run_checks(ks, op, reads, writes);
     {
@@ -824,6 +857,68 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
 void record_stream(at::Tensor& self, c10::Stream s) {
   TORCH_CHECK(s.device_type() == kDev, "dgtest: record_stream with a ", s.device_type(), " stream");
   GuardImpl().recordDataPtrOnStream(self.storage().data_ptr(), s);
+}
+
+// torch's RNN cells call the fused cell kernels for any non-CPU input, and the CPU
+// has none: these are the same math in ops (they run through the fallback). The
+// workspaces only need to agree between a forward and its backward.
+using T3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+at::Tensor one_minus(const at::Tensor& t) { return t.neg().add_(1); }
+
+T3 lstm_cell(const at::Tensor& ig, const at::Tensor& hg, const at::Tensor& cx,
+             const std::optional<at::Tensor>& ib, const std::optional<at::Tensor>& hb) {
+  at::Tensor gates = ig + hg;
+  if (ib && ib->defined()) gates = gates + *ib;
+  if (hb && hb->defined()) gates = gates + *hb;
+  auto ch = gates.chunk(4, 1);
+  at::Tensor i = ch[0].sigmoid(), f = ch[1].sigmoid(), g = ch[2].tanh(), o = ch[3].sigmoid();
+  at::Tensor cy = f * cx + i * g;
+  at::Tensor hy = o * cy.tanh();
+  return {hy, cy, at::cat({i, f, g, o}, 1)};
+}
+
+T3 lstm_cell_backward(const std::optional<at::Tensor>& ghy, const std::optional<at::Tensor>& gcy,
+                      const at::Tensor& cx, const at::Tensor& cy, const at::Tensor& ws, bool has_bias) {
+  const bool h = ghy && ghy->defined(), c = gcy && gcy->defined();
+  if (!h && !c) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  auto ch = ws.chunk(4, 1);
+  const at::Tensor &i = ch[0], &f = ch[1], &g = ch[2], &o = ch[3];
+  at::Tensor tcy = cy.tanh();
+  at::Tensor gc = c ? gcy->clone() : at::zeros_like(cy);
+  at::Tensor go;
+  if (h) {
+    gc = gc + *ghy * o * one_minus(tcy * tcy);
+    go = *ghy * tcy * o * one_minus(o);
+  } else {
+    go = at::zeros_like(o);
+  }
+  at::Tensor gates = at::cat({gc * g * i * one_minus(i), gc * cx * f * one_minus(f), gc * i * one_minus(g * g), go}, 1);
+  return {gates, gc * f, has_bias ? gates.sum(0) : at::Tensor()};
+}
+
+std::tuple<at::Tensor, at::Tensor> gru_cell(const at::Tensor& ig, const at::Tensor& hg, const at::Tensor& hx,
+                                            const std::optional<at::Tensor>& ib,
+                                            const std::optional<at::Tensor>& hb) {
+  at::Tensor a = (ib && ib->defined()) ? ig + *ib : ig;
+  at::Tensor b = (hb && hb->defined()) ? hg + *hb : hg;
+  auto ic = a.chunk(3, 1), hc = b.chunk(3, 1);
+  at::Tensor r = (ic[0] + hc[0]).sigmoid(), z = (ic[1] + hc[1]).sigmoid();
+  at::Tensor n = (ic[2] + r * hc[2]).tanh();
+  at::Tensor hy = n + z * (hx - n);
+  return {hy, at::cat({r, z, n, hx, hc[2]}, 1)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gru_cell_backward(const at::Tensor& ghy,
+                                                                                         const at::Tensor& ws,
+                                                                                         bool has_bias) {
+  auto ch = ws.chunk(5, 1);
+  const at::Tensor &r = ch[0], &z = ch[1], &n = ch[2], &hx = ch[3], &hn = ch[4];
+  at::Tensor gz = ghy * (hx - n) * z * one_minus(z);
+  at::Tensor gn = ghy * one_minus(z) * one_minus(n * n);
+  at::Tensor gr = gn * hn * r * one_minus(r);
+  at::Tensor gi = at::cat({gr, gz, gn}, 1), gh = at::cat({gr, gz, gn * r}, 1);
+  return {gi, gh, ghy * z, has_bias ? gi.sum(0) : at::Tensor(), has_bias ? gh.sum(0) : at::Tensor()};
 }
 
 // ---------------------------------------------------------------- the fallback
@@ -1122,6 +1217,14 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", &dgtest::copy_from_and_resize);
   m.impl("_local_scalar_dense", &dgtest::local_scalar_dense);
   m.impl("record_stream", &dgtest::record_stream);
+  // CompositeExplicitAutograd kernels that pick a backend by device (and find none
+  // for PrivateUse1): run the whole op through the fallback, on the CPU
+  m.impl("_thnn_fused_lstm_cell", &dgtest::lstm_cell);
+  m.impl("_thnn_fused_lstm_cell_backward_impl", &dgtest::lstm_cell_backward);
+  m.impl("_thnn_fused_gru_cell", &dgtest::gru_cell);
+  m.impl("_thnn_fused_gru_cell_backward", &dgtest::gru_cell_backward);
+  for (const char* name : {"convolution", "_convolution", "convolution_backward"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&dgtest::fallback>());
 }
 
 // copies carry conj/neg bits to the CPU copy (which resolves them); without these
