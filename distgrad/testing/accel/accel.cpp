@@ -430,8 +430,9 @@ Allocation* alloc_of(const at::Tensor& t) {
 }
 
 // pinned host memory (for tensor.pin_memory()): plain aligned host memory, remembered
-std::mutex g_pinned_mu;
-std::unordered_set<const void*> g_pinned;
+// (leaked, like the checker: deleters may run during static destruction)
+std::mutex& g_pinned_mu = *new std::mutex();
+std::unordered_set<const void*>& g_pinned = *new std::unordered_set<const void*>();
 
 void pinned_delete(void* p) {
   {
