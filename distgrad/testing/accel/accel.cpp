@@ -1072,7 +1072,9 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const auto* impl = c.unsafeGetTensorImpl();
     for (const auto& a : args) if (a.cpu.unsafeGetTensorImpl() == impl) return a.dev;
     for (const auto* ci : cpu_inputs) if (ci == impl) return c;
-    if (!c.has_storage() || c.device().type() != c10::kCPU) return c;
+    TORCH_CHECK(c.layout() == c10::Layout::Strided && c.has_storage() && c.device().is_cpu(), "dgtest: ",
+                opname.str(), " gave a ", c.layout(), " ", c.device(),
+                " tensor; dgtest holds strided tensors only");
     const auto* cst = c.storage().unsafeGetStorageImpl();
     if (Shadow* shadow = sh.by_cpu(cst)) return with_storage(shadow->dev, c10::DispatchKey::PrivateUse1, c);
     for (const auto& f : fresh) if (f.first == cst) return with_storage(f.second, c10::DispatchKey::PrivateUse1, c);
