@@ -46,8 +46,7 @@ def _init_methods(rank, world_size, env_port, tcp_port, file_path):
     # tcp://, again in the same process
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{tcp_port}",
                                            num_worker_threads=4, rpc_timeout=30,
-                                           device_maps={f"worker{1 - rank}": {"cpu": "cpu"}},
-                                           devices=["cpu"])
+                                           device_maps={f"worker{1 - rank}": {"cpu": "cpu"}})
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
     assert rpc.get_rpc_timeout() == 30
     _ping(rank, world_size)
@@ -101,15 +100,17 @@ def test_bad_options_single_process():
         rpc.TensorPipeRpcBackendOptions(num_worker_threads=0)
     with pytest.raises(ValueError, match="heartbeat"):
         rpc.TensorPipeRpcBackendOptions(heartbeat_interval=2, heartbeat_deadline=1)
-    with pytest.raises(ValueError, match="CPU"):
-        rpc.TensorPipeRpcBackendOptions(device_maps={"worker1": {"cuda:0": "cuda:1"}})
-    with pytest.raises(ValueError, match="CPU"):
-        rpc.TensorPipeRpcBackendOptions(devices=["cuda:0"])
+    # device maps and devices: torch's rules and texts (tests/test_device_maps.py for more)
+    with pytest.raises(ValueError, match="`set_devices` expect a list of CUDA devices, but got "
+                                         "device type cpu."):
+        rpc.TensorPipeRpcBackendOptions(devices=["cpu"])
+    assert rpc.TensorPipeRpcBackendOptions(devices=["cuda:1"]).devices == [torch.device("cuda:1")]
     opts = rpc.TensorPipeRpcBackendOptions(device_maps={"worker1": {"cpu": "cpu"}})
-    with pytest.raises(ValueError, match="CPU"):
-        opts.set_device_map("worker1", {0: 1})
+    with pytest.raises(ValueError, match="`set_device_map` only supports 1-to-1 mapping"):
+        opts.set_device_map("worker1", {"cpu": "cuda:0"})
     opts.set_device_map("worker2", {"cpu": "cpu"})
-    assert opts.device_maps == {"worker1": {"cpu": "cpu"}, "worker2": {"cpu": "cpu"}}
+    cpu = torch.device("cpu")
+    assert opts.device_maps == {"worker1": {cpu: cpu}, "worker2": {cpu: cpu}}
     assert isinstance(opts, rpc.RpcBackendOptions)
     assert rpc.BackendType.TENSORPIPE in list(rpc.BackendType)
     # init_rpc argument checks fail before any rendezvous

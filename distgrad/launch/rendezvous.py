@@ -338,13 +338,24 @@ def check_pair(value: Any) -> str | None:
     return expect(value, name=str, address=str)
 
 
+def check_pair_devices(value: Any) -> str | None:
+    """What is wrong with an exchange entry: :func:`check_pair`'s, or the same with a
+    JSON object ``"devices"`` (the worker's device maps, :mod:`distgrad.rpc.devices`)."""
+    if isinstance(value, dict) and "devices" in value:
+        return expect(value, name=str, address=str, devices=dict)
+    return check_pair(value)
+
+
 def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: str,
              timeout: float, seal: StoreSeal | None = None,
-             prefix: str = "") -> tuple[list[tuple[str, str]], StoreSeal]:
+             prefix: str = "", devices: dict | None = None) -> tuple[list[tuple], StoreSeal]:
     """Publish ``(name, address)`` for ``rank`` in ``store`` (a :func:`session`, whose
     keys are under ``prefix``); returns every rank's pair and the seal of this
     rendezvous (bound to all ranks' nonces: what the session's later entries, the
     shutdown barrier's, are sealed with, so that none from another rendezvous counts).
+    With ``devices`` (a JSON object: this worker's device maps) each rank's entry
+    carries it too, and every pair is a triple ``(name, address, devices)``
+    (``devices`` None for a rank that published none).
 
     Two rounds of sealed entries (:mod:`.sealed`): every rank publishes a fresh
     nonce, then its pair bound to all ranks' nonces, so an entry of any other
@@ -372,13 +383,19 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
         attempt = hashlib.sha256(",".join(v["nonce"] for v in nonces).encode()).hexdigest()
         bound = seal.bound(attempt)
         try:
-            entries = rounds.gather("worker", bound, rank, world_size,
-                                    {"name": name, "address": address}, check_pair,
+            mine = {"name": name, "address": address}
+            if devices is not None:
+                mine["devices"] = devices
+            entries = rounds.gather("worker", bound, rank, world_size, mine,
+                                    check_pair if devices is None else check_pair_devices,
                                     renewed=lambda n=nonces: rounds.renewed(n, rank))
             break
         except _Renewed as e:
             nonces = e.values
-    peers = [(e["name"], e["address"]) for e in entries]
+    if devices is None:
+        peers: list[tuple] = [(e["name"], e["address"]) for e in entries]
+    else:
+        peers = [(e["name"], e["address"], e.get("devices")) for e in entries]
     # Rank 0 hosts the store: it must not leave (and, on a name clash, raise and
     # drop the store) before every rank has read the table.
     try:
@@ -392,7 +409,7 @@ def exchange(store: dist.Store, rank: int, world_size: int, name: str, address: 
             raise seal.tampered_error(what) from e
         raise RuntimeError(what) from e
     seen: dict[str, int] = {}
-    for r, (n, _) in enumerate(peers):
+    for r, (n, *_) in enumerate(peers):
         if n in seen:
             a, b = seen[n], r
             if rank == b:  # name ourselves first, as torch does

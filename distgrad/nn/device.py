@@ -53,7 +53,8 @@ def parse_remote_device(remote_device: str) -> tuple[str | int, str]:
 
 
 def check_device(device: str) -> None:
-    """On the owner: fail with a clear error if ``device`` does not exist here.
+    """On the owner: fail with a clear error if ``device`` does not exist here
+    (any accelerator type: ``cuda``, ``xpu``, ``mps``, a PrivateUse1 backend).
 
     Example::
 
@@ -61,15 +62,22 @@ def check_device(device: str) -> None:
         >>> check_device("cuda:0")     # DistgradError on a worker without CUDA
     """
     dev = torch.device(device)
-    if dev.type != "cuda":
+    if dev.type in ("cpu", "meta"):
         return
     import distgrad.rpc as rpc
     me = rpc.get_worker_info().name
-    if not torch.cuda.is_available():
-        raise DistgradError(f"RemoteModule: device {device!r} requested on worker {me}, but CUDA is not "
-                            "available there (torch.cuda.is_available() is False); use "
+    try:
+        mod = torch.get_device_module(dev.type)
+        available, count = bool(mod.is_available()), int(mod.device_count())
+    except Exception:  # noqa: BLE001 - no device module for that type here
+        available, count = False, 0
+    if not available:
+        name = "CUDA" if dev.type == "cuda" else dev.type
+        raise DistgradError(f"RemoteModule: device {device!r} requested on worker {me}, but {name} is not "
+                            f"available there (torch.{dev.type}.is_available() is False); use "
                             f"'{me}/cpu'", me)
-    count = torch.cuda.device_count()
     if dev.index is not None and dev.index >= count:
-        raise DistgradError(f"CUDA error: invalid device ordinal: RemoteModule device {device!r} requested "
-                            f"on worker {me}, which has {count} CUDA device(s)", me)
+        what = "CUDA error: invalid device ordinal" if dev.type == "cuda" else \
+            f"{dev.type}: invalid device index"
+        raise DistgradError(f"{what}: RemoteModule device {device!r} requested on worker {me}, which has "
+                            f"{count} {dev.type.upper() if dev.type == 'cuda' else dev.type} device(s)", me)

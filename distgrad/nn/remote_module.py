@@ -26,9 +26,11 @@ As in torch:
 * Pickled by plain ``pickle`` (``torch.save``) it raises; inside an RPC it
   travels as its few attributes plus the module's RRef (a new fork), and the
   receiver can call ``forward`` on it.
-* On a CUDA device the inputs are moved to the device and the outputs come
-  back to the CPU (distgrad carries CPU tensors only, so no device map is ever
-  set: ``is_device_map_set`` is False).
+* On a device (any accelerator type: ``"worker1/cuda:0"``, ``"worker1/xpu:1"``,
+  a PrivateUse1 backend's ``"worker1/dgtest:1"``) the inputs are moved to the
+  device; the outputs come back on the device when this worker has a device map
+  to the owner (``is_device_map_set``: they travel through its reverse map),
+  else they are moved to the CPU there.
 
 Differences: ``forward``/``forward_async`` in the instance's ``__dict__`` are
 bound to a weak proxy of it (no reference cycle, so a dropped RemoteModule
@@ -141,7 +143,7 @@ def _to_cpu(value):
 def _remote_forward(module_rref, device, is_device_map_set, *args, **kwargs):
     module = module_rref.local_value()
     dev = torch.device(device)
-    if dev.type != "cuda":
+    if dev.type == "cpu":
         return module.forward(*args, **kwargs)
     args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args)
     kwargs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -410,7 +412,13 @@ class _RemoteModule(nn.Module):
         if not rpc._is_current_rpc_agent_set():
             raise DistgradError("RemoteModule only works in RPC: call distgrad.rpc.init_rpc first")
         self.on, self.device = parse_remote_device(remote_device)
-        self.is_device_map_set = False  # distgrad carries CPU tensors only: never a device map
+        # as torch: a device map to the owner brings the outputs back on the device
+        agent = rpc.api._get_current_rpc_agent()
+        try:
+            owner = agent.get_worker_info(self.on)
+        except Exception:  # noqa: BLE001 - an unknown worker: rpc.remote says so next
+            owner = None
+        self.is_device_map_set = bool(owner is not None and agent._get_device_map(owner))
 
     def _check_attribute_picklability(self) -> None:
         known = _REMOTE_MODULE_PICKLED_ATTRIBUTES + _REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING

@@ -109,6 +109,15 @@ class RpcAgent(FastPath, Serving, Members):
         self.shutting_down = False
         self._seen_rids: dict[int, tuple[set, collections.deque]] = {}
         self.gil_wait: list | None = None  # [seconds, requests] while GIL profiling is on
+        # device maps (rpc/devices.py install() sets them from the start-up exchange): this
+        # worker's devices, its own maps (requests) and the reverse ones (replies), the
+        # routes built from them, and the devices a received tensor may be placed on
+        self.devices: list = []
+        self.device_maps: dict = {}
+        self.reverse_device_maps: dict = {}
+        self.request_routes: dict = {}
+        self.reply_routes: dict = {}
+        self.device_targets: dict = {}
 
     # -- start/stop ----------------------------------------------------------
     def start(self, addresses: dict[int, str], **dynamic: Any) -> None:
@@ -154,7 +163,7 @@ class RpcAgent(FastPath, Serving, Members):
         rid = next(self._rids)
         frames = self._request_frames(dest, kind, rid, payload_obj, what, extra, ctx)
         timeout = self.effective_timeout(timeout)
-        p = _Pending(dest.id, what, timeout, sync, ctx)
+        p = _Pending(dest.id, what, timeout, sync, ctx, self.devices)
         if dest.id in self.lost:
             self._fail(p, self._lost_error(dest.id))
             return p
@@ -510,6 +519,10 @@ class RpcAgent(FastPath, Serving, Members):
     def get_worker_infos(self) -> list[WorkerInfo]:
         """Every member's WorkerInfo, by rank (in a dynamic group: the members now)."""
         return sorted(self.by_name.values(), key=lambda w: w.id)
+
+    def _get_device_map(self, dst: WorkerInfo) -> dict:
+        """This worker's device map to ``dst`` (torch's agent API; {} when none)."""
+        return dict(self.device_maps.get(dst.name, {}))
 
     def get_debug_info(self) -> dict[str, Any]:
         """The agent's own counters (torch's agent API; see rpc._get_debug_info)."""

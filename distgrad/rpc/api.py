@@ -25,7 +25,7 @@ from ..errors import WorkerLostError
 from ..launch import keeper, rendezvous
 from ..transport.descriptors import raise_open_file_limit
 from ..wire import Kind
-from . import backend_registry, collective, dynamic, lifecycle, profiling, script
+from . import backend_registry, collective, devices, dynamic, lifecycle, profiling, script
 from .agent import RpcAgent, _holder, _qualname, agent_or_none, current_agent
 from .debug import _get_debug_info, _rref_context_get_debug_info, enable_gil_profiling  # noqa: F401
 from .internal import PythonUDF, RPCExecMode, _internal_rpc_pickler, _run_serialized
@@ -449,7 +449,7 @@ def _remote_with(dest: WorkerInfo, payload: tuple, what: str, timeout: float, ex
     rref_id = agent.rrefs.new_id()
     if dest.id == agent.rank:
         # The owner RRef, whose value the request (sent to ourselves) sets.
-        fut = torch.futures.Future()
+        fut = devices.new_future(agent)
         rref = RRef._owner_side(agent, rref_id, fut)
         agent.rrefs.local_targets[rref_id] = fut
         try:

@@ -17,7 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..wire import Kind, dumps, encode, encode_fast, loads
+from ..wire.devices import parse_target, place
 from ..wire.messages import decode
+from .devices import reply_route
 from .extensions import NULL_SCOPE
 from .remote_exc import unpack_exception
 from .script import BUILTINS, builtin_table
@@ -30,10 +32,13 @@ class FastPath:
                         extra: Any, ctx: Any) -> list:
         """Pickle a request (recording autograd functions in ``ctx``) into frames."""
         pins: list = []
-        payload, tensors = dumps(payload_obj, dest=dest, pins=pins)
+        routes = self.request_routes  # device maps to ``dest`` (rpc/devices.py): where its tensors go
+        payload, tensors = dumps(payload_obj, dest=dest, pins=pins,
+                                 route=routes.get(dest.name) if routes else None)
         if pins:  # RRefs going back to their owner: this request keeps their values alive
             extra = {**(extra or {}), "pins": pins}
-        elif ctx is None and extra is None and self.fast and kind != Kind.REMOTE:
+        elif ctx is None and extra is None and self.fast and kind != Kind.REMOTE \
+                and type(tensors) is list:  # (a DeviceTable's tensors move: the general layout)
             frames = encode_fast(kind, rid, what, payload, tensors)
             if frames is not None:
                 return frames
@@ -46,8 +51,12 @@ class FastPath:
 
     def _reply_frames(self, peer: int, rid: int, value: Any, ctx: Any) -> list:
         """Pickle a reply (recording autograd functions in ``ctx``) into frames."""
-        payload, tensors = dumps(value, dest=self.workers[peer])
-        if ctx is None and self.fast:
+        dest = self.workers[peer]
+        route = self.reply_routes.get(dest.name)   # the reverse map to the caller (rpc/devices.py)
+        if route is None:
+            route = reply_route(self, dest.name)
+        payload, tensors = dumps(value, dest=dest, route=route)
+        if ctx is None and self.fast and type(tensors) is list:
             frames = encode_fast(Kind.REPLY, rid, "", payload, tensors)
             if frames is not None:
                 return frames
@@ -59,7 +68,13 @@ class FastPath:
         if kind == Kind.ERROR:
             raise unpack_exception(msg.payload)
         hook = self._incoming(p.peer, msg.meta) if msg.meta is not None else None
-        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook, tensors=msg.tensors)
+        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook, tensors=msg.tensors,
+                     place=self._place)
+
+    def _place(self, t: Any, target: str) -> Any:
+        """A received tensor onto ``target``, one of this worker's devices (ProtocolError
+        for any other), on the current stream there."""
+        return place(t, parse_target(target, self.device_targets))
 
     def _current_ctx(self) -> Any:
         for ext in self._ctx_exts:

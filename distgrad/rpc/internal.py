@@ -71,7 +71,9 @@ class _InternalRPCPickler:
         if not self._class_reducer_dict:
             # Inside a call (e.g. a __getstate__ run while a payload is pickled) RRefs
             # fork for the same destination as the enclosing message.
-            return wire.dumps(obj, dest=wire.current_destination())
+            # (a plain list: a DeviceTable's moves belong to the enclosing message)
+            data, tensors = wire.dumps(obj, dest=wire.current_destination())
+            return data, list(tensors)
         buf = io.BytesIO()
         tensors: list[torch.Tensor] = []
         p = _ReducingPickler(buf, tensors, self._class_reducer_dict)

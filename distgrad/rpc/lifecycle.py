@@ -23,7 +23,7 @@ from ..launch import keeper, rendezvous
 from ..transport import SocketTransport, netaddr
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
-from . import c10d_order, collective, dynamic, membership, mixing, remote_profiling
+from . import c10d_order, collective, devices, dynamic, membership, mixing, remote_profiling
 from .agent import RpcAgent, _holder
 from .options import RpcBackendOptions
 from .worker_info import WorkerInfo
@@ -113,10 +113,14 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         slot = mixing.count_in(store, name, address, seal)
         membership.check_static_join(store, name, seal)
         store, prefix = rendezvous.session(store, rank)  # this init_rpc's keys only
+        # the device maps travel with the addresses, and are checked by every worker
         peers, bound = rendezvous.exchange(store, rank, world_size, name, address, timeout, seal,
-                                           prefix)
-        workers = [WorkerInfo(n, r) for r, (n, _) in enumerate(peers)]
+                                           prefix, devices=devices.local_entry(opts))
+        maps, reverse, devs = devices.exchanged(name, [p[0] for p in peers], [p[2] for p in peers],
+                                                opts)
+        workers = [WorkerInfo(n, r) for r, (n, *_) in enumerate(peers)]
         agent = RpcAgent(name, rank, world_size, workers, transport, opts)
+        devices.install(agent, maps, reverse, devs)
         # the shutdown barrier's flags are sealed for this rendezvous, under this prefix
         agent.store, agent.session_seal, agent.session_prefix = store, bound, prefix
         agent.static_store, agent.static_slot, agent.static_seal = raw, slot, seal
@@ -128,7 +132,7 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         collective.set_members({w.name for w in workers})
         remote_profiling.attach(rank)
         c10d_order.attach()
-        agent.start({r: a for r, (_, a) in enumerate(peers) if r != rank})
+        agent.start({r: a for r, (_, a, *_) in enumerate(peers) if r != rank})
     except BaseException:
         _holder.pop("agent", None)
         remote_profiling.detach()

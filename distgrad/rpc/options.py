@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .devices import to_device, to_device_map
+
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_NUM_WORKER_THREADS = 16
 DEFAULT_INIT_METHOD = "env://"
@@ -53,6 +55,13 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     keys derived from the secret and each connection's handshake; default ``$DISTGRAD_ENCRYPT``
     = 1/true/yes, else off; all workers must agree).
 
+    ``device_maps`` ({callee name: {this worker's device: the callee's device}})
+    and ``devices`` (this worker's accelerator devices) are torch's, for any
+    accelerator type (``cuda``, ``xpu``, ``mps``, a PrivateUse1 backend): a tensor
+    on a mapped device arrives on the callee's device, and a reply comes back
+    through the reverse map. See :meth:`set_device_map` and
+    :mod:`distgrad.rpc.devices`.
+
     Example::
 
         >>> opts = rpc.TensorPipeRpcBackendOptions(init_method="tcp://127.0.0.1:29500",
@@ -75,13 +84,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                              f"{heartbeat_interval!r} and {heartbeat_deadline!r}")
         super().__init__(rpc_timeout, init_method)
         self.num_worker_threads = num_worker_threads
-        self.device_maps: dict[str, dict[Any, Any]] = {}
-        self.devices: list = []
-        for name, mapping in (device_maps or {}).items():
-            self.set_device_map(name, mapping)
-        for d in devices or []:
-            _check_cpu(d, "devices")
-            self.devices.append(d)
+        # torch's: each map converted and checked on its own (no merging across keys)
+        self.device_maps: dict[str, dict[Any, Any]] = {
+            name: to_device_map(mapping) for name, mapping in (device_maps or {}).items()}
+        self.devices: list = [] if devices is None else [to_device(d) for d in devices]
         self.listen_addr = listen_addr or os.environ.get("DISTGRAD_LISTEN_ADDR")
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_deadline = heartbeat_deadline
@@ -92,27 +98,42 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.encrypt = bool(encrypt)
 
     def set_device_map(self, to: str, device_map: dict) -> None:
-        """torch's device map setter; distgrad moves CPU tensors only, so only cpu->cpu."""
-        for src, dst in device_map.items():
-            _check_cpu(src, "device_maps")
-            _check_cpu(dst, "device_maps")
-        self.device_maps.setdefault(to, {}).update(device_map)
+        """Map this worker's devices to those of worker ``to`` (torch's): a tensor on
+        a key device arrives on ``to`` on the value device, and replies come back
+        through the reverse map. Called again, it adds to the map; a device mapped
+        to two targets raises ValueError. Devices are ints (the accelerator's
+        index), strings or torch.device, of any accelerator type.
+
+        Example::
+
+            >>> opts = rpc.TensorPipeRpcBackendOptions()
+            >>> opts.set_device_map("worker1", {0: 1})          # my cuda:0 -> worker1's cuda:1
+            >>> opts.set_device_map("worker1", {"cuda:1": "cuda:0"})
+            >>> opts.device_maps["worker1"][torch.device("cuda:1")]
+            device(type='cuda', index=0)
+        """
+        full = to_device_map(device_map)
+        current = self.device_maps.get(to)
+        if current is not None:
+            for k, v in full.items():
+                if k in current and v != current[k]:
+                    raise ValueError("`set_device_map` only supports 1-to-1 mapping, trying"
+                                     f" to map {k} to {v} and {current[k]}")
+            current.update(full)
+        else:
+            self.device_maps[to] = full
 
     def set_devices(self, devices: list) -> None:
-        for d in devices:
-            _check_cpu(d, "devices")
-        self.devices = list(devices)
+        """The accelerator devices this worker's RPC uses (torch's): the streams of
+        these devices are synchronized for calls, and every map must stay within
+        them. By default, the devices of this worker's maps and of its peers' maps
+        to it.
 
+        Example::
 
-def _check_cpu(device: Any, what: str) -> None:
-    import torch
-    if isinstance(device, int) and not isinstance(device, bool):
-        kind = "accelerator index"  # torch.device(0) means an accelerator
-    else:
-        try:
-            kind = torch.device(device).type
-        except Exception as e:  # noqa: BLE001 - malformed or unavailable device
-            raise ValueError(f"{what}: invalid device {device!r}: {e}") from None
-    if kind != "cpu":
-        raise ValueError(f"{what}: distgrad supports CPU devices only for now, got {device!r}")
-
+            >>> opts = rpc.TensorPipeRpcBackendOptions()
+            >>> opts.set_devices(["cuda:0", 1])
+            >>> opts.devices
+            [device(type='cuda', index=0), device(type='cuda', index=1)]
+        """
+        self.devices = [to_device(d) for d in devices]

@@ -100,14 +100,16 @@ class _Pending:
     __slots__ = ("future", "peer", "what", "timeout", "timer", "lock", "result", "ctx", "reader",
                  "claimed", "deadline")
 
-    def __init__(self, peer: int, what: str, timeout: float, sync: bool, ctx: Any) -> None:
+    def __init__(self, peer: int, what: str, timeout: float, sync: bool, ctx: Any,
+                 devices: list | None = None) -> None:
         self.peer, self.what, self.timeout, self.ctx = peer, what, timeout, ctx
         self.timer = None
         self.deadline = 0.0  # monotonic time past which the periodic sweep fails it
         self.result: Any = None
         self.reader = None  # the thread that reads this reply while it waits for it
         self.claimed = False  # this caller took its connection's reading role
-        self.future = None if sync else RpcFuture()
+        # with the agent's devices (device maps set): waiters are ordered after the reply's copies
+        self.future = None if sync else (RpcFuture(devices=devices) if devices else RpcFuture())
         if not sync:
             self.future._dg_pending = self
         self.lock = threading.Lock() if sync else None

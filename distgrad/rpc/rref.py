@@ -33,6 +33,7 @@ outside a request do not wait.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Generic, TypeVar
 
@@ -43,6 +44,7 @@ from ..wire import Kind
 from ..wire.pickler import current_destination, current_pins
 from . import profiling
 from .agent import AsyncResult, agent_or_none, current_agent
+from .devices import completed_future
 from .internal import RPCExecMode
 from .rref_context import RRefContext, _Entry  # noqa: F401 - RRefContext's old home
 from .worker_info import WorkerInfo
@@ -72,8 +74,7 @@ class RRef(Generic[T]):
         if agent is None:
             raise RuntimeError("Current RPC agent is not set! Did you initialize the RPC framework "
                                "(e.g. by calling `rpc.init_rpc`)?")
-        fut = torch.futures.Future()
-        fut.set_result(value)
+        fut = completed_future(agent, value)
         self._init(agent, agent.rank, agent.rrefs.new_id(), None, fut, type_hint)
 
     def _init(self, agent, owner: int, rref_id: tuple, fork_id, future, type_hint) -> None:
@@ -227,6 +228,11 @@ class RRef(Generic[T]):
 
     def __reduce__(self):
         dest = current_destination()
+        if dest is None and sys._getframe(1).f_code is _EXTRACT_TENSORS:
+            # torch's Future(devices=...) looks for tensors in a value by pickling it
+            # (torch._jit_internal._extract_tensors), and skips its own RRefs: an RRef
+            # holds no tensor, so a value holding one is skipped too, not refused
+            return (_no_rref, ())
         agent = self._agent
         if not self.is_owner() and (self._rref_id, self._fork_id) not in agent.rrefs.user_forks:
             raise RuntimeError(f"User RRef with RRefId={_gid(self._rref_id)} and "
@@ -334,6 +340,13 @@ class RRef(Generic[T]):
         """torch's hook for profiled remote() calls: done once the creation is
         and its profiling scope ended."""
         return getattr(self, "_profiling_future", None) or self._get_future()
+
+
+_EXTRACT_TENSORS = torch._jit_internal._extract_tensors.__code__
+
+
+def _no_rref() -> None:
+    """What an RRef becomes in the pickle torch's futures only search for tensors."""
 
 
 def _gid(ident: tuple) -> str:

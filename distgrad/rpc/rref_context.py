@@ -25,6 +25,7 @@ from ..errors import DistgradError, WorkerLostError
 from ..ids import agent_range
 from ..trace import recorder as _trace
 from . import remote_profiling
+from .devices import new_future
 from .extensions import AgentExtension, register_extension
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class RRefContext(AgentExtension):
                                   f"{rref_id[0]} (worker {self.agent.name} now), which left or was "
                                   "lost: its value is gone", self.agent.name)
         if entry is None:
-            entry = self.owned[rref_id] = _Entry(future if future is not None else torch.futures.Future())
+            entry = self.owned[rref_id] = _Entry(future if future is not None else new_future(self.agent))
         return entry
 
     def add_fork(self, rref_id: tuple, fork_id: tuple, child: int,

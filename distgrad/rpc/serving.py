@@ -48,7 +48,7 @@ class Serving:
             follow_intra_op_threads()  # the global torch.set_num_threads (distgrad/intra_op.py)
             hook = self._incoming(peer, ag_meta)
             self._tls.msg = msg
-            func, args, kwargs = _load_call(msg, hook)
+            func, args, kwargs = _load_call(msg, hook, self._place)
             with self._scope(ag_meta) as ctx:
                 if profiling.active:  # a server-side profile is open
                     result = profiling.run(func, args, kwargs)
@@ -125,9 +125,10 @@ class UnknownFunctionError(DistgradError, AttributeError):
     """The callee lacks the function (or class) a call names: code is never sent."""
 
 
-def _load_call(msg, hook) -> tuple:
+def _load_call(msg, hook, place=None) -> tuple:
     try:
-        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook, tensors=msg.tensors)
+        return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook, tensors=msg.tensors,
+                     place=place)
     except AttributeError as e:
         raise UnknownFunctionError(f"{e}. Default RPC pickler does not serialize function code. Ensure "
                                    "that UDFs are defined on both caller and callee modules.") from e

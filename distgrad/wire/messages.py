@@ -51,7 +51,8 @@ def encode(kind: Kind, rid: int, meta: Any, payload: bytes = b"",
     if len(buffers) > MAX_BUFFERS:
         raise SerializationError(f"a message of {len(buffers)} tensor buffers (at most "
                                  f"{MAX_BUFFERS}): send fewer, larger tensors (torch.stack)")
-    meta_bytes = pickle.dumps((meta, tuple(tuple(s) for s in specs)), protocol=5)
+    # a spec's ``devices`` travels only when set (a CPU tensor's spec is what it was)
+    meta_bytes = pickle.dumps((meta, tuple(tuple(s) if s[6] else s[:6] for s in specs)), protocol=5)
     head = HEADER.pack(MAGIC, VERSION, int(kind), len(buffers), rid, len(meta_bytes))
     return [b"".join((head, meta_bytes, payload)), *buffers]
 

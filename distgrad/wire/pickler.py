@@ -16,6 +16,12 @@ Conjugate and negative views are resolved first. The receiver rebuilds each
 tensor on the received buffers without another copy. Sparse compressed layouts (CSR, CSC, BSR, BSC) are
 refused at the sender, as torch.distributed.rpc refuses them.
 
+A tensor on an accelerator joins the table too when :func:`dumps` is given a
+:class:`~.devices.Route` that maps its device (else it is refused with torch's
+TensorPipe message, before anything is sent): the table is then a
+:class:`DeviceTable`, whose ``moves`` say where each such tensor goes, and
+:func:`tensor_frames` sends it through host memory (see :mod:`.devices`).
+
 The tensor table is exposed so that distributed autograd can see which sent
 tensors require grad and can replace the received ones (attach a recv
 function) before the object graph is rebuilt.
@@ -33,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import DistgradError, ProtocolError, SerializationError, serialization_error
+from .devices import Route, no_map_message, to_host
 
 # A spec's kind: bit 0 says nn.Parameter, the rest the layout. Sparse tensors go
 # through the table too (not reduced to their parts), so that autograd sees them.
@@ -60,6 +67,9 @@ class TensorSpec(NamedTuple):
     ``strides`` is empty for a contiguous tensor (and always for a sparse or an
     empty one); for a strided view it holds the view's strides, and its buffer
     is the span of storage from the view's first element to its last.
+    ``devices`` is empty for a tensor that stays on the CPU; for one that moves
+    between devices it is ``(source device, target device)``, as strings (the
+    target: "cpu" or one of the receiver's devices).
     """
 
     dtype: str
@@ -68,6 +78,7 @@ class TensorSpec(NamedTuple):
     kind: int = _DENSE
     parts: tuple = ()
     strides: tuple = ()
+    devices: tuple = ()
 
     def components(self) -> list[tuple[torch.dtype, tuple, tuple]]:
         """(dtype, shape, strides) of each piece that travels as a buffer, in
@@ -176,19 +187,41 @@ def _reduce_tensor(obj: torch.Tensor):
                 f"cannot send a tensor with layout {layout}: torch.distributed.rpc does not "
                 "support sparse compressed tensors (send .to_sparse() or .to_dense() instead)")
         return obj.__reduce_ex__(5)
-    if obj.device.type != "cpu":
-        raise SerializationError(
-            f"cannot send a tensor on device {obj.device}: distgrad moves CPU "
-            "tensors only (move it with .cpu() first)")
-    tensors, index = _local.table
+    tensors, index, route, moves = _local.table
     idx = index.get(id(obj))
     if idx is None:  # ``tensors`` keeps obj alive, so its id stays unique
+        if obj.device.type != "cpu":
+            _device_move(obj, len(tensors), route, moves)
         idx = index[id(obj)] = len(tensors)
         tensors.append(obj)
     if obj.__dict__ and type(obj) is torch.nn.Parameter:
         # a Parameter's attributes travel with it, as torch's pickling keeps them
         return _table_parameter, (idx, torch._utils._get_obj_state(obj))
     return _table_tensor, (idx,)
+
+
+def _device_move(obj: torch.Tensor, idx: int, route: Route | None, moves: dict) -> None:
+    """Record where tensor ``idx`` (on an accelerator) goes; SerializationError with
+    torch's text when the route has no map for its device (nothing is sent)."""
+    device = obj.device
+    if route is None:
+        dest = getattr(_local, "dest", None)
+        raise SerializationError(no_map_message("Request", getattr(dest, "name", dest), device))
+    moves[idx] = (str(device), str(route.target(device)))
+
+
+class DeviceTable(list):
+    """A tensor table (see :func:`dumps`) with tensors that move between devices:
+    ``moves`` maps a tensor's index to ``(source device, target device)`` (strings)."""
+
+    __slots__ = ("moves",)
+
+
+def current_route() -> Route | None:
+    """The :class:`~.devices.Route` of the ``dumps`` running on this thread (None
+    outside one, or when it has none)."""
+    table = getattr(_local, "table", None)
+    return table[2] if table is not None else None
 
 
 def _table_tensor(idx: int) -> torch.Tensor:
@@ -222,13 +255,17 @@ class _Unpickler(pickle.Unpickler):
         raise ProtocolError(f"bad tensor reference {pid!r}")
 
 
-def dumps(obj: Any, dest: Any = None, pins: list | None = None) -> tuple[bytes, list[torch.Tensor]]:
+def dumps(obj: Any, dest: Any = None, pins: list | None = None,
+          route: Route | None = None) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj``; returns the pickle bytes and the tensor table.
 
     ``dest`` is the destination worker, visible to reducers through
     :func:`current_destination`, and ``pins`` through :func:`current_pins`.
-    Raises :class:`SerializationError` (and sends nothing) when something in
-    ``obj`` cannot be pickled.
+    ``route`` (a :class:`~.devices.Route`; a nested ``dumps`` inherits the
+    enclosing one) says where tensors on accelerators go: with one that maps them
+    the table is a :class:`DeviceTable`; without, such a tensor is refused with
+    torch's TensorPipe message. Raises :class:`SerializationError` (and sends
+    nothing) when something in ``obj`` cannot be pickled.
 
     Example::
 
@@ -241,7 +278,10 @@ def dumps(obj: Any, dest: Any = None, pins: list | None = None) -> tuple[bytes, 
     tensors: list[torch.Tensor] = []
     saved = (getattr(_local, "dest", None), getattr(_local, "pins", None),
              getattr(_local, "table", None))  # dumps nests when a reducer pickles
-    _local.dest, _local.pins, _local.table = dest, pins, (tensors, {})
+    if route is None and saved[2] is not None:
+        route = saved[2][2]
+    moves: dict = {}
+    _local.dest, _local.pins, _local.table = dest, pins, (tensors, {}, route, moves)
     try:
         _Pickler(buf, protocol=5).dump(obj)
     except SerializationError:
@@ -252,7 +292,21 @@ def dumps(obj: Any, dest: Any = None, pins: list | None = None) -> tuple[bytes, 
                                   getattr(dest, "name", None)) from e
     finally:
         _local.dest, _local.pins, _local.table = saved
+    if moves or (route is not None and route.cpu_target is not None):
+        return buf.getvalue(), _device_table(tensors, moves, route)
     return buf.getvalue(), tensors
+
+
+def _device_table(tensors: list, moves: dict, route: Route) -> DeviceTable:
+    """The table as a :class:`DeviceTable`; a map that names "cpu" moves CPU tensors too."""
+    if route.cpu_target is not None:
+        target = str(route.cpu_target)
+        for i, t in enumerate(tensors):
+            if i not in moves and t.device.type == "cpu":
+                moves[i] = ("cpu", target)
+    table = DeviceTable(tensors)
+    table.moves = moves
+    return table
 
 
 def _describe(obj: Any) -> str:
@@ -271,7 +325,10 @@ SNAPSHOT_BYTES = 64 * 1024
 
 def tensor_frames(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], list]:
     """Specs and buffers for a tensor table: bytes copies of small tensors,
-    zero-copy numpy uint8 views of large ones."""
+    zero-copy numpy uint8 views of large ones (a :class:`DeviceTable`'s tensors
+    on accelerators: of their copies in host memory, see :mod:`.devices`)."""
+    if type(tensors) is DeviceTable:
+        return _device_frames(tensors)
     specs, buffers = [], []
     for t in tensors:
         name = _NUMPY_DTYPES.get(t.dtype)
@@ -292,6 +349,20 @@ def tensor_frames(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], li
             if piece.numel():
                 view = _tensor_bytes(piece).numpy()
                 buffers.append(view.tobytes() if view.nbytes <= SNAPSHOT_BYTES else view)
+    return specs, buffers
+
+
+def _device_frames(table: DeviceTable) -> tuple[list[TensorSpec], list]:
+    """tensor_frames of a table with tensors that move: each on an accelerator goes
+    through its host copy; its spec keeps the original's flags and records where it
+    goes."""
+    moves = table.moves
+    host = to_host(table, moves)
+    specs, buffers = tensor_frames(host)
+    for i, (src, dst) in moves.items():
+        t = table[i]
+        kind = specs[i].kind | (_PARAMETER if type(t) is torch.nn.Parameter else 0)
+        specs[i] = specs[i]._replace(requires_grad=bool(t.requires_grad), kind=kind, devices=(src, dst))
     return specs, buffers
 
 
@@ -324,7 +395,7 @@ def check_specs(specs: Any, nbuffers: int | None = None) -> tuple[TensorSpec, ..
             out.append(known[0])
             nonempty += known[1]
             continue
-        if not isinstance(spec, tuple) or len(spec) not in (4, 5, 6) or not isinstance(spec[0], str) \
+        if not isinstance(spec, tuple) or len(spec) not in (4, 5, 6, 7) or not isinstance(spec[0], str) \
                 or spec[0] not in _DTYPES or not isinstance(spec[1], tuple):
             raise ProtocolError(f"malformed tensor spec {_describe(spec)}")
         spec = TensorSpec(*spec)
@@ -335,6 +406,8 @@ def check_specs(specs: Any, nbuffers: int | None = None) -> tuple[TensorSpec, ..
             raise ProtocolError(f"malformed tensor spec {_describe(tuple(spec))}")
         if spec.strides != () and not _strides_ok(spec):
             raise ProtocolError(f"malformed tensor strides {_describe(tuple(spec))}")
+        if spec.devices != () and not _devices_ok(spec.devices):
+            raise ProtocolError(f"malformed tensor devices {_describe(tuple(spec))}")
         dtype = _DTYPES[spec.dtype]
         if spec.requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             raise ProtocolError(f"a {spec.dtype} tensor cannot require grad")
@@ -347,6 +420,12 @@ def check_specs(specs: Any, nbuffers: int | None = None) -> tuple[TensorSpec, ..
     if nbuffers is not None and nonempty != nbuffers:
         raise ProtocolError(f"{nbuffers} tensor buffers for {nonempty} non-empty tensors")
     return tuple(out)
+
+
+def _devices_ok(devices: Any) -> bool:
+    """``(source, target)``: two short device strings."""
+    return isinstance(devices, tuple) and len(devices) == 2 and all(
+        type(d) is str and 0 < len(d) <= 64 for d in devices)
 
 
 def _parts_ok(spec: TensorSpec) -> bool:
@@ -377,8 +456,14 @@ def _strides_ok(spec: TensorSpec) -> bool:
         and _span(shape, strides) * _DTYPES[spec.dtype].itemsize <= _INT64_MAX
 
 
-def rebuild_tensors(specs: Sequence[TensorSpec], buffers: Sequence) -> list[torch.Tensor]:
+def rebuild_tensors(specs: Sequence[TensorSpec], buffers: Sequence,
+                    place: Callable[[torch.Tensor, str], torch.Tensor] | None = None
+                    ) -> list[torch.Tensor]:
     """Tensors on the received buffers (no copy); raises ProtocolError.
+
+    A tensor whose spec names a target device other than the CPU is copied there
+    by ``place(tensor, target)`` (the receiving agent's, which checks the target is
+    one of its devices); without ``place`` such a spec is a ProtocolError.
 
     Every spec and every buffer size is checked before a tensor is built, so a
     spec declaring a huge shape never makes this allocate: a non-empty piece
@@ -409,6 +494,11 @@ def rebuild_tensors(specs: Sequence[TensorSpec], buffers: Sequence) -> list[torc
                                             is_coalesced=spec.parts[2], check_invariants=True)
             else:
                 t = pieces[0]
+            if spec.devices and spec.devices[1] != "cpu":
+                if place is None:
+                    raise ProtocolError(f"a tensor sent to device {spec.devices[1]!r}, and this "
+                                        "worker has no device maps")
+                t = place(t, spec.devices[1])
             if spec.kind & _PARAMETER:
                 t = torch.nn.Parameter(t, requires_grad=spec.requires_grad)
             elif spec.requires_grad:
@@ -536,11 +626,13 @@ def check_pickle(data: Any) -> None:
 
 def loads(data: bytes, specs: Sequence[TensorSpec] = (), buffers: Sequence = (),
           tensor_hook: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-          tensors: list[torch.Tensor] | None = None) -> Any:
+          tensors: list[torch.Tensor] | None = None,
+          place: Callable[[torch.Tensor, str], torch.Tensor] | None = None) -> Any:
     """Rebuild an object pickled by :func:`dumps`.
 
     ``tensor_hook`` may replace the rebuilt tensors before the object graph is
-    built (distributed autograd attaches its recv function there).
+    built (distributed autograd attaches its recv function there); ``place``
+    puts a tensor sent to a device there (see :func:`rebuild_tensors`).
 
     Raises ProtocolError (malformed specs, buffers or tensor references);
     ImportError / AttributeError as pickle raised them when the payload names a
@@ -550,7 +642,7 @@ def loads(data: bytes, specs: Sequence[TensorSpec] = (), buffers: Sequence = (),
     size a frame declares beyond the received bytes.
     """
     if tensors is None:
-        tensors = rebuild_tensors(specs, buffers)
+        tensors = rebuild_tensors(specs, buffers, place)
     if tensor_hook is not None:
         tensors = tensor_hook(tensors)
     saved = getattr(_local, "rebuilt", None)  # loads nests when a reducer unpickles
