@@ -556,3 +556,72 @@ def test_no_maps_refused_with_torchs_messages():
     _skip_without_devices()
     res = run_workers(_no_maps, world_size=2, timeout=300, init=False, args=(free_port(),))
     assert res == [[], []]
+
+
+# ---------------------------------------------------------------- group 4: a dynamic group
+
+def _dynamic(rank, world, rdv_port, coord_port):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    dev = _device()
+    mod = _mod(dev)
+    d0, d1 = torch.device(dev, 0), torch.device(dev, 1)
+    coord = dist.TCPStore("127.0.0.1", coord_port, None, is_master=False,
+                          timeout=timedelta(seconds=120), wait_for_workers=False)
+    me, peer = f"worker{rank}", f"worker{1 - rank}"
+
+    def wait(key):
+        coord.wait([key], timedelta(seconds=120))
+
+    if rank == 0:   # the first member: a map to a worker that has not joined yet
+        rpc.init_rpc(me, rank=0, rpc_backend_options=_opts(rdv_port, device_maps={peer: {0: 1}}))
+        coord.set("up0", "1")
+    else:
+        wait("up0")
+        # a joiner whose map names a device the member lacks: refused, torch's message
+        count = mod.device_count()
+        bad = _opts(rdv_port, device_maps={peer: {0: count}})
+        with pytest.raises(ValueError, match="Node worker1 has target devices with invalid indices in "
+                                             "its device map for worker0"):
+            rpc.init_rpc(me, rank=1, rpc_backend_options=bad)
+        assert not rpc.api._is_current_rpc_agent_set()
+        rpc.init_rpc(me, rank=1, rpc_backend_options=_opts(rdv_port, device_maps={peer: {1: 0}}))
+        coord.set("up1", "1")
+    wait("up1")
+    agent = rpc.api._get_current_rpc_agent()
+    # worker0: its map to worker1 {0: 1} and worker1's {1: 0} to it (brought by the joiner)
+    # worker1: its map {1: 0} and worker0's {0: 1} (in worker0's answer to its hello)
+    assert agent.devices == ([d0] if rank == 0 else [d1])
+    if rank == 0:
+        assert rpc.rpc_sync(peer, _where, args=(torch.zeros(2).to(0),)) == [(f"{dev}:1", False, "Tensor",
+                                                                              True)]
+        ret = rpc.rpc_sync(peer, _add_to, args=(torch.zeros(2).to(0), 1, 1))   # its 1 -> my 0
+        assert ret.device == d0 and ret.cpu().tolist() == [1.0, 1.0]
+    else:
+        fut = rpc.rpc_async(peer, _add_to, args=(torch.ones(2).to(1), 1, 0))  # its 0 -> my 1
+        with mod.stream(mod.Stream(d1)):
+            ret = fut.wait()
+            assert ret.device == d1 and ret.sum().item() == 4.0
+    coord.set(f"done{rank}", "1")
+    wait(f"done{1 - rank}")
+    rpc.shutdown()
+    return _violations()
+
+
+def test_dynamic_group_joiner_brings_its_maps():
+    """A dynamic group: the joiner checks every member's maps with its own (a bad one
+    refused with torch's message), gets their maps to it in their answers, and gives
+    each member the reverse of its map to it: calls and replies flow both ways."""
+    _skip_without_devices()
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    coord_port = free_port()
+    host = dist.TCPStore("127.0.0.1", coord_port, None, is_master=True, timeout=timedelta(seconds=120),
+                         wait_for_workers=False)
+    try:
+        res = run_workers(_dynamic, world_size=2, timeout=300, init=False, args=(free_port(), coord_port))
+    finally:
+        del host
+    assert res == [[], []]

@@ -209,8 +209,11 @@ class _Ext:
 
 class _Stub(FastPath):
     fast = True
-    workers = [None, None]
+    workers = [None, types.SimpleNamespace(id=1, name="worker1")]
     extensions = [_Ext()]
+
+    def __init__(self) -> None:   # no device maps (the agent's, rpc/devices.py)
+        self.request_routes, self.reply_routes, self.reverse_device_maps, self.devices = {}, {}, {}, []
 
 
 @pytest.mark.parametrize("kind,extra,ctx,layout", [

@@ -265,11 +265,62 @@ def install(agent: Any, maps: dict, reverse: dict, devices: list) -> None:
     replies (the reverse maps), and the devices received tensors may be placed on
     and its calls' futures are created with."""
     agent.device_maps = {name: dict(m) for name, m in maps.items()}
-    agent.reverse_device_maps = {name: dict(m) for name, m in reverse.items()}
-    agent.devices = list(devices)
-    agent.device_targets = {str(d): d for d in devices}
     agent.request_routes = {name: Route(m, name, "Request") for name, m in maps.items() if m}
+    _set_reverse(agent, {name: dict(m) for name, m in reverse.items()}, list(devices))
+
+
+def _set_reverse(agent: Any, reverse: dict, devices: list) -> None:
+    """The reverse maps and devices of ``agent``, and what follows from them (each
+    replaced as a whole: the threads that read them never see half of a change)."""
+    agent.devices = devices
+    agent.device_targets = {str(d): d for d in devices}
     agent.reply_routes = {name: Route(m, name, "Response", devices) for name, m in reverse.items() if m}
+    agent.reverse_device_maps = reverse
+
+
+# ---------------------------------------------------------------- dynamic groups
+
+def own_maps(opts: Any) -> tuple[dict, dict, list]:
+    """(maps, reverse maps, devices) of a dynamic member before it has met anyone: its
+    own maps (whose targets may not have joined yet), no reverse map."""
+    maps = dict(getattr(opts, "device_maps", None) or {})
+    return maps, {}, device_list(list(getattr(opts, "devices", None) or []), maps, {})
+
+
+def join_dynamic(agent: Any, opts: Any, member_entries: dict, timeout: float) -> None:
+    """A joiner of a dynamic group, once it has every member's device entry
+    (``{name: entry}``, from their answers to its hello): check them all with its own
+    (torch's checks for a dynamic group: a map may name a worker that has not joined),
+    take its reverse maps and devices, and give each member it maps to the reverse of
+    that map (:func:`_admit_map`). ValueError (init_rpc fails) when a check fails."""
+    me = agent.name
+    names = list(member_entries) + [me]
+    all_counts, all_maps, all_devices = {}, {}, {}
+    for name, value in list(member_entries.items()) + [(me, local_entry(opts))]:
+        all_counts[name], all_maps[name], all_devices[name] = parse_entry(name, value)
+    validate(names, all_counts, all_maps, all_devices, is_static_group=False)
+    reverse = reverse_maps(me, names, all_maps)
+    install(agent, all_maps[me], reverse, device_list(all_devices[me], all_maps[me], reverse))
+    for name, map_ in all_maps[me].items():
+        if name in member_entries and map_:
+            agent.call(name, _admit_map, (me, {str(k): str(v) for k, v in map_.items()}), {},
+                       timeout, sync=True)
+
+
+def _admit_map(name: str, map_: dict) -> None:
+    """Runs on a member: worker ``name`` joined with this map to it; its reverse is how
+    replies to ``name`` travel, and (where this worker's ``devices`` were not given)
+    its targets join this worker's devices, as torch's members take a joiner's."""
+    from .pending import current_agent
+    agent = current_agent()
+    forward = {torch.device(k): torch.device(v) for k, v in map_.items()}
+    reverse = dict(agent.reverse_device_maps)
+    reverse[name] = {v: k for k, v in forward.items()}
+    devices = list(agent.devices)
+    if not getattr(agent.options, "devices", None):
+        devices += [d for d in forward.values() if d.type != "cpu" and d not in devices]
+        devices = device_list(devices, {}, {})
+    _set_reverse(agent, reverse, devices)
 
 
 def reply_route(agent: Any, name: str) -> Route:

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import DistgradError, WorkerLostError
 from ..launch import keeper
-from . import collective
+from . import collective, devices
 from .agent import RpcAgent, _holder
 from .membership import Group, Lease
 from .worker_info import WorkerInfo
@@ -38,9 +38,14 @@ log = logging.getLogger(__name__)
 _kept_stores: list = []
 
 
-def hello() -> bool:
-    """What a joiner calls on every member once connected (see the module docstring)."""
-    return True
+def hello(entry: dict | None = None) -> Any:
+    """What a joiner calls on every member once connected (see the module docstring):
+    with the joiner's device entry, the member answers with its own (its device maps,
+    :mod:`.devices`)."""
+    if entry is None:
+        return True
+    from .pending import current_agent
+    return devices.local_entry(current_agent().options)
 
 
 def start(store: Any, name: str, rank: int | None, make_transport: Any, host: str, opts: Any,
@@ -62,6 +67,7 @@ def start(store: Any, name: str, rank: int | None, make_transport: Any, host: st
         workers.append(WorkerInfo(name, rank))
         agent = RpcAgent(name, rank, None, sorted(workers, key=lambda w: w.id), transport, opts,
                          incarnation=incarnation)
+        devices.install(agent, *devices.own_maps(opts))   # until the members' maps are known
         agent.incarnations = {r: i for r, (_, _, i) in others.items()}
         agent.incarnations[rank] = incarnation
         agent.group, agent.store, agent.hosts_store = group, store, hosts_store
@@ -91,12 +97,17 @@ def start(store: Any, name: str, rank: int | None, make_transport: Any, host: st
         for r in others:
             if r not in connected:  # it left while this worker joined
                 agent.remove_member(r)
-        futures = [agent.call(r, hello, (), {}, timeout, sync=False) for r in others if r in connected]
-        for fut in futures:
+        # each member answers with its device maps: the joiner checks them all with its own
+        entry = devices.local_entry(opts)
+        futures = {r: agent.call(r, hello, (entry,), {}, timeout, sync=False)
+                   for r in others if r in connected}
+        entries = {}
+        for r, fut in futures.items():
             try:
-                fut.wait()
+                entries[agent.workers[r].name] = fut.wait()
             except WorkerLostError:
                 pass  # it left or crashed meanwhile: the loss took it out
+        devices.join_dynamic(agent, opts, entries, timeout)
         log.info("worker %s joined the dynamic group as rank %d (incarnation %d) with %d members",
                  name, rank, incarnation, len(agent.by_name))
         return agent
