@@ -182,6 +182,10 @@ class _Holder:
         return str(self.t.device)
 
 
+def _own_rref(device):
+    return rpc.RRef(torch.ones(2, device=device))
+
+
 def _rref_value_device(rref):
     v = rref.to_here()
     return str(v.device), v.tolist()
@@ -386,6 +390,10 @@ def _calls_through_maps(rank, world, port):
     assert rets[0].device == d1 and rets[1].device == d0
     assert rets[0].cpu().tolist() == [1.0, 1.0] and rets[1].cpu().tolist() == [-1.0, -1.0]
 
+    # an error comes back through a future made with devices= as it does without
+    with pytest.raises(ValueError, match="Wrong device affinity"):
+        rpc.rpc_async(peer, _gpu_add, args=(torch.zeros(2), torch.zeros(2))).wait()
+
     # test_device_map_gpu_mixed_*: every combination through {0: 1, 1: 0}
     for x_from, y_from, z_to in [(0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (0, 0, 1), (1, 1, 0)]:
         m = {0: 1, 1: 0}
@@ -454,6 +462,11 @@ def _calls_through_maps(rank, world, port):
     # an RRef to a value on my device 1, fetched by the peer: it arrives on its device 0
     local = rpc.RRef(torch.arange(3.0, device=d1))
     assert rpc.rpc_sync(peer, _rref_value_device, args=(local,)) == (f"{dev}:0", [0.0, 1.0, 2.0])
+
+    # an RRef in a reply held by a future made with devices= (torch's search for tensors
+    # skips it), its value fetched through the reverse map
+    theirs = rpc.rpc_async(peer, _own_rref, args=(f"{dev}:1",)).wait()
+    assert theirs.to_here().device == d0
 
     # a device the map to that destination lacks: refused at the caller, torch's text
     # (test_device_maps_missing_config: to myself, whose map names device 0 and the CPU)

@@ -137,7 +137,14 @@ def local_entry(opts: Any) -> dict:
 
 def parse_entry(name: str, value: Any) -> tuple[dict, dict, list]:
     """(counts, maps, devices) of a worker's exchanged entry (None: a worker that
-    sent none, no maps); ValueError naming the worker when it is malformed."""
+    sent none, no maps); ValueError naming the worker when it is malformed.
+
+    Example::
+
+        >>> parse_entry("w1", {"counts": {"cuda": 2}, "maps": {"w0": {"cuda:1": "cuda:0"}},
+        ...                    "devices": []})[1]
+        {'w0': {device(type='cuda', index=1): device(type='cuda', index=0)}}
+    """
     if value is None:
         return {"cuda": 0}, {}, []
     try:
@@ -217,7 +224,13 @@ def validate(all_names: list, all_counts: dict, all_maps: dict, all_devices: dic
 
 def reverse_maps(my_name: str, all_names: list, all_maps: dict) -> dict:
     """For each worker with a map to ``my_name``: that map reversed (how this worker's
-    replies to it travel), torch's ``_create_reverse_mapping``."""
+    replies to it travel), torch's ``_create_reverse_mapping``.
+
+    Example::
+
+        >>> reverse_maps("w1", ["w0", "w1"], {"w0": {"w1": {cuda0: cuda1}}, "w1": {}})
+        {'w0': {device(type='cuda', index=1): device(type='cuda', index=0)}}
+    """
     out: dict[str, dict[torch.device, torch.device]] = {}
     for node in all_names:
         if my_name in all_maps[node]:
@@ -228,7 +241,13 @@ def reverse_maps(my_name: str, all_names: list, all_maps: dict) -> dict:
 def device_list(my_devices: list, my_maps: dict, reverse: dict) -> list[torch.device]:
     """torch's ``_create_device_list``: the given devices, else every non-CPU source of
     this worker's maps and of its reverse maps; sorted by index. distgrad also
-    requires them to be of one accelerator type (a future's ``devices=`` are)."""
+    requires them to be of one accelerator type (a future's ``devices=`` are).
+
+    Example::
+
+        >>> device_list([], {"w1": {cuda1: cuda0, cpu: cpu}}, {"w1": {cuda0: cuda1}})
+        [device(type='cuda', index=0), device(type='cuda', index=1)]
+    """
     if not my_devices:
         found: set[torch.device] = set()
         for map_ in my_maps.values():
@@ -248,7 +267,13 @@ def device_list(my_devices: list, my_maps: dict, reverse: dict) -> list[torch.de
 
 def exchanged(my_name: str, names: list, entries: list, opts: Any) -> tuple[dict, dict, list]:
     """After the rendezvous exchange: check every worker's maps (ValueError, torch's
-    messages) and return this worker's (maps, reverse maps, devices)."""
+    messages) and return this worker's (maps, reverse maps, devices).
+
+    Example::
+
+        >>> maps, reverse, devices = exchanged("worker0", ["worker0", "worker1"],
+        ...                                    [local_entry(opts0), local_entry(opts1)], opts0)
+    """
     all_counts, all_maps, all_devices = {}, {}, {}
     for name, value in zip(names, entries):
         all_counts[name], all_maps[name], all_devices[name] = parse_entry(name, value)
@@ -263,7 +288,14 @@ def exchanged(my_name: str, names: list, entries: list, opts: Any) -> tuple[dict
 def install(agent: Any, maps: dict, reverse: dict, devices: list) -> None:
     """Give ``agent`` its device maps: the routes of requests (its own maps) and of
     replies (the reverse maps), and the devices received tensors may be placed on
-    and its calls' futures are created with."""
+    and its calls' futures are created with.
+
+    Example::
+
+        >>> install(agent, {"worker1": {cuda0: cuda1}}, {"worker1": {cuda1: cuda0}}, [cuda0, cuda1])
+        >>> agent.request_routes["worker1"].target(cuda0)
+        device(type='cuda', index=1)
+    """
     agent.device_maps = {name: dict(m) for name, m in maps.items()}
     agent.request_routes = {name: Route(m, name, "Request") for name, m in maps.items() if m}
     _set_reverse(agent, {name: dict(m) for name, m in reverse.items()}, list(devices))
@@ -282,7 +314,12 @@ def _set_reverse(agent: Any, reverse: dict, devices: list) -> None:
 
 def own_maps(opts: Any) -> tuple[dict, dict, list]:
     """(maps, reverse maps, devices) of a dynamic member before it has met anyone: its
-    own maps (whose targets may not have joined yet), no reverse map."""
+    own maps (whose targets may not have joined yet), no reverse map.
+
+    Example::
+
+        >>> install(agent, *own_maps(opts))
+    """
     maps = dict(getattr(opts, "device_maps", None) or {})
     return maps, {}, device_list(list(getattr(opts, "devices", None) or []), maps, {})
 
@@ -292,7 +329,12 @@ def join_dynamic(agent: Any, opts: Any, member_entries: dict, timeout: float) ->
     (``{name: entry}``, from their answers to its hello): check them all with its own
     (torch's checks for a dynamic group: a map may name a worker that has not joined),
     take its reverse maps and devices, and give each member it maps to the reverse of
-    that map (:func:`_admit_map`). ValueError (init_rpc fails) when a check fails."""
+    that map (:func:`_admit_map`). ValueError (init_rpc fails) when a check fails.
+
+    Example::
+
+        >>> join_dynamic(agent, opts, {"trainer0": entry0, "ps": entry1}, timeout=60)
+    """
     me = agent.name
     names = list(member_entries) + [me]
     all_counts, all_maps, all_devices = {}, {}, {}
@@ -325,7 +367,13 @@ def _admit_map(name: str, map_: dict) -> None:
 
 def reply_route(agent: Any, name: str) -> Route:
     """The route of replies to ``name`` (made, and kept, on first use for a worker
-    without a map to this one: it refuses device tensors with torch's message)."""
+    without a map to this one: it refuses device tensors with torch's message).
+
+    Example::
+
+        >>> reply_route(agent, "worker1").what
+        'Response'
+    """
     route = agent.reply_routes.get(name)
     if route is None:
         route = agent.reply_routes[name] = Route(agent.reverse_device_maps.get(name), name, "Response",

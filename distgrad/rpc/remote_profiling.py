@@ -50,6 +50,9 @@ import torch
 import torch.autograd.profiler_legacy as _legacy
 from torch.autograd.profiler_util import MEMORY_EVENT_NAME, FunctionEvent
 
+from .devices import new_future
+from .pending import agent_or_none
+
 log = logging.getLogger(__name__)
 
 REMOTE_OP = "#remote_op: "  # torch's separator between an RPC's key and a remote event's name
@@ -289,7 +292,7 @@ class RpcProfile:
         (errors pass through as they are)."""
         if self.call is None:
             return fut
-        out = torch.futures.Future()
+        out = new_future(agent_or_none())   # with the agent's devices, as the call's own
 
         def done(f: torch.futures.Future) -> None:
             try:
@@ -347,7 +350,7 @@ def _reply(result: Any, is_async: bool, wrap: Callable[[Any], Profiled], async_t
         return wrap(result)
     if not isinstance(result, torch._C.Future):
         return async_type(result)  # the agent reports the wrong return type
-    out = torch.futures.Future()
+    out = new_future(agent_or_none())
 
     def done(f: torch.futures.Future) -> None:
         try:

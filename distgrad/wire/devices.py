@@ -212,7 +212,13 @@ def place(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def parse_target(text: str, allowed: dict) -> torch.device | None:
     """The device a received spec names as its target: None for the CPU, else one of
-    ``allowed`` (str -> device, this worker's devices); ProtocolError otherwise."""
+    ``allowed`` (str -> device, this worker's devices); ProtocolError otherwise.
+
+    Example::
+
+        >>> parse_target("cuda:1", {"cuda:1": torch.device("cuda:1")})
+        device(type='cuda', index=1)
+    """
     if text == "cpu":
         return None
     dev = allowed.get(text)

@@ -212,16 +212,16 @@ def _device_move(obj: torch.Tensor, idx: int, route: Route | None, moves: dict) 
 
 class DeviceTable(list):
     """A tensor table (see :func:`dumps`) with tensors that move between devices:
-    ``moves`` maps a tensor's index to ``(source device, target device)`` (strings)."""
+    ``moves`` maps a tensor's index to ``(source device, target device)`` (strings).
+
+    Example::
+
+        >>> _, table = dumps(torch.ones(2, device="cuda:0"), route=route)   # {cuda:0: cuda:1}
+        >>> table.moves
+        {0: ('cuda:0', 'cuda:1')}
+    """
 
     __slots__ = ("moves",)
-
-
-def current_route() -> Route | None:
-    """The :class:`~.devices.Route` of the ``dumps`` running on this thread (None
-    outside one, or when it has none)."""
-    table = getattr(_local, "table", None)
-    return table[2] if table is not None else None
 
 
 def _table_tensor(idx: int) -> torch.Tensor:
