@@ -638,3 +638,53 @@ def test_dynamic_group_joiner_brings_its_maps():
     finally:
         del host
     assert res == [[], []]
+
+
+# ---------------------------------------------------------------- in this process: no device needed
+
+def test_routes_and_torchs_texts():
+    """Where a tensor goes and torch's texts when it cannot (devices named, never built)."""
+    from distgrad.errors import SerializationError
+    from distgrad.wire.devices import Route
+    c0, c1, cpu = torch.device("cuda:0"), torch.device("cuda:1"), torch.device("cpu")
+    base = ("TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to "
+            "CPU before sending them over RPC, or call `set_device_map` on `TensorPipeRpcBackendOptions` "
+            "to explicitly configure device mapping. ")
+    with pytest.raises(SerializationError) as ei:
+        Route(None, "worker1").target(c0)
+    assert str(ei.value) == base + ("Request device mapping is not available for destination worker1, "
+                                    "but found tensor on device: cuda:0")
+    assert isinstance(ei.value, RuntimeError)
+    route = Route({c0: c1, cpu: c0}, "worker0", "Response", devices=[c0])
+    assert route.target(c0) == c1 and route.cpu_target == c0
+    with pytest.raises(SerializationError) as ei:
+        route.target(c1)
+    assert str(ei.value) == (base + "Request device mapping is not available for destination " + base
+                             + "Response device mapping is not available for destination worker0 for "
+                             "device cuda:1 but received a tensor on that device.")
+    with pytest.raises(SerializationError, match=r"RPC detected that a user-function output tensor on "
+                                                 r"device cuda:1\. This device is not one of the input "
+                                                 r"tensor devices: cuda:0, which is not yet supported"):
+        Route({c1: c0}, "worker0", "Response", devices=[c0]).target(c1)
+
+
+def test_hostile_device_specs_are_protocol_errors():
+    """A spec that sends a tensor to a device: checked like every other field; placed only
+    on one of the receiver's devices."""
+    from distgrad.errors import ProtocolError
+    from distgrad.wire import dumps
+    from distgrad.wire.devices import parse_target
+    from distgrad.wire.pickler import check_specs, loads, tensor_frames
+    data, tensors = dumps([torch.ones(3)])
+    specs, buffers = tensor_frames(tensors)
+    moved = [specs[0]._replace(devices=("cuda:0", "cuda:1"))]
+    with pytest.raises(ProtocolError, match="this worker has no device maps"):
+        loads(data, moved, buffers)
+    allowed = {"cuda:0": torch.device("cuda:0")}
+    with pytest.raises(ProtocolError, match="not one of this worker's devices"):
+        loads(data, moved, buffers, place=lambda t, target: parse_target(target, allowed))
+    assert loads(data, [specs[0]._replace(devices=("cuda:0", "cpu"))], buffers)[0].tolist() == [1.0] * 3
+    for bad in [("cuda:0",), ("cuda:0", 1), ("", "cuda:0"), ("cuda:0", "x" * 65), "cuda:0"]:
+        with pytest.raises(ProtocolError, match="malformed tensor devices"):
+            check_specs((tuple(specs[0][:6]) + (bad,),))
+    assert parse_target("cpu", allowed) is None and parse_target("cuda:0", allowed) == torch.device("cuda:0")
