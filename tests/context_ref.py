@@ -109,3 +109,18 @@ def unused_reply_chain_grads():
     (r,), loss = unused_reply_chain_program(local_call)
     loss.backward()
     return [r.grad]
+
+
+def two_passes_program(call):
+    """z = times3(x * 1) over RPC; two backward passes of one context through z's one
+    send function: (z * 1).sum() and (z * 2).sum(). Returns x and the two losses."""
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    z = call("worker1", "times3", (x * 1,))
+    return x, (z * 1).sum(), (z * 2).sum()
+
+
+def two_passes_grads():
+    x, l1, l2 = two_passes_program(lambda to, name, args: args[0] * 3)
+    l1.backward(retain_graph=True)
+    l2.backward()
+    return [x.grad]

@@ -6,12 +6,10 @@ thread uses it, a context released by a hook mid-pass) observed on torch's RPC
 and on distgrad's native engine, each in processes of their own
 (tests/graph_task_differential.py; the torch run never imports distgrad): every
 observation equal."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from mp_utils import differential_equal
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -19,15 +17,6 @@ pytestmark = [
                        reason="DISTGRAD_NATIVE=0: the Python engine's known differences are "
                               "listed in docs/compatibility.md"),
 ]
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _run(impl: str) -> tuple[dict, str]:
-    """The record of one run, and its stderr (on a hang: every thread's stack)."""
-    p = subprocess.run([sys.executable, os.path.join(HERE, "graph_task_differential.py"), "--impl", impl],
-                       capture_output=True, text=True, timeout=400, cwd=HERE)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
 
 def test_native_engine_is_built():
@@ -36,12 +25,7 @@ def test_native_engine_is_built():
 
 
 def test_graph_task_observations_equal_torchs():
-    want, _ = _run("torch")
-    if "hung" in want:   # torch's reference run gets a second chance, distgrad's none
-        want, _ = _run("torch")
-    got, err = _run("distgrad")
-    assert "error" not in want, want
-    assert got == want, err[-12000:]
+    differential_equal("graph_task_differential.py")
 
 
 def _leak(rank, world):

@@ -254,15 +254,20 @@ class DistAutogradContext:
         return f"DistAutogradContext(id={self.id})"
 
 
-def _stop_native(ctx: DistAutogradContext) -> None:
-    """A released context's native shares stop (their threads wait for nothing more),
-    and the pass fails as torch's does: its context is gone."""
+def _stop_native(ctx: DistAutogradContext, stop: bool) -> None:
+    """A released context's native shares: as torch's, a running pass goes on (a
+    gradient that arrives for the released context fails it, "Could not find
+    autograd context"); a share nobody started (discovery built it) ends now; with
+    ``stop`` (a worker of the context is lost, or this one shuts down) every share
+    stops, since no initiator can end them."""
     with ctx.lock:
         states = list(ctx.passes.values())
     for st in states:
         if getattr(st, "native", False):
-            st.abort(RuntimeError(f"Could not find autograd context with id: {ctx.id} (it was "
-                                  "released here while a backward pass of it ran)"))
+            if stop:
+                st.abort()
+            else:
+                st.end_if_idle()
 
 
 def _calibrate() -> int:
@@ -453,14 +458,15 @@ class Container:
             raise RuntimeError(f"Could not find autograd context with id: {context_id}")
         return ctx
 
-    def release(self, context_id: int) -> DistAutogradContext | None:
-        """Drop the context here; returns it (None when unknown)."""
+    def release(self, context_id: int, stop: bool = False) -> DistAutogradContext | None:
+        """Drop the context here; returns it (None when unknown). ``stop``: its native
+        shares stop too (a worker of the context was lost)."""
         with self.lock:
             ctx = self.contexts.pop(context_id, None)
             self._bury(context_id)
         if ctx is not None:
             ctx.released = True
-            _stop_native(ctx)
+            _stop_native(ctx, stop)
         cur = getattr(self._tls, "current", None)
         if cur is not None and cur.id == context_id:
             self._tls.current = None
@@ -492,7 +498,7 @@ class Container:
                 ctx.released = True
                 del self.contexts[cid]
                 self._bury(cid)
-                _stop_native(ctx)
+                _stop_native(ctx, True)
 
     def _bury(self, context_id: int) -> None:
         """Remember ``context_id`` as released (the newest _GONE_KEPT ids); under lock."""

@@ -72,6 +72,11 @@ def _ship(share_id: int, context_id: int, msg_id: int, sender: int, grads: list,
     if st is None:
         raise RuntimeError(f"recv function of context {context_id} ran outside a distributed "
                            "backward pass (use distgrad.autograd.backward)")
+    if context_id != st.ctx.id:
+        # a tensor received in another context fed this pass (torch fails the pass too)
+        raise RuntimeError(f"recv function of context {context_id} ran in a distributed backward "
+                           f"pass of context {st.ctx.id}: a tensor received in one context was used "
+                           "in another's forward (use one context for both)")
     gone = st.ctx.lost_peers.get(sender)
     if gone is not None:
         raise gone
@@ -152,7 +157,6 @@ class NativePass:
     shared = False
     first_exp: int | None = None     # initiator driven by a runner (backward_async): its weight
     late_error: BaseException | None = None   # raised by the task once the pass had ended
-    abort_error: BaseException | None = None  # why this share stopped, if the pass fails for it
     after_drive: Any = None          # ... and what runs once its task completed
     nodes_run = 0
     checkpoints: list = []
@@ -238,7 +242,7 @@ class NativePass:
         """Gradients for send function ``msg_id`` came with weight ``2**-exp``."""
         from .engine import _report
         if self.aborted:
-            _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), self.abort_error)
+            _report(self.ctx.id, self.pass_id, self.initiator, exp, False, set(), None)
             return
         with self.lock:
             self.fed.add(msg_id)
@@ -312,8 +316,6 @@ class NativePass:
                 err = backward_error(e)
         finally:
             self.running -= 1
-            if self.abort_error is not None and err is None:
-                err = self.abort_error
             CONTAINER.set_current(prev)
             if tr is not None:
                 tr.span("backward run (native share)", "backward", t0, {"pass": self.trace_key()})
@@ -330,7 +332,7 @@ class NativePass:
         if err is not None or pieces:
             self.report(pieces, err) if err is None else self._report_error(pieces, err)
 
-    def _report_error(self, pieces: list, err: BaseException) -> None:
+    def _report_error(self, pieces: list, err: BaseException | None) -> None:
         from .engine import _report
         with self.lock:
             targets, self.targets = self.targets, set()
@@ -340,13 +342,25 @@ class NativePass:
         """The pass ended: the task completes on the thread driving it."""
         self.share.release()
 
-    def abort(self, err: BaseException | None = None) -> None:
-        """Stop running the share: the pass failed elsewhere, or (``err``) here, as when
-        its context was released mid-pass."""
-        if err is not None and self.abort_error is None:
-            self.abort_error = err
+    def abort(self) -> None:
+        """The pass failed elsewhere (or cannot end): stop running the share."""
         self.aborted = True
         self.share.abort()
+        self.end_if_idle()
+
+    def end_if_idle(self) -> None:
+        """A share of a pass started elsewhere that nobody started (a discovery built
+        it, no gradient came) ends now: nobody else would end it."""
+        with self.lock:
+            idle = not self.started and self.initiator != CONTAINER.worker_id
+            self.started = True   # (nothing starts it now)
+        if idle:
+            self.aborted = True
+            self.share.abort()
+            pieces = self.share.take_pieces()
+            self.end()
+            if pieces:   # (weight an arrival brought just now still goes back)
+                self._report_error(pieces, None)
 
     def end(self) -> None:
         PASSES.pop(self.share.id, None)
@@ -396,5 +410,8 @@ class EndedShare:
     def release(self) -> None:
         pass
 
-    def abort(self, err: BaseException | None = None) -> None:
+    def abort(self) -> None:
+        pass
+
+    def end_if_idle(self) -> None:
         pass

@@ -146,7 +146,7 @@ class AutogradExtension(AgentExtension):
                         if peer in c.known_workers or peer in c.heard_from]
         for ctx in involved:
             if (ctx.id >> 48) != CONTAINER.worker_id:
-                CONTAINER.release(ctx.id)
+                CONTAINER.release(ctx.id, stop=True)
             else:
                 ctx.lost_peers[peer] = self.agent._lost_error(peer)
 

@@ -156,27 +156,16 @@ struct SendRpcBackward : Node {
   explicit SendRpcBackward(edge_list&& edges) : Node(std::move(edges)) {}
   std::string name() const override { return "torch::distributed::autograd::SendRpcBackward"; }
   // torch's send function has no inputs: the gradients that came back over RPC are
-  // set on it before the engine runs it (setGrads), and it hands them on.
-  variable_list apply(variable_list&& inputs) override {
-    if (!inputs.empty()) {
-      // run by a plain engine call that starts at its inputs (the Python engine's
-      // regions): an identity per slot
-      return std::move(inputs);
-    }
+  // set on it before the engine runs it (setGrads), and it hands them on. They are
+  // kept per share (the task of the thread that runs it): two passes of one context
+  // may feed one send function at once, and each runs it with its own.
+  variable_list apply(variable_list&& inputs) override;
+  void set_grads(int64_t share, variable_list grads) {
     std::lock_guard<std::mutex> g(mu_);
-    variable_list out = std::move(grads_);
-    grads_.clear();
-    if (out.empty()) {
-      out.resize(num_outputs());
-    }
-    return out;
-  }
-  void set_grads(variable_list grads) {
-    std::lock_guard<std::mutex> g(mu_);
-    grads_ = std::move(grads);
+    grads_[share] = std::move(grads);
   }
   std::mutex mu_;
-  variable_list grads_;
+  std::unordered_map<int64_t, variable_list> grads_;
 };
 
 // A send function fed with some slots that no path reached runs as this stand-in,
@@ -243,7 +232,6 @@ struct DistShare : std::enable_shared_from_this<DistShare> {
   bool started = false;
   // per recv function: for each input slot, how many edges of the task still may feed it
   std::unordered_map<Node*, std::vector<int>> recv_feeders;
-  std::unordered_set<Node*> retired;   // send functions that will never receive gradients
   // the weight this share holds (termination by weight throwing, distgrad/autograd/engine.py):
   // pieces of 2**-exp, added by arrivals, halved by shipped gradients, returned when idle
   std::vector<int64_t> pieces;
@@ -261,6 +249,9 @@ struct DistShare : std::enable_shared_from_this<DistShare> {
   // does once every send function ran (its final callbacks run then)
   bool auto_end = false;
   std::unordered_set<Node*> sends;      // the share's send functions
+  std::vector<c10::intrusive_ptr<Node>> send_refs;   // ... held: their gradients for this
+                                                      // share go when it does
+  ~DistShare();
   std::unordered_set<Node*> consumed;   // ... fed or retired
 
   bool open_locked() const { return consumed.size() < sends.size(); }
@@ -327,6 +318,39 @@ variable_list IdleMarker::apply(variable_list&&) {
   py::gil_scoped_acquire gil;
   callbacks->idle(share, py::cast(pieces), open);
   return {};
+}
+
+DistShare::~DistShare() {
+  for (auto& n : send_refs) {
+    if (auto* sn = dynamic_cast<SendRpcBackward*>(n.get())) {
+      variable_list left;   // (freed outside the node's mutex)
+      std::lock_guard<std::mutex> g(sn->mu_);
+      auto it = sn->grads_.find(id);
+      if (it != sn->grads_.end()) {
+        left = std::move(it->second);
+        sn->grads_.erase(it);
+      }
+    }
+  }
+}
+
+variable_list SendRpcBackward::apply(variable_list&& inputs) {
+  if (!inputs.empty()) {
+    // run by a plain engine call that starts at its inputs (the Python engine's
+    // regions): an identity per slot
+    return std::move(inputs);
+  }
+  variable_list out;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = grads_.find(tl_share);
+    if (it != grads_.end()) {
+      out = std::move(it->second);
+      grads_.erase(it);
+    }
+  }
+  if (out.empty()) out.resize(num_outputs());
+  return out;
 }
 
 variable_list RecvRpcBackward::apply(variable_list&& grads) {
@@ -441,6 +465,7 @@ std::shared_ptr<DistShare> make_share(bool keep_graph, bool grad_mode,
     s->sends.insert(sends.back().get());
   }
   s->auto_end = roots.empty();
+  s->send_refs = sends;
 
   c10::SmallVector<Node*, 4> graph_roots{s->root.get()};
   for (auto& n : sends) graph_roots.push_back(n.get());
@@ -765,7 +790,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return true;
           }
           if (unreached.empty()) {
-            sn->set_grads(std::move(gs));
+            sn->set_grads(s.id, std::move(gs));
             s.deferred.push_back(node);
           } else {
             // only the reached slots feed the nodes behind; the others' edges die now,
@@ -813,7 +838,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             std::lock_guard<std::mutex> tg(s.task->mutex_);
             for (auto& n : nodes) {
               if (!s.consumed.insert(n.get()).second) continue;
-              s.retired.insert(n.get());
               kill_edges(s, edges_of(n.get()), dead);
             }
           }
