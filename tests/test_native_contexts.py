@@ -8,7 +8,10 @@
   open context fails (torch's does) instead of hanging, and the other context's
   backward then works;
 - a pass that fails after a discovery leaves no share behind on a worker that never
-  got a gradient, once the context is released."""
+  got a gradient, once the context is released;
+- a share whose context was released on its worker while it ran (the pass goes on,
+  as torch's) still stops when the pass fails (third audit: worker1 of a chain kept
+  it, and its thread, for ever)."""
 import threading
 import time
 
@@ -23,14 +26,66 @@ def _times3(t):
     return t * 3
 
 
+_CID = [None]
+
+
+def _set_cid(cid) -> None:
+    _CID[0] = cid
+
+
+def _release_in_hook(g) -> None:
+    import distgrad.autograd as dist_autograd
+    dist_autograd._release_context(_CID[0])
+
+
+def _chain_end(t):
+    u = t * 3
+    u.register_hook(_release_in_hook)
+    return u
+
+
+def _chain_middle(t):
+    import distgrad.rpc as rpc
+    return rpc.rpc_sync("worker2", _chain_end, args=(t * 2,)) * 1
+
+
+def _released_at_chain_end(world):
+    """worker0 -> worker1 -> worker2, whose hook releases the context mid-pass: the
+    pass fails (as torch's), and worker1's running share, its context released there,
+    still stops when the pass is aborted (nothing left, no thread blocked)."""
+    import distgrad.autograd as dist_autograd
+    import distgrad.rpc as rpc
+    out = []
+    for _ in range(2):
+        x = torch.ones(2, requires_grad=True)
+        try:
+            with dist_autograd.context() as cid:
+                rpc.rpc_sync("worker2", _set_cid, args=(cid,))
+                z = rpc.rpc_sync("worker1", _chain_middle, args=(x * 1,))
+                try:
+                    dist_autograd.backward(cid, [z.sum()])
+                    out.append("returned")
+                except RuntimeError as e:
+                    out.append("raised" if "Could not find autograd context" in str(e) else repr(e))
+        except RuntimeError:
+            pass   # the with-block's exit raises too: the context is gone
+    deadline = time.monotonic() + 30
+    while True:
+        left = [rpc.rpc_sync(f"worker{r}", _passes_left) for r in range(world)]
+        if not any(left) or time.monotonic() > deadline:
+            return out, left
+        time.sleep(0.1)
+
+
 def _scenarios(rank, world, want):
-    """All three on one cluster of 3 workers (worker0 runs them; a failure in one is
+    """All four on one cluster of 3 workers (worker0 runs them; a failure in one is
     recorded, so the others still report)."""
     if rank != 0:
         return None
     out = {}
     for name, fn, args in (("two_passes", _two_passes, (want,)), ("other_context", _other_context, ()),
-                           ("failed_after_discovery", _failed_after_discovery, (world,))):
+                           ("failed_after_discovery", _failed_after_discovery, (world,)),
+                           ("released_at_chain_end", _released_at_chain_end, (world,))):
         try:
             out[name] = fn(*args)
         except Exception as e:  # noqa: BLE001 - the test that reads it fails with it
@@ -166,4 +221,10 @@ def _failed_after_discovery(world):
 def test_no_share_left_after_a_pass_failed_after_discovery(results):
     outcomes, left = results["failed_after_discovery"]
     assert outcomes == ["raised boom"] * 3
+    assert left == [0, 0, 0]
+
+
+def test_a_share_whose_context_was_released_stops_when_the_pass_fails(results):
+    outcomes, left = results["released_at_chain_end"]
+    assert outcomes == ["raised", "raised"]
     assert left == [0, 0, 0]

@@ -232,15 +232,19 @@ def _abort(state: PassState) -> None:
 
 def on_abort(sender: int, context_id: int, pass_id: tuple) -> None:
     """Control message (reading thread): a pass this worker took part in failed."""
+    pass_id = tuple(pass_id)
     ctx = CONTAINER.contexts.get(context_id)
+    state = None
     if ctx is not None:
         with ctx.lock:
-            state = ctx.passes.get(tuple(pass_id))
-        if state is not None:
-            if getattr(state, "native", False):
-                state.abort()
-            else:
-                state.aborted = True
+            state = ctx.passes.get(pass_id)
+    else:   # released here while its native share still runs (the pass goes on, as torch's)
+        state = native_pass.share_of(context_id, pass_id)
+    if state is not None:
+        if getattr(state, "native", False):
+            state.abort()
+        else:
+            state.aborted = True
 
 
 def on_pass_end(sender: int, context_id: int, pass_id: tuple) -> None:

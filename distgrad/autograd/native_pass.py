@@ -59,6 +59,15 @@ def module() -> Any:
     return M
 
 
+def share_of(context_id: int, pass_id: tuple) -> NativePass | None:
+    """This worker's live native share of ``pass_id`` in context ``context_id`` (also
+    once the context was released here), or None."""
+    for st in list(PASSES.values()):
+        if st.pass_id == pass_id and st.ctx.id == context_id:
+            return st
+    return None
+
+
 def is_native_node(node: Any) -> bool:
     return M is not None and type(node) in (M.SendType, M.RecvType)
 
