@@ -765,6 +765,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         tl_share = prev;
         s->task->warning_handler_.replay_warnings();
         if (fut->hasError()) {
+          // the task lets go of the error before it is raised: a Python error's
+          // traceback holds frames that hold this share, so a task that kept it would
+          // close a cycle through C++ that no collector sees (a failed hook's
+          // gradient stayed for ever)
+          s->task->future_result_ = c10::make_intrusive<at::ivalue::Future>(
+              c10::ListType::create(c10::TensorType::get()));
           fut->value();  // rethrows
         }
       })
