@@ -71,12 +71,7 @@ def _released_at_chain_end(world):
                     out.append("raised" if "Could not find autograd context" in str(e) else repr(e))
         except RuntimeError:
             pass   # the with-block's exit raises too: the context is gone
-    deadline = time.monotonic() + 30
-    while True:
-        left = [rpc.rpc_sync(f"worker{r}", _passes_left) for r in range(world)]
-        if not any(left) or time.monotonic() > deadline:
-            return out, left
-        time.sleep(0.1)
+    return out, _passes_left_everywhere(world)
 
 
 _SEEN: list = []   # (on worker1) weak references to the gradients a raising hook saw
@@ -234,6 +229,18 @@ def _boom(g):
     raise ValueError("boom")
 
 
+def _passes_left_everywhere(world: int) -> list:
+    """Each worker's count of native shares, once none has any or after 30 s (the
+    releases and aborts travel one way)."""
+    import distgrad.rpc as rpc
+    deadline = time.monotonic() + 30
+    while True:
+        left = [rpc.rpc_sync(f"worker{r}", _passes_left) for r in range(world)]
+        if not any(left) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def _passes_left():
     from distgrad.autograd import native_pass
     return len(native_pass.PASSES)
@@ -255,12 +262,7 @@ def _failed_after_discovery(world):
                 out.append("returned")
             except RuntimeError as e:
                 out.append("raised boom" if "boom" in str(e) else f"raised {e}")
-    deadline = time.monotonic() + 30
-    while True:   # (the releases travel one way)
-        left = [rpc.rpc_sync(f"worker{r}", _passes_left) for r in range(world)]
-        if not any(left) or time.monotonic() > deadline:
-            return out, left
-        time.sleep(0.1)
+    return out, _passes_left_everywhere(world)
 
 
 def test_no_share_left_after_a_pass_failed_after_discovery(results):
