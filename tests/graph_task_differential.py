@@ -344,6 +344,10 @@ def _worker(rank: int, port: int, impl: str, out, timeout: float) -> None:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     if rank == 0:
         res = {}
+        if impl == "distgrad":   # these are the native engine's semantics: never fall back unseen
+            from distgrad.autograd import native, native_pass
+            if native_pass.M is None:
+                res["error"] = f"the native engine did not load: {native.WHY_NOT}"
         only = os.environ.get("GRAPH_TASK_CASES")   # (debugging: a comma-separated subset)
         for name, fn in CASES:
             if only and name not in only.split(","):

@@ -3,13 +3,13 @@
 Built against the installed torch with :mod:`torch.utils.cpp_extension` the first
 time it is needed (``python -m distgrad build-native`` does it ahead of time, as the
 README's install does), cached under ``$DISTGRAD_NATIVE_CACHE`` or
-``~/.cache/distgrad/native``, one build per torch version and source. Where no
+``~/.cache/distgrad/native``, one build per torch version and source contents, shared
+by every copy of distgrad (:mod:`distgrad._cpp_cache`). Where no
 compiler exists, or ``DISTGRAD_NATIVE=0`` is set, :func:`load` returns None and the
 Python engine (:mod:`distgrad.autograd.share`) runs every pass.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 
@@ -19,17 +19,12 @@ _lock = threading.Lock()
 _module = None
 _tried = False
 WHY_NOT: str | None = None
+_FLAGS = ["-O2"]
 
 
 def _cache_dir() -> str:
-    import torch
-    base = os.environ.get("DISTGRAD_NATIVE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "distgrad", "native")
-    with open(_SOURCE, "rb") as f:
-        # (the build files name the source by its path: one build per checkout)
-        digest = hashlib.sha256(f.read() + torch.__version__.encode()
-                                + _SOURCE.encode()).hexdigest()[:16]
-    return os.path.join(base, f"torch-{torch.__version__}-{digest}")
+    from ... import _cpp_cache
+    return _cpp_cache.build_dir("native", [_SOURCE], _FLAGS)
 
 
 def built() -> bool:
@@ -38,9 +33,8 @@ def built() -> bool:
         where = _cache_dir()
     except Exception:  # noqa: BLE001 - no torch, an unreadable source
         return False
-    return os.path.exists(os.path.join(where, "distgrad_native.so")) or any(
-        f.startswith("distgrad_native") and f.endswith((".so", ".pyd")) for f in
-        (os.listdir(where) if os.path.isdir(where) else ()))
+    return os.path.isdir(where) and any(
+        f.startswith("distgrad_native") and f.endswith((".so", ".pyd")) for f in os.listdir(where))
 
 
 def wanted() -> bool:
@@ -70,12 +64,9 @@ def load(build: bool = True, verbose: bool = False):
             return None
         _tried = True
         try:
-            from torch.utils import cpp_extension
-            where = _cache_dir()
-            os.makedirs(where, exist_ok=True)
-            _module = cpp_extension.load(
-                name="distgrad_native", sources=[_SOURCE], build_directory=where,
-                extra_cflags=["-O2"], verbose=verbose)
+            from ... import _cpp_cache
+            _module, _ = _cpp_cache.build("native", "distgrad_native", [_SOURCE], _FLAGS,
+                                          is_python_module=True, verbose=verbose)
         except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the Python engine runs
             WHY_NOT = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             _module = None

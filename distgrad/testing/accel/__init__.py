@@ -2,8 +2,9 @@
 
 A PrivateUse1 backend (``accel.cpp``) built against the installed torch with
 :mod:`torch.utils.cpp_extension` the first time :func:`load` runs, cached under
-``$DISTGRAD_ACCEL_CACHE`` or ``~/.cache/distgrad/accel`` (one build per torch version,
-source and checkout). Its devices are ``dgtest:0`` .. ``dgtest:N-1`` (N = 2, or
+``$DISTGRAD_ACCEL_CACHE`` or ``~/.cache/distgrad/accel`` (one build per torch
+version and source contents, shared by every copy of distgrad: :mod:`distgrad._cpp_cache`).
+Its devices are ``dgtest:0`` .. ``dgtest:N-1`` (N = 2, or
 ``DISTGRAD_TEST_DEVICES`` = 2..8, read before the first load). Memory is host
 memory; every op runs torch's CPU kernel in place on it; streams, events and
 ``torch.futures.Future(devices=...)`` work through a device guard.
@@ -24,7 +25,6 @@ Where no compiler is found :func:`load` raises and ``WHY_NOT`` says why;
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import threading
@@ -40,17 +40,12 @@ WHY_NOT: str | None = None
 AUTOGRAD_WHY_NOT: str | None = None
 
 
+_FLAGS = ["-O1"]
+
+
 def _cache_dir() -> str:
-    import torch
-    base = os.environ.get("DISTGRAD_ACCEL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "distgrad", "accel")
-    h = hashlib.sha256()
-    for src in _SOURCES:
-        with open(src, "rb") as f:
-            h.update(f.read())
-        h.update(src.encode())
-    h.update(torch.__version__.encode())
-    return os.path.join(base, f"torch-{torch.__version__}-{h.hexdigest()[:16]}")
+    from ... import _cpp_cache
+    return _cpp_cache.build_dir("accel", _SOURCES, _FLAGS)
 
 
 def _library(where: str) -> str:
@@ -76,23 +71,8 @@ def _device_count_from_env() -> int:
 
 def _build(verbose: bool) -> str:
     """The shared library's path, building it under a file lock if it is not cached."""
-    import fcntl
-
-    where = _cache_dir()
-    os.makedirs(where, exist_ok=True)
-    lib = _library(where)
-    if os.path.exists(lib):
-        return lib
-    with open(os.path.join(where, ".build-lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one build; the others wait, then load it
-        try:
-            if not os.path.exists(lib):
-                from torch.utils import cpp_extension
-                cpp_extension.load(
-                    name=_NAME, sources=_SOURCES, build_directory=where,
-                    extra_cflags=["-O1"], is_python_module=False, verbose=verbose)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    from ... import _cpp_cache
+    lib, _ = _cpp_cache.build("accel", _NAME, _SOURCES, _FLAGS, is_python_module=False, verbose=verbose)
     return lib
 
 
