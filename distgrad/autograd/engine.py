@@ -38,6 +38,7 @@ from ..errors import AnomalyError, BackwardError
 from ..intra_op import follow_intra_op_threads
 from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
+from ..rpc.future_errors import fail
 from ..rpc.remote_exc import pack_exception, unpack_exception
 from ..trace import recorder as _trace
 from ..trace.clock import local_ns
@@ -526,7 +527,7 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
         else:
             if isinstance(exc, AnomalyError):
                 anomaly_mode.complete(exc, context_id)
-            result.set_exception(exc)
+            fail(result, exc)
 
     def deliver(exc: BaseException | None) -> None:
         # never run the caller's callbacks on a reading thread (nor block one)

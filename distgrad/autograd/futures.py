@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..rpc.future_errors import fail
+
 
 def done(value: Any = None) -> torch.futures.Future:
     f = torch.futures.Future()
@@ -38,7 +40,7 @@ def all_of(futures: list) -> torch.futures.Future:
         try:
             values = [f.wait() for f in futures]
         except BaseException as e:  # noqa: BLE001
-            result.set_exception(e)
+            fail(result, e)
             return
         result.set_result(values)
 

@@ -28,6 +28,7 @@ from ..wire import Kind
 from . import backend_registry, collective, devices, dynamic, lifecycle, profiling, script
 from .agent import RpcAgent, _holder, _qualname, agent_or_none, current_agent
 from .debug import _get_debug_info, _rref_context_get_debug_info, enable_gil_profiling  # noqa: F401
+from .future_errors import fail
 from .internal import PythonUDF, RPCExecMode, _internal_rpc_pickler, _run_serialized
 from .options import (
     DEFAULT_SHUTDOWN_TIMEOUT,
@@ -475,7 +476,7 @@ def _fail_unset(value: torch.futures.Future, creation: torch.futures.Future) -> 
             creation.wait()
         except BaseException as e:  # noqa: BLE001
             if not value.done():
-                value.set_exception(e)
+                fail(value, e)
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..intra_op import follow_intra_op_threads
+from .future_errors import fail
 
 if TYPE_CHECKING:
     from .agent import RpcAgent
@@ -91,7 +92,7 @@ def _settle(fut: torch.futures.Future, value: Any, exc: BaseException | None) ->
     """Complete ``fut`` with ``value`` or ``exc`` (running its callbacks here)."""
     follow_intra_op_threads()  # callbacks are user code (distgrad/intra_op.py)
     if exc is not None:
-        fut.set_exception(exc)
+        fail(fut, exc)
     else:
         fut.set_result(value)
 

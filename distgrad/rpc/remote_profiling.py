@@ -51,6 +51,7 @@ import torch.autograd.profiler_legacy as _legacy
 from torch.autograd.profiler_util import MEMORY_EVENT_NAME, FunctionEvent
 
 from .devices import new_future
+from .future_errors import fail
 from .pending import agent_or_none
 
 log = logging.getLogger(__name__)
@@ -298,7 +299,7 @@ class RpcProfile:
             try:
                 value = self.result(f.wait())
             except BaseException as e:  # noqa: BLE001 - the future carries it
-                out.set_exception(e)
+                fail(out, e)
                 return
             out.set_result(value)
 
@@ -356,7 +357,7 @@ def _reply(result: Any, is_async: bool, wrap: Callable[[Any], Profiled], async_t
         try:
             value = wrap(f.wait())
         except BaseException as e:  # noqa: BLE001 - the future carries it
-            out.set_exception(e)
+            fail(out, e)
             return
         out.set_result(value)
 

@@ -45,6 +45,7 @@ from ..wire.pickler import current_destination, current_pins
 from . import profiling
 from .agent import AsyncResult, agent_or_none, current_agent
 from .devices import completed_future
+from .future_errors import fail
 from .internal import RPCExecMode
 from .rref_context import RRefContext, _Entry  # noqa: F401 - RRefContext's old home
 from .worker_info import WorkerInfo
@@ -402,7 +403,7 @@ def _map_value(source: torch.futures.Future, fn) -> torch.futures.Future:
         try:
             out.set_result(fn(f.value()))
         except BaseException as e:  # noqa: BLE001 - the future carries it
-            out.set_exception(e)
+            fail(out, e)
     source.add_done_callback(done)
     return out
 

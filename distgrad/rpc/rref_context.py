@@ -27,6 +27,7 @@ from ..trace import recorder as _trace
 from . import remote_profiling
 from .devices import new_future
 from .extensions import AgentExtension, register_extension
+from .future_errors import fail
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class RRefContext(AgentExtension):
             value, confirmation = remote_profiling.split_remote(value)  # a profiled remote()
             fut.set_result(value)
             return confirmation, None
-        fut.set_exception(exc)
+        fail(fut, exc)
         return None, exc
 
     # -- user side ------------------------------------------------------------
