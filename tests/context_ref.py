@@ -124,3 +124,34 @@ def two_passes_grads():
     l1.backward(retain_graph=True)
     l2.backward()
     return [x.grad]
+
+
+# -- distributed backward through device maps (tests/test_device_maps.py), on the CPU --
+
+def device_backward_grads(t1, t2, inputs, r_values, layer_states, x) -> dict:
+    """The gradients torch's local autograd gives the device-map backward scenarios,
+    computed on the CPU: ``t1 + t2`` summed (torch's test_device_maps_backward_pass);
+    ``input * 2`` summed times ``r`` for each (test_dist_autograd_sync_streams); and a
+    chain of Linear layers from their state dicts (test_gradients_synchronizations)."""
+    import torch
+    out = {}
+    a, b = t1.clone().requires_grad_(), t2.clone().requires_grad_()
+    (a + b).sum().backward()
+    out["add"] = [a.grad, b.grad]
+    streams = []
+    for inp, r in zip(inputs, r_values):
+        i = inp.clone().requires_grad_()
+        ((i * 2.0).sum() * r).backward()
+        streams.append(i.grad)
+    out["streams"] = streams
+    layers = []
+    for state in layer_states:
+        lin = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
+        lin.load_state_dict(state)
+        layers.append(lin)
+    torch.nn.Sequential(*layers)(x).sum().backward()
+    out["layers"] = [[p.grad for p in lin.parameters()] for lin in layers]
+    u = t1.clone().requires_grad_()
+    (u * 3.0).sin().sum().backward()
+    out["user_stream"] = u.grad
+    return out

@@ -688,3 +688,151 @@ def test_hostile_device_specs_are_protocol_errors():
         with pytest.raises(ProtocolError, match="malformed tensor devices"):
             check_specs((tuple(specs[0][:6]) + (bad,),))
     assert parse_target("cpu", allowed) is None and parse_target("cuda:0", allowed) == torch.device("cuda:0")
+
+
+# ---------------------------------------------------------------- group 4: distributed backward
+
+class _RemoteCompute(torch.nn.Module):
+    """torch's ``MyRemoteCompute`` (dist_autograd_test.py)."""
+
+    def forward(self, input):
+        return input * 2.0
+
+
+def _on_user_stream(x):
+    """The forward on a stream of its own (its backward node then runs there: torch's
+    engine orders it after the gradient that came over RPC on the current stream)."""
+    mod = torch.get_device_module(x.device.type)
+    s = mod.Stream(x.device)
+    s.wait_stream(mod.current_stream(x.device))
+    with mod.stream(s):
+        y = (x * 3.0).sin()
+    mod.current_stream(x.device).wait_stream(s)
+    return y
+
+
+class _Wrapper(torch.nn.Module):
+    """torch's ``WrapperModule``: a layer moved to ``device``; its gradients in a context."""
+
+    def __init__(self, model, device):
+        super().__init__()
+        self.model = model.to(device)
+
+    def forward(self, x):
+        return self.model(x)
+
+    def gradients(self, ctx_id):
+        import distgrad.autograd as dist_autograd
+        grads = dist_autograd.get_gradients(ctx_id)
+        return [(grads[p].cpu(), str(grads[p].device), str(p.device)) for p in self.model.parameters()]
+
+
+class _CpuGrad(torch.autograd.Function):
+    """Identity whose backward hands back a gradient on the CPU (torch's engine refuses it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.cpu()
+
+
+def _backward_through_maps(rank, world, port, data):
+    dev = _device()
+    import distgrad.autograd as dist_autograd
+    opts = _opts(port)
+    for peer in range(world):   # torch's test_gradients_synchronizations: rank -> peer's index
+        opts.set_device_map(f"worker{peer}", {rank: peer})
+    _init(rank, world, opts)
+    out = None
+    if rank == 0:
+        out = {}
+        d0 = torch.device(dev, 0)
+        dst = "worker1"
+        # test_device_maps_backward_pass: the reverse of the map carries the gradients
+        t1, t2 = data["t1"].to(d0).requires_grad_(), data["t2"].to(d0).requires_grad_()
+        with dist_autograd.context() as cid:
+            res = rpc.rpc_sync(dst, torch.add, args=(t1, t2))
+            assert res.device == d0
+            dist_autograd.backward(cid, [res.sum()])
+            g = dist_autograd.get_gradients(cid)
+            out["add"] = [(g[t].cpu(), str(g[t].device)) for t in (t1, t2)]
+        # test_dist_autograd_sync_streams: an RRef'd module on the peer, ten passes
+        remote_compute = rpc.remote(dst, _RemoteCompute)
+        out["streams"] = []
+        for inp, r in zip(data["inputs"], data["r"]):
+            x = inp.to(d0).requires_grad_()
+            with dist_autograd.context() as cid:
+                loss = remote_compute.rpc_sync().forward(x).sum() * r
+                dist_autograd.backward(cid, [loss])
+                gx = dist_autograd.get_gradients(cid)[x]
+                out["streams"].append((gx.cpu(), str(gx.device)))
+        # test_gradients_synchronizations: a chain of layers, one per other worker
+        layers = []
+        for i, state in enumerate(data["layers"]):
+            lin = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
+            lin.load_state_dict(state)
+            layers.append(rpc.remote(f"worker{i + 1}", _Wrapper, args=(lin, i + 1)))
+        x = data["x"].to(d0)
+        with dist_autograd.context() as cid:
+            for layer in layers:
+                x = layer.rpc_sync().forward(x)
+            assert x.device == d0
+            dist_autograd.backward(cid, [x.sum()])
+            out["layers"] = [layer.rpc_sync().gradients(cid) for layer in layers]
+        # a forward on a user stream of the callee: its backward runs there, ordered
+        x = data["t1"].to(d0).requires_grad_()
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [rpc.rpc_sync(dst, _on_user_stream, args=(x,)).sum()])
+            gx = dist_autograd.get_gradients(cid)[x]
+            out["user_stream"] = (gx.cpu(), str(gx.device))
+        out["dev"] = dev
+        # a gradient on the wrong device: refused as torch's engine refuses it
+        x = torch.ones(3, device=d0, requires_grad=True)
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync(dst, torch.mul, args=(_CpuGrad.apply(x * 1), 2))
+            with pytest.raises(RuntimeError) as ei:
+                dist_autograd.backward(cid, [y.sum()])
+            out["refused"] = str(ei.value)
+        del remote_compute, layers
+    rpc.shutdown()
+    return out, _violations()
+
+
+def test_backward_through_maps():
+    """torch's device-map backward tests (dist_autograd_test.py: test_device_maps_backward_pass,
+    test_dist_autograd_sync_streams, test_gradients_synchronizations) on the device under test,
+    3 workers, each mapping its device to each peer's; gradients equal torch's local autograd of
+    the same computation on the CPU (a process that never imported distgrad), each on its
+    parameter's device, with no stream-order violation; a wrong-device gradient is refused
+    with torch's engine's message."""
+    _skip_without_devices()
+    import clean_ref
+    import context_ref
+    gen = torch.Generator().manual_seed(44)
+    layers = [torch.nn.Linear(20, 20) for _ in range(2)]
+    data = {"t1": torch.rand(10, generator=gen), "t2": torch.rand(10, generator=gen),
+            "inputs": [torch.rand(30, 40, generator=gen) for _ in range(10)],
+            "r": [float(v) for v in torch.rand(10, generator=gen)],
+            "layers": [lin.state_dict() for lin in layers], "x": torch.randn(50, 20, generator=gen)}
+    want = clean_ref.shared().call(context_ref.device_backward_grads, data["t1"], data["t2"], data["inputs"],
+                                   data["r"], data["layers"], data["x"])
+    env = {r: {"DISTGRAD_TEST_DEVICES": "3"} for r in range(3)}
+    res = run_workers(_backward_through_maps, world_size=3, timeout=300, init=False,
+                      args=(free_port(), data), env_per_rank=env)
+    assert [v for _, v in res] == [[], [], []]
+    got = res[0][0]
+    dev = got["dev"]
+    g, where = got["user_stream"]
+    assert where == f"{dev}:0" and torch.allclose(g, want["user_stream"])
+    for (g, where), w in zip(got["add"], want["add"]):
+        assert where.endswith(":0") and torch.equal(g, w)
+    for (g, where), w in zip(got["streams"], want["streams"]):
+        assert where.endswith(":0") and torch.allclose(g, w)
+    for i, (layer_got, layer_want) in enumerate(zip(got["layers"], want["layers"])):
+        for (g, where, param_at), w in zip(layer_got, layer_want):
+            assert where == param_at == f"{dev}:{i + 1}" and torch.allclose(g, w, atol=1e-5), (i, where)
+    assert "invalid gradient at index 0 - expected device" in got["refused"], got["refused"]
+    assert "but got cpu" in got["refused"], got["refused"]

@@ -2,6 +2,7 @@
 import os
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -46,6 +47,15 @@ def raise_two_arg():
 
 def return_lambda():
     return lambda: 1
+
+
+class _RefusesPickling:
+    def __reduce__(self):
+        raise RuntimeError("this value refuses to be pickled")
+
+
+def return_refusing():
+    return _RefusesPickling()
 
 
 def big_roundtrip(t):
@@ -137,6 +147,12 @@ def _serialization(rank, world_size):
     with pytest.raises(rpc.SerializationError, match="pickle") as ei:
         rpc.rpc_sync("worker1", return_lambda, timeout=20)
     assert "worker1" in str(ei.value)
+    # ... and any other error while the reply is made (a value's __reduce__, a device
+    # copy failing while staged): the caller gets it at once, not the call's timeout
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="refuses to be pickled"):
+        rpc.rpc_sync("worker1", return_refusing, timeout=60)
+    assert time.monotonic() - t0 < 30
     # a function whose module exists only on the caller
     d = tempfile.mkdtemp(prefix="distgrad-only-here-")
     with open(os.path.join(d, "only_on_caller_mod.py"), "w") as f:

@@ -45,6 +45,10 @@ class DistAutogradContext:
         self.send_functions: dict[int, Any] = {}
         self.send_outputs: dict[int, tuple] = {}   # keeps each send node alive
         self.recv_functions: dict[int, Any] = {}
+        # message ids of recv functions made for a reply's tensors: their gradients go
+        # back through this worker's own device maps (torch's inverse of the reply's
+        # map); those of a request's tensors through the reverse maps (rpc/devices.py)
+        self.recv_of_reply: set[int] = set()
         # torch's known workers: those this worker sent autograd information to under
         # the context (``_known_worker_ids()``; torch adds none on receipt)
         self.known_workers: set[int] = set()

@@ -43,7 +43,9 @@ def ship_gradients(dg_info: tuple, grads: Sequence, reached: Sequence[bool] | No
     state = getattr(_tls, "state", None)
     if state is None or state.ctx.id != context_id:
         raise RuntimeError(f"recv function of context {context_id} ran outside a distributed "
-                           "backward pass (use distgrad.autograd.backward)")
+                           "backward pass (use distgrad.autograd.backward), or on an accelerator's "
+                           "autograd thread: a distributed backward through accelerator tensors "
+                           "needs the native engine (a C++ compiler; not DISTGRAD_NATIVE=0)")
     if reached is None:
         run_fed = getattr(_tls, "fed", None)
         fed = (state.recv_slots if run_fed is None else run_fed).get(msg_id)
@@ -58,16 +60,17 @@ def ship_gradients(dg_info: tuple, grads: Sequence, reached: Sequence[bool] | No
     _tls.shipped.add(msg_id)
     args = (context_id, state.pass_id, state.initiator, state.flags, msg_id, list(grads), _tls.exp,
             unreached)
+    reverse = msg_id not in state.ctx.recv_of_reply   # (torch's inverse of the tensors' map)
     if state.create_graph:
         # Gradients that carry a graph travel as an RPC of the context: the send and
         # recv functions recorded here and there let a later pass through them.
         prev = CONTAINER.set_current(state.ctx)
         try:
-            _agent().notify(sender, RECEIVER[0], args)
+            _agent().notify(sender, RECEIVER[0], args, reverse=reverse)
         finally:
             CONTAINER.set_current(prev)
     else:
-        _agent().notify(sender, RECEIVER[0], args)
+        _agent().notify(sender, RECEIVER[0], args, reverse=reverse)
 
 
 @contextlib.contextmanager

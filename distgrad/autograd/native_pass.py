@@ -92,7 +92,8 @@ def _ship(share_id: int, context_id: int, msg_id: int, sender: int, grads: list,
     with st.lock:
         st.targets.add(sender)
     _agent().notify(sender, RECEIVER[0], (context_id, st.pass_id, st.initiator, st.flags, msg_id,
-                                          list(grads), exp, list(unreached)))
+                                          list(grads), exp, list(unreached)),
+                    reverse=msg_id not in st.ctx.recv_of_reply)   # (the inverse of its map)
 
 
 def _idle(share_id: int, pieces: list, open_: bool) -> None:

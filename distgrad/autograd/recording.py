@@ -100,7 +100,7 @@ class AutogradExtension(AgentExtension):
     def outgoing_if_grad(self, dest: int, tensors: list, ctx: DistAutogradContext) -> Any:
         return self.outgoing(dest, tensors, ctx, only_grad=True)
 
-    def incoming(self, sender: int, meta: Any):
+    def incoming(self, sender: int, meta: Any, reply: bool = False):
         context_id, msg_id = meta[0], meta[1]
         ctx = CONTAINER.get_or_create(context_id)
         with ctx.lock:  # torch learns of known workers only by sending to them
@@ -125,6 +125,8 @@ class AutogradExtension(AgentExtension):
                 node = outs[0].grad_fn
             with ctx.lock:
                 ctx.recv_functions[msg_id] = node
+                if reply:
+                    ctx.recv_of_reply.add(msg_id)
             out = list(tensors)
             for i, t in zip(idx, outs):
                 out[i] = t

@@ -251,13 +251,16 @@ class RpcAgent(FastPath, Serving, Members):
                     p.timer.cancel()
                 self._fail(p, DistgradError(why, self.workers[p.peer].name))
 
-    def notify(self, to: Any, func: Callable, args: tuple = (), kwargs: dict | None = None) -> bool:
+    def notify(self, to: Any, func: Callable, args: tuple = (), kwargs: dict | None = None,
+               reverse: bool = False) -> bool:
         """One-way request: ``func(*args, **kwargs)`` runs on the receiver's pool and
         nothing is sent back (its errors are logged there). Returns False, sending
-        nothing, when ``to`` is known to be lost. Pickling errors raise here."""
+        nothing, when ``to`` is known to be lost. Pickling errors raise here.
+        ``reverse``: device tensors go through the reverse map to ``to`` (a gradient
+        for a request's tensors goes back as the reply would)."""
         dest = self.resolve(to)
         frames = self._request_frames(dest, Kind.NOTIFY, next(self._rids), (func, tuple(args), kwargs or {}),
-                                      _qualname(func), None, self._current_ctx())
+                                      _qualname(func), None, self._current_ctx(), reverse)
         if dest.id in self.lost:
             return False
         self.transport.send(dest.id, frames)

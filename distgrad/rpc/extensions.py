@@ -40,8 +40,9 @@ class AgentExtension:
         :meth:`outgoing`."""
         return self.outgoing(dest, tensors, ctx)
 
-    def incoming(self, sender: int, meta: Any) -> Callable[[list], list] | None:
-        """Returns a tensor hook for a received message's tensors, or None."""
+    def incoming(self, sender: int, meta: Any, reply: bool = False) -> Callable[[list], list] | None:
+        """Returns a tensor hook for a received message's tensors (``reply``: of a
+        reply to a call of this worker's), or None."""
         return None
 
     def request_scope(self, meta: Any):

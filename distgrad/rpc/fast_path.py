@@ -29,12 +29,16 @@ class FastPath:
     """Frames of requests and replies, both ways; state lives on the agent."""
 
     def _request_frames(self, dest: Any, kind: Kind, rid: int, payload_obj: Any, what: str,
-                        extra: Any, ctx: Any) -> list:
-        """Pickle a request (recording autograd functions in ``ctx``) into frames."""
+                        extra: Any, ctx: Any, reverse: bool = False) -> list:
+        """Pickle a request (recording autograd functions in ``ctx``) into frames
+        (``reverse``: its tensors go through the reverse map to ``dest``, as a reply's)."""
         pins: list = []
-        routes = self.request_routes  # device maps to ``dest`` (rpc/devices.py): where its tensors go
-        payload, tensors = dumps(payload_obj, dest=dest, pins=pins,
-                                 route=routes.get(dest.name) if routes else None)
+        if reverse:
+            route = reply_route(self, dest.name)
+        else:
+            routes = self.request_routes  # device maps to ``dest`` (rpc/devices.py): where its tensors go
+            route = routes.get(dest.name) if routes else None
+        payload, tensors = dumps(payload_obj, dest=dest, pins=pins, route=route)
         if pins:  # RRefs going back to their owner: this request keeps their values alive
             extra = {**(extra or {}), "pins": pins}
         elif ctx is None and extra is None and self.fast and kind != Kind.REMOTE \
@@ -67,7 +71,7 @@ class FastPath:
         msg = decode(frames, p.peer)
         if kind == Kind.ERROR:
             raise unpack_exception(msg.payload)
-        hook = self._incoming(p.peer, msg.meta) if msg.meta is not None else None
+        hook = self._incoming(p.peer, msg.meta, True) if msg.meta is not None else None
         return loads(msg.payload, msg.specs, msg.buffers, tensor_hook=hook, tensors=msg.tensors,
                      place=self._place)
 
@@ -93,11 +97,11 @@ class FastPath:
                 return meta
         return None
 
-    def _incoming(self, sender: int, meta: Any):
+    def _incoming(self, sender: int, meta: Any, reply: bool = False):
         if meta is None:
             return None
         for ext in self.extensions:
-            hook = ext.incoming(sender, meta)
+            hook = ext.incoming(sender, meta, reply)
             if hook is not None:
                 return hook
         return None

@@ -27,11 +27,16 @@
 #include <pybind11/pybind11.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <ATen/DeviceAccelerator.h>
+#include <ATen/Context.h>
 
 #include <algorithm>
 #include <atomic>
 #include <limits>
 #include <mutex>
+#include <thread>
+#include <chrono>
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
@@ -145,10 +150,26 @@ struct DistShare;
 std::mutex shares_mu;
 std::unordered_map<int64_t, std::weak_ptr<DistShare>> shares;
 
+// graph task id -> share id: a node of a share that runs on a device's thread of torch's
+// engine (its forward ran on an accelerator) finds its share through the task that
+// thread runs (torch's current graph task), not through tl_share, which only the
+// thread driving the share has
+std::unordered_map<uint64_t, int64_t> task_shares;
+
 std::shared_ptr<DistShare> find_share(int64_t id) {
   std::lock_guard<std::mutex> g(shares_mu);
   auto it = shares.find(id);
   return it == shares.end() ? nullptr : it->second.lock();
+}
+
+// The share whose task this thread runs a node of (-1: none)
+int64_t current_share() {
+  if (tl_share >= 0) return tl_share;
+  int task = get_current_graph_task_id();
+  if (task < 0) return -1;
+  std::lock_guard<std::mutex> g(shares_mu);
+  auto it = task_shares.find(static_cast<uint64_t>(task));
+  return it == task_shares.end() ? -1 : it->second;
 }
 
 // ---- the nodes ----------------------------------------------------------------------
@@ -277,6 +298,19 @@ variable_list IdleMarker::apply(variable_list&&) {
   if (!s) return {};
   std::vector<int64_t> pieces;
   bool open = false;
+  // A node of the task that runs on a device's thread of torch's engine (its forward
+  // ran on an accelerator) is counted in the task's outstanding tasks (one of them is
+  // the share's own hold) but is not in this queue: the share is not idle until it ran,
+  // and what it queues here (or ships) comes after. Nothing tells this thread when it
+  // ends if it queues nothing here, so the marker looks again, after a pause that
+  // grows from 20 us to 1 ms while the device work lasts.
+  for (int64_t pause_us = 20;; pause_us = std::min<int64_t>(pause_us * 2, 1000)) {
+    {
+      std::lock_guard<std::mutex> g(s->mu);
+      if (!s->queue->empty() || s->task->outstanding_tasks_.load() <= 1) break;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
+  }
   {
     std::lock_guard<std::mutex> g(s->mu);
     s->marker_pending = false;
@@ -321,6 +355,11 @@ variable_list IdleMarker::apply(variable_list&&) {
 }
 
 DistShare::~DistShare() {
+  {
+    std::lock_guard<std::mutex> g(shares_mu);
+    shares.erase(id);
+    if (task) task_shares.erase(task->id_);
+  }
   for (auto& n : send_refs) {
     if (auto* sn = dynamic_cast<SendRpcBackward*>(n.get())) {
       variable_list left;   // (freed outside the node's mutex)
@@ -343,7 +382,7 @@ variable_list SendRpcBackward::apply(variable_list&& inputs) {
   variable_list out;
   {
     std::lock_guard<std::mutex> g(mu_);
-    auto it = grads_.find(tl_share);
+    auto it = grads_.find(current_share());
     if (it != grads_.end()) {
       out = std::move(it->second);
       grads_.erase(it);
@@ -355,7 +394,7 @@ variable_list SendRpcBackward::apply(variable_list&& inputs) {
 
 variable_list RecvRpcBackward::apply(variable_list&& grads) {
   std::vector<int64_t> unreached;
-  int64_t share = tl_share;
+  int64_t share = current_share();
   int64_t exp = -1;
   if (auto s = find_share(share)) {
     {
@@ -449,6 +488,22 @@ c10::intrusive_ptr<Node> node_of(py::handle obj) {
 }
 
 // ---- building a share ---------------------------------------------------------------
+// torch's GraphTask::stash_current_streams (not exported): the creating thread's current
+// stream on each accelerator device in use, which the task's post-processing syncs with
+// the streams its leaves' gradients were made on (torch's "stream semantics of backward
+// passes"); an empty list there would be read past its end
+void stash_current_streams(GraphTask& task) {
+  const auto acc = at::getAccelerator();
+  if (!acc.has_value()) return;
+  c10::impl::VirtualGuardImpl impl{*acc};
+  const auto n = impl.deviceCount();
+  task.caller_current_streams_.assign(static_cast<size_t>(std::max<c10::DeviceIndex>(n, 0)), std::nullopt);
+  const auto& hooks = at::globalContext().getAcceleratorHooksInterface(*acc);
+  for (c10::DeviceIndex i = 0; i < n; ++i) {
+    if (hooks.hasPrimaryContext(i)) task.caller_current_streams_[i] = impl.getStream({*acc, i});
+  }
+}
+
 std::shared_ptr<DistShare> make_share(bool keep_graph, bool grad_mode,
                                       const std::vector<at::Tensor>& roots,
                                       const std::vector<at::Tensor>& root_grads,
@@ -472,6 +527,7 @@ std::shared_ptr<DistShare> make_share(bool keep_graph, bool grad_mode,
   // exit_on_error: an error anywhere ends the task (its future carries the error)
   s->task = std::make_shared<GraphTask>(keep_graph, grad_mode, 0, s->queue,
                                         std::move(graph_roots), /*exit_on_error=*/true);
+  stash_current_streams(*s->task);
   s->marker_task = std::make_shared<GraphTask>(false, false, -1, s->queue,
                                                c10::SmallVector<Node*, 4>{}, false);
   s->marker_task->owner_ = CPU_DEVICE;   // completes on the thread that runs the share
@@ -578,6 +634,7 @@ std::shared_ptr<DistShare> make_share(bool keep_graph, bool grad_mode,
   {
     std::lock_guard<std::mutex> g(shares_mu);
     shares[s->id] = s;
+    task_shares[s->task->id_] = s->id;
   }
   return s;
 }
