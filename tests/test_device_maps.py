@@ -727,6 +727,28 @@ class _Wrapper(torch.nn.Module):
         return [(grads[p].cpu(), str(grads[p].device), str(p.device)) for p in self.model.parameters()]
 
 
+class _Scale(torch.nn.Module):
+    """A parameter on the owner's device ``index``: stepped there by DistributedOptimizer."""
+
+    def __init__(self, index):
+        super().__init__()
+        dev = "cuda" if torch.cuda.is_available() and __import__("os").environ.get(
+            "DISTGRAD_TEST_DEVICE", "") in ("", "auto", "cuda") else "dgtest"
+        self.w = torch.nn.Parameter(torch.linspace(1.0, 2.0, 4, device=f"{dev}:{index}"))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def _param_rrefs(rref):
+    return [rpc.RRef(p) for p in rref.local_value().parameters()]
+
+
+def _weight(rref):
+    w = rref.local_value().w
+    return w.detach().cpu(), str(w.device)
+
+
 class _CpuGrad(torch.autograd.Function):
     """Identity whose backward hands back a gradient on the CPU (torch's engine refuses it)."""
 
@@ -789,6 +811,17 @@ def _backward_through_maps(rank, world, port, data):
             gx = dist_autograd.get_gradients(cid)[x]
             out["user_stream"] = (gx.cpu(), str(gx.device))
         out["dev"] = dev
+        # DistributedOptimizer: a parameter on the owner's device steps there
+        from distgrad.optim import DistributedOptimizer
+        model = rpc.remote(dst, _Scale, args=(1,))
+        opt = DistributedOptimizer(torch.optim.SGD, rpc.rpc_sync(dst, _param_rrefs, args=(model,)), lr=0.1)
+        x = data["t1"][:4].to(d0)
+        with dist_autograd.context() as cid:
+            loss = model.rpc_sync().forward(x).sin().sum()
+            dist_autograd.backward(cid, [loss])
+            opt.step(cid)
+        out["stepped"] = rpc.rpc_sync(dst, _weight, args=(model,))
+        del model, opt
         # a gradient on the wrong device: refused as torch's engine refuses it
         x = torch.ones(3, device=d0, requires_grad=True)
         with dist_autograd.context() as cid:
@@ -798,7 +831,8 @@ def _backward_through_maps(rank, world, port, data):
             out["refused"] = str(ei.value)
         del remote_compute, layers
     rpc.shutdown()
-    return out, _violations()
+    import clean_ref   # (tensors as bytes: a queue's shared-memory handles die with the worker)
+    return clean_ref.pack((out, _violations()))
 
 
 def test_backward_through_maps():
@@ -822,6 +856,7 @@ def test_backward_through_maps():
     env = {r: {"DISTGRAD_TEST_DEVICES": "3"} for r in range(3)}
     res = run_workers(_backward_through_maps, world_size=3, timeout=300, init=False,
                       args=(free_port(), data), env_per_rank=env)
+    res = [clean_ref.unpack(r) for r in res]
     assert [v for _, v in res] == [[], [], []]
     got = res[0][0]
     dev = got["dev"]
@@ -834,5 +869,7 @@ def test_backward_through_maps():
     for i, (layer_got, layer_want) in enumerate(zip(got["layers"], want["layers"])):
         for (g, where, param_at), w in zip(layer_got, layer_want):
             assert where == param_at == f"{dev}:{i + 1}" and torch.allclose(g, w, atol=1e-5), (i, where)
+    w, where = got["stepped"]
+    assert where == f"{dev}:1" and torch.allclose(w, want["stepped"])
     assert "invalid gradient at index 0 - expected device" in got["refused"], got["refused"]
     assert "but got cpu" in got["refused"], got["refused"]
