@@ -831,7 +831,7 @@ def _backward_through_maps(rank, world, port, data):
             out["refused"] = str(ei.value)
         del remote_compute, layers
     rpc.shutdown()
-    import clean_ref   # (tensors as bytes: a queue's shared-memory handles die with the worker)
+    import clean_ref  # (tensors as bytes: a queue's shared-memory handles die with the worker)
     return clean_ref.pack((out, _violations()))
 
 
