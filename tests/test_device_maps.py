@@ -774,13 +774,29 @@ def _backward_through_maps(rank, world, port, data):
         d0 = torch.device(dev, 0)
         dst = "worker1"
         # test_device_maps_backward_pass: the reverse of the map carries the gradients
+        # (traced: the copies through host memory are spans naming device, stream, bytes)
+        import json
+        import os
+        import tempfile
+
+        import distgrad
         t1, t2 = data["t1"].to(d0).requires_grad_(), data["t2"].to(d0).requires_grad_()
-        with dist_autograd.context() as cid:
+        before = rpc._get_debug_info()["agent.device_bytes_to_host"].get(str(d0), 0)
+        path = os.path.join(tempfile.mkdtemp(prefix="dg-devtrace-"), "t.json")
+        with distgrad.trace(path), dist_autograd.context() as cid:
             res = rpc.rpc_sync(dst, torch.add, args=(t1, t2))
             assert res.device == d0
             dist_autograd.backward(cid, [res.sum()])
             g = dist_autograd.get_gradients(cid)
             out["add"] = [(g[t].cpu(), str(g[t].device)) for t in (t1, t2)]
+        info = rpc._get_debug_info()
+        out["staged"] = (info["agent.device_bytes_to_host"].get(str(d0), 0) - before,
+                         info["agent.device_bytes_from_host"].get(str(d0), 0))
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        out["stage_spans"] = sorted({(e["name"], e["args"]["device"],
+                                      e["args"]["stream"].split(" stream ")[0], e["args"]["bytes"])
+                                     for e in events if e.get("cat") == "device" and e.get("ph") == "X"})
         # test_dist_autograd_sync_streams: an RRef'd module on the peer, ten passes
         remote_compute = rpc.remote(dst, _RemoteCompute)
         out["streams"] = []
@@ -862,6 +878,14 @@ def test_backward_through_maps():
     dev = got["dev"]
     g, where = got["user_stream"]
     assert where == f"{dev}:0" and torch.allclose(g, want["user_stream"])
+    # worker0 staged t1 and t2 (40 bytes each) and the gradient of res; received res and
+    # the gradient of t1 and t2 (one tensor: add's backward gives both the same, and the
+    # wire sends a tensor once); worker1 the same the other way, on its device 1
+    assert got["staged"] == (120, 80), got["staged"]
+    assert (("place on device", f"{dev}:0", f"{dev}:0", 40) in got["stage_spans"]
+            and ("stage to host", f"{dev}:0", f"{dev}:0", 40) in got["stage_spans"]
+            and ("place on device", f"{dev}:1", f"{dev}:1", 40) in got["stage_spans"]
+            and ("stage to host", f"{dev}:1", f"{dev}:1", 40) in got["stage_spans"]), got["stage_spans"]
     for (g, where), w in zip(got["add"], want["add"]):
         assert where.endswith(":0") and torch.equal(g, w)
     for (g, where), w in zip(got["streams"], want["streams"]):

@@ -83,11 +83,35 @@ def test_each_wait_raises_a_copy_with_the_same_type_args_attributes_and_cause():
         torch.futures.collect_all([fut]).wait()
 
 
+class Prefixed(Exception):
+    def __init__(self, msg):
+        super().__init__("Prefix: " + msg)
+        self.inits = getattr(self, "inits", 0) + 1
+
+
+def test_a_copy_does_not_run_a_python_init_again():
+    err = Prefixed("x")
+    new = fresh(err)
+    assert new is not err and str(new) == "Prefix: x" and new.inits == 1
+    new = fresh(NeedsKeyword("m", code=7))   # (its __init__ would not take its own args)
+    assert type(new) is NeedsKeyword and str(new) == "m" and new.code == 7
+    assert fresh(SystemExit(3)).code == 3 and fresh(StopIteration(5)).value == 5
+
+
 def test_an_error_that_cannot_be_rebuilt_is_raised_itself():
-    err = NeedsKeyword("m", code=7)
+    class Odd(Exception):
+        def __new__(cls, *args, **kwargs):
+            if not kwargs:
+                raise TypeError("needs a keyword")
+            return super().__new__(cls)
+
+        def __init__(self, *args, code):
+            super().__init__(*args)
+            self.code = code
+    err = Odd("m", code=7)
     assert fresh(err) is err
     fut = torch.futures.Future()
     fail(fut, err)
-    with pytest.raises(NeedsKeyword) as ei:
+    with pytest.raises(Odd) as ei:
         fut.wait()
     assert ei.value is err and ei.value.code == 7

@@ -501,6 +501,10 @@ class RpcAgent(FastPath, Serving, Members):
             "agent.lost_workers": {self.workers[p].name: r for p, r in self.lost.items()
                                    if p in self.workers},
         }
+        if self.devices:   # device tensors staged through host memory, per direction and device
+            from ..wire.devices import STAGED
+            info["agent.device_bytes_to_host"] = dict(STAGED["to_host"])
+            info["agent.device_bytes_from_host"] = dict(STAGED["from_host"])
         if self.gil_wait is not None:
             total, n = self.gil_wait
             info["agent.gil_average_wait_time_us"] = str(int(total / n * 1e6) if n else 0)

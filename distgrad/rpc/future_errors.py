@@ -28,17 +28,39 @@ Example::
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 
 
+def _python_init(cls: type) -> bool:
+    """Whether ``cls`` (an exception class) has an ``__init__`` written in Python."""
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is not None:
+            return isinstance(init, types.FunctionType)
+    return False
+
+
 def fresh(exc: BaseException) -> BaseException:
-    """A copy of ``exc`` without a traceback, or ``exc`` itself where it cannot be copied."""
+    """A copy of ``exc`` without a traceback, or ``exc`` itself where it cannot be copied.
+
+    An exception class with an ``__init__`` of its own is copied without running it
+    again (it may rewrite the message, ``"prefix: " + msg``, or do more): a new object
+    of its type with its arguments and attributes. A built-in one is copied as
+    ``copy.copy`` does, through its C ``__init__``, which sets its fields (``SystemExit``'s
+    ``code``, ``StopIteration``'s ``value``) from the arguments."""
+    cls = type(exc)
     try:
-        new = copy.copy(exc)
-    except Exception:  # noqa: BLE001 - an __init__ that its own args do not fit
+        if _python_init(cls):
+            new = cls.__new__(cls, *exc.args)
+            new.args = exc.args
+            new.__dict__.update(exc.__dict__)
+        else:
+            new = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - a __new__ or __init__ that its own args do not fit
         return exc
-    if type(new) is not type(exc) or new is exc:
+    if type(new) is not cls or new is exc:
         return exc
     new.__cause__ = exc.__cause__
     new.__context__ = exc.__context__

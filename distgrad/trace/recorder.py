@@ -49,6 +49,13 @@ from . import clock, records
 from .clock import local_ns
 from .records import CALL, GC, INSTANT, RECV, SEND, SERVE, SPAN, WAIT, flow_id, plain, short
 
+
+def _stream_name(stream: Any) -> str:
+    """A stream as a trace names it: its device, and its id (0 is the default stream)."""
+    sid = getattr(stream, "stream_id", None)
+    return f"{getattr(stream, 'device', '?')} stream {sid}" if sid is not None else str(stream)
+
+
 __all__ = ["ACTIVE", "Recorder", "flow_id", "short", "DEFAULT_MAX_EVENTS"]
 
 #: the recorder of the trace open on this worker, or None (read by the layers above RPC)
@@ -187,6 +194,20 @@ class Recorder:
             self._handlers[op] = (fn, wrapped)
             agent.control_handlers[op] = wrapped
         gc.callbacks.append(self._on_gc)
+        from ..wire import devices as _devices
+        _devices.ON_STAGE = self._on_stage
+
+    def _on_stage(self, direction: str, device: Any, stream: Any, nbytes: int, t0: int, t1: int) -> None:
+        """A device tensor's copy through host memory (wire/devices.py): a span naming the
+        device, the stream and the bytes, on the thread that made it."""
+        tid = threading.get_native_id()
+        if tid not in self.thread_names:
+            self.thread_names[tid] = threading.current_thread().name
+        skew = clock._SKEW[0]
+        self._tick()
+        name = "stage to host" if direction == "to_host" else "place on device"
+        self._add((SPAN, tid, t0 + skew, t1 + skew, name, "device", 0, 0,
+                   plain({"device": str(device), "stream": _stream_name(stream), "bytes": nbytes})))
 
     def uninstall(self) -> None:
         """Take the wrappers off: the agent's own methods run again."""
@@ -202,6 +223,9 @@ class Recorder:
                 agent.control_handlers[op] = fn
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        from ..wire import devices as _devices
+        if _devices.ON_STAGE == self._on_stage:
+            _devices.ON_STAGE = None
         self.stopped_ns = self._now()
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -235,11 +259,12 @@ class Recorder:
             self._add((CALL, tid, t0, self._now(), what, dest.id, 0,
                        2 if kind == Kind.REMOTE else 1 if sync else 0, None))
 
-    def _notify(self, to: Any, func: Callable, args: tuple = (), kwargs: dict | None = None) -> bool:
+    def _notify(self, to: Any, func: Callable, args: tuple = (), kwargs: dict | None = None,
+                reverse: bool = False) -> bool:
         from ..rpc.agent import _qualname
         self._tls.what = _qualname(func)
         try:
-            return self._saved["notify"](to, func, args, kwargs)
+            return self._saved["notify"](to, func, args, kwargs, reverse)
         finally:
             self._tls.what = None
 

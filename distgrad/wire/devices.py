@@ -26,6 +26,7 @@ Example::
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -145,6 +146,33 @@ def current_stream(device: torch.device) -> Any:
 
 _PIN: dict[str, bool] = {}   # device type -> whether pinned host memory works with it
 
+#: bytes of device tensors staged through host memory in this process: per direction
+#: ("to_host": sent, "from_host": received) and device (``rpc._get_debug_info()``)
+STAGED: dict[str, dict[str, int]] = {"to_host": {}, "from_host": {}}
+_STAGED_LOCK = threading.Lock()
+#: set while a trace records (distgrad/trace/recorder.py): called with (direction,
+#: device, stream, bytes, start_ns, end_ns) for every staged copy
+ON_STAGE: Any = None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    if t.layout is torch.sparse_coo:
+        t = t.coalesce() if not t.is_coalesced() else t
+        return _nbytes(t._indices()) + _nbytes(t._values())
+    return t.numel() * t.element_size()
+
+
+def _count(direction: str, device: torch.device, n: int) -> None:
+    key = str(device)
+    with _STAGED_LOCK:
+        table = STAGED[direction]
+        table[key] = table.get(key, 0) + n
+
+
+def _now_ns() -> int:
+    import time
+    return time.perf_counter_ns()   # (the trace's clock before its test skew: trace/clock.py)
+
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
     """An empty contiguous CPU tensor of ``t``'s shape and dtype, pinned when the
@@ -177,11 +205,15 @@ def to_host(tensors: list, moves: dict) -> list:
     """
     out = list(tensors)
     streams: dict[torch.device, Any] = {}
+    staged: dict[torch.device, int] = {}
+    hook = ON_STAGE
+    t0 = _now_ns() if hook is not None else 0
     for i in moves:
         t = tensors[i]
         dev = t.device
         if dev.type == "cpu":
             continue
+        staged[dev] = staged.get(dev, 0) + _nbytes(t)
         with torch.no_grad():
             d = t.detach()
             if d.layout is torch.sparse_coo:
@@ -194,6 +226,10 @@ def to_host(tensors: list, moves: dict) -> list:
             streams[dev] = current_stream(dev)
     for stream in streams.values():
         stream.record_event().synchronize()
+    for dev, n in staged.items():
+        _count("to_host", dev, n)
+        if hook is not None:
+            hook("to_host", dev, streams[dev], n, t0, _now_ns())
     return out
 
 
@@ -206,8 +242,15 @@ def place(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         >>> place(torch.ones(2), torch.device("cuda:1")).device
         device(type='cuda', index=1)
     """
+    hook = ON_STAGE
+    t0 = _now_ns() if hook is not None else 0
     with torch.no_grad():
-        return t.detach().to(device, non_blocking=True)
+        out = t.detach().to(device, non_blocking=True)
+    n = _nbytes(out)
+    _count("from_host", device, n)
+    if hook is not None:
+        hook("from_host", device, current_stream(device), n, t0, _now_ns())
+    return out
 
 
 def parse_target(text: str, allowed: dict) -> torch.device | None:
