@@ -105,8 +105,11 @@ def _main(rank, world, pg_port, modes):
     import torch.distributed as dist
     dist.init_process_group("gloo", rank=rank - 1, world_size=2, init_method=f"tcp://127.0.0.1:{pg_port}")
     try:
-        return {mode: [(_lists(got), _lists(want), _lists(s), _lists(ws))
-                       for got, want, s, ws in _trainer(rank, mode)] for mode in modes}
+        out = {mode: [(_lists(got), _lists(want), _lists(s), _lists(ws))
+                      for got, want, s, ws in _trainer(rank, mode)] for mode in modes}
+        from distgrad.autograd.engine import ENGINE
+        out["stats"] = dict(ENGINE.stats)   # which engine ran the trainer's passes
+        return out
     finally:
         dist.destroy_process_group()
 
@@ -132,7 +135,9 @@ MODES = ("plain", "unused", "join")
 def runs():
     """One cluster, one gloo group of the two trainers, the three modes in turn."""
     res = run_workers(_main, world_size=3, timeout=280, args=(free_port(), MODES))
-    return {mode: (res[1][mode], res[2][mode]) for mode in MODES}
+    out = {mode: (res[1][mode], res[2][mode]) for mode in MODES}
+    out["stats"] = (res[1]["stats"], res[2]["stats"])
+    return out
 
 
 def _check(runs, mode):
@@ -178,3 +183,15 @@ def test_ddp_hybrid_join_uneven_inputs(runs):
     compared, a, b = _check(runs, "join")
     assert len(a) == 2 and len(b) == 3
     assert compared == (2 + 3) * 4
+
+
+def test_ddp_passes_are_one_graph_task_each(runs):
+    """With the native engine, a trainer's every pass is one graph task of torch's engine,
+    DDP's parameters included (their capture goes through torch's distributed engine,
+    autograd/ddp.py): no pass falls back to the Python engine's regions."""
+    import os
+    if os.environ.get("DISTGRAD_NATIVE", "1").strip() in ("0", ""):
+        pytest.skip("DISTGRAD_NATIVE=0: the Python engine runs every pass")
+    for stats in runs["stats"]:
+        assert stats.get("passes_graph_task", 0) > 0, stats
+        assert stats.get("passes_shared", 0) == 0 and stats.get("passes_native", 0) == 0, stats

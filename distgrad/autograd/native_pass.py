@@ -36,8 +36,8 @@ import torch
 
 from ..trace import recorder as _trace
 from ..trace.clock import local_ns
+from . import ddp, rpc_functions
 from . import native as _build
-from . import rpc_functions
 from .context import CONTAINER, DistAutogradContext
 from .gradients import RECEIVER, _agent, backward_error
 
@@ -56,6 +56,8 @@ def module() -> Any:
             m.set_callbacks(_ship, _idle, _enter, _leave, _grad_of, _store)
             rpc_functions.use_native_types(m.SendType, m.RecvType)
             M = m
+            m.set_ddp(_ddp_capture, ddp.active[0])
+            ddp.on_active.append(lambda: m.set_ddp(_ddp_capture, True))
     return M
 
 
@@ -124,6 +126,16 @@ def _grad_of(share_id: int, leaf: Any) -> torch.Tensor | None:
         raise
 
 
+def _ddp_capture(share_id: int, leaf: Any, grad: torch.Tensor) -> bool:
+    """A leaf's gradient captured on the thread driving its share: DDP's parameters go
+    through torch's distributed engine (:func:`.ddp.native_capture`); False for others."""
+    st = PASSES.get(share_id)
+    if st is None or not ddp.is_param(leaf.variable):
+        return False
+    ddp.native_capture(st, leaf, grad, M.torch_context)
+    return True
+
+
 def _store(share_id: int, leaf: Any, grad: torch.Tensor | None) -> None:
     st = PASSES[share_id]
     try:
@@ -178,6 +190,7 @@ class NativePass:
         self.retain_graph = bool(flags & (RETAIN | CREATE_GRAPH))
         self.create_graph = False
         self.anomaly = False
+        self.ddp_hold = None   # DDP's parameters of this share (autograd/ddp.py: NativeHold)
         self.aborted = False
         self.roots = list(roots)
         self.share = share
@@ -320,7 +333,13 @@ class NativePass:
         t0 = local_ns() if tr is not None else 0
         self.running += 1
         try:
-            self.share.run(exp)
+            ok = False
+            try:
+                self.share.run(exp)
+                ok = True
+            finally:
+                if self.ddp_hold is not None:
+                    ddp.native_finish(self, ok)   # DDP's results into the context
         except BaseException as e:  # noqa: BLE001 - the pass's error
             if not self.aborted:
                 err = backward_error(e)

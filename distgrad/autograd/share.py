@@ -328,7 +328,7 @@ def native_ok(flags: int) -> bool:
     the module is built, and the pass needs nothing only the Python engine does yet
     (``create_graph``, anomaly mode's per-node checks and reports, DDP's flush)."""
     return (native_pass.M is not None and not flags & (CREATE_GRAPH | ANOMALY)
-            and not ddp.active[0])
+            and ddp.native_ok())
 
 
 class Engine:

@@ -24,6 +24,7 @@
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/autograd/context/container.h>
 #include <pybind11/pybind11.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -128,7 +129,11 @@ struct Callbacks {
   py::object leave;     // leave(token)
   py::object grad_of;   // grad_of(share_id, leaf_node) -> Tensor | None (locks the context's gradients)
   py::object store;     // store(share_id, leaf_node, grad | None) (and unlocks them)
+  py::object ddp;       // ddp(share_id, leaf_node, grad) -> bool: a DDP parameter's gradient
+                        // taken by torch's distributed engine (autograd/ddp.py), or False
 };
+// set while some DistributedDataParallel exists in the process (autograd/ddp.py)
+std::atomic<bool> ddp_on{false};
 Callbacks* callbacks = nullptr;
 
 thread_local int64_t tl_share = -1;   // the share whose task this thread drives
@@ -430,6 +435,12 @@ struct LeafCapture : GraphTask::ExecInfo::Capture::GradCaptureHook {
       : acc_(std::move(acc)), share_(share) {}
   at::Tensor operator()(const at::Tensor& grad) override {
     py::gil_scoped_acquire gil;
+    if (ddp_on.load() && tl_share == share_ && callbacks->ddp) {
+      // a DDP parameter: its pre-hooks, accumulation and post-hooks (DDP's reducer among
+      // them) run in torch's distributed engine, in a torch context of the share's
+      py::object leaf = py::reinterpret_steal<py::object>(functionToPyObject(acc_));
+      if (callbacks->ddp(share_, leaf, grad).cast<bool>()) return grad;
+    }
     py::object token = callbacks->enter(share_);
     struct Leave {
       py::object& t;
@@ -740,6 +751,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("RecvType") = py::handle(reinterpret_cast<PyObject*>(&RecvType));
 
   m.doc() = "distgrad's native share of a distributed backward pass (one GraphTask a worker a pass)";
+
+  m.def("set_ddp", [](py::object cb, bool on) {
+    if (!callbacks) callbacks = new Callbacks();
+    callbacks->ddp = cb;
+    ddp_on = on;
+  });
+
+  // torch_context() -> id: a new context in torch's own distributed autograd container
+  // (initialized), made without touching any thread's current context: ids count down
+  // from the container's largest, where torch's own (counting up) never reach
+  m.def("torch_context", []() {
+    static std::atomic<int64_t> taken{0};
+    auto& container = torch::distributed::autograd::DistAutogradContainer::getInstance();
+    int64_t id = container.getMaxId() - taken.fetch_add(1);
+    container.getOrCreateContext(id);
+    return id;
+  });
 
   m.def("set_callbacks", [](py::object ship, py::object idle, py::object enter, py::object leave,
                             py::object grad_of, py::object store) {
