@@ -91,11 +91,30 @@ def _ship(share_id: int, context_id: int, msg_id: int, sender: int, grads: list,
     gone = st.ctx.lost_peers.get(sender)
     if gone is not None:
         raise gone
+    _ready_on_every_device(grads)
     with st.lock:
         st.targets.add(sender)
     _agent().notify(sender, RECEIVER[0], (context_id, st.pass_id, st.initiator, st.flags, msg_id,
                                           list(grads), exp, list(unreached)),
                     reverse=msg_id not in st.ctx.recv_of_reply)   # (the inverse of its map)
+
+
+def _ready_on_every_device(grads: list) -> None:
+    """Gradients of a recv function on a device other than its stream's: torch's engine
+    orders only the node's own stream (its first device input's) after the streams that
+    made them; the others would be staged on their devices' current streams, which
+    nothing ordered after those: each such device is synchronized first (a rare node:
+    its tensors came in one message, to several devices)."""
+    devs = {g.device for g in grads if g is not None and g.device.type != "cpu"}
+    if not devs:
+        return
+    try:   # (the engine made the node's stream current, on its device)
+        own = torch.accelerator.current_stream().device
+    except (RuntimeError, ValueError, AttributeError):
+        own = None
+    for d in devs:
+        if d != own:
+            torch.get_device_module(d.type).synchronize(d)
 
 
 def _idle(share_id: int, pieces: list, open_: bool) -> None:

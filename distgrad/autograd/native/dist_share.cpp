@@ -491,6 +491,32 @@ struct LeafCapture : GraphTask::ExecInfo::Capture::GradCaptureHook {
   int64_t share_;
 };
 
+// Gradients that came over RPC for a send function were placed on their devices on the
+// feeding thread's current streams; the engine takes them as made on the send function's
+// stream (its forward's: the first device input's). That stream waits for an event
+// recorded where they were placed, and keeps them (record_stream) while it uses them; a
+// gradient on another device of the node (a call that sent tensors of several devices)
+// has its device synchronized instead, as no stream of the engine's is known to use it.
+void order_arrivals(Node& node, const variable_list& grads) {
+  const auto node_stream = node.stream();
+  for (const auto& g : grads) {
+    if (!g.defined() || g.device().is_cpu() || g.device().is_meta()) continue;
+    const auto device = g.device();
+    c10::impl::VirtualGuardImpl impl{device.type()};
+    const auto placed = impl.getStream(device);
+    if (node_stream.has_value() && node_stream->device() == device) {
+      if (placed != *node_stream) {
+        c10::Event ev{device.type()};
+        ev.record(placed);
+        node_stream->wait(ev);
+        impl.recordDataPtrOnStream(g.storage().data_ptr(), *node_stream);
+      }
+    } else {
+      impl.synchronizeDevice(device.index());
+    }
+  }
+}
+
 std::atomic<int64_t> next_share{1};
 
 c10::intrusive_ptr<Node> node_of(py::handle obj) {
@@ -871,6 +897,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         std::vector<c10::intrusive_ptr<Node>> dead;
         {
           py::gil_scoped_release nogil;
+          order_arrivals(*node, gs);
           std::lock_guard<std::mutex> g(s.mu);
           if (s.closed) return false;
           if (!s.consumed.insert(node.get()).second) {
