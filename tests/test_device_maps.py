@@ -821,9 +821,16 @@ def _backward_through_maps(rank, world, port, data):
             dist_autograd.backward(cid, [x.sum()])
             out["layers"] = [layer.rpc_sync().gradients(cid) for layer in layers]
         # a forward on a user stream of the callee: its backward runs there, ordered
+        # (the graph's nodes name their device and stream: the callee's sin on its own)
         x = data["t1"].to(d0).requires_grad_()
         with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [rpc.rpc_sync(dst, _on_user_stream, args=(x,)).sum()])
+            loss = rpc.rpc_sync(dst, _on_user_stream, args=(x,)).sum()
+            desc = dist_autograd.export_graph(cid, os.path.join(os.path.dirname(path), "g.json"),
+                                              roots=[loss])
+            out["graph"] = sorted({(w["name"], n["name"], n.get("device"), n.get("stream", 0) != 0)
+                                   for w in desc["workers"].values() for n in w["nodes"]
+                                   if n.get("device")})
+            dist_autograd.backward(cid, [loss])
             gx = dist_autograd.get_gradients(cid)[x]
             out["user_stream"] = (gx.cpu(), str(gx.device))
         out["dev"] = dev
@@ -876,6 +883,9 @@ def test_backward_through_maps():
     assert [v for _, v in res] == [[], [], []]
     got = res[0][0]
     dev = got["dev"]
+    assert ("worker1", "SinBackward0", f"{dev}:1", True) in got["graph"], got["graph"]   # a user stream
+    assert ("worker1", "RecvRpcBackward", f"{dev}:1", False) in got["graph"], got["graph"]
+    assert ("worker0", "SendRpcBackward", f"{dev}:0", False) in got["graph"], got["graph"]
     g, where = got["user_stream"]
     assert where == f"{dev}:0" and torch.allclose(g, want["user_stream"])
     # worker0 staged t1 and t2 (40 bytes each) and the gradient of res; received res and

@@ -58,6 +58,29 @@ def _nbytes(meta: Any) -> int:
     return n * torch.empty((), dtype=meta.dtype).element_size()
 
 
+def _place(d: dict, node: Any) -> None:
+    """A node on an accelerator: its device (its first non-CPU input's, a leaf's own) and
+    the stream torch's engine runs it on (``Node::stream``, C++ nodes, with the native
+    engine built)."""
+    devs = []
+    var = getattr(node, "variable", None)
+    if var is not None:
+        devs.append(var.device)
+    for m in getattr(node, "_input_metadata", ()) or ():
+        dev = getattr(m, "device", None)
+        if dev is not None:
+            devs.append(dev)
+    dev = next((x for x in devs if x.type not in ("cpu", "meta")), None)
+    if dev is None:
+        return
+    d["device"] = str(dev)
+    from ..autograd import native_pass
+    if native_pass.M is not None:
+        s = native_pass.M.node_stream(node)
+        if s is not None:
+            d["stream"] = int(s[1])
+
+
 def _meta_list(node: Any) -> list[dict]:
     out = []
     for m in getattr(node, "_input_metadata", ()) or ():
@@ -134,6 +157,7 @@ def _local_description(context_id: int, roots: Sequence[Any] = ()) -> dict:
         elif hasattr(n, "variable"):
             v = n.variable
             d.update(kind="leaf", shape=[int(s) for s in v.shape], dtype=str(v.dtype).replace("torch.", ""))
+        _place(d, n)
         if start_kind.get(id(n)) == "root":
             d["root"] = True
         nodes.append(d)

@@ -51,6 +51,8 @@ def node_label(n: dict, names: dict[int, str]) -> str:
     elif n["kind"] == "recv":
         sender = n.get("sender")
         label += f"\nmsg {msg(n.get('message_id'))} from {names.get(sender, f'rank {sender}')}"
+    if n.get("device"):   # on an accelerator: where, and on which stream
+        label += f"\non {n['device']}" + (f", stream {n['stream']}" if n.get("stream") is not None else "")
     return label
 
 

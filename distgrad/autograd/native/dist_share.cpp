@@ -829,6 +829,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::reinterpret_steal<py::object>(functionToPyObject(node));
   });
 
+  // node_stream(node) -> (device, stream id) | None: the stream torch's engine runs a
+  // C++ node on (its first accelerator input's; Node::stream), for graph pictures
+  m.def("node_stream", [](py::handle obj) -> py::object {
+    if (!THPCppFunction_Check(obj.ptr())) return py::none();
+    auto s = node_of(obj)->stream();
+    if (!s.has_value()) return py::none();
+    return py::make_tuple(c10::Device(s->device()).str(), s->id());
+  });
+
   m.def("is_send", [](py::handle obj) {
     return THPCppFunction_Check(obj.ptr()) &&
            dynamic_cast<SendRpcBackward*>(node_of(obj).get()) != nullptr;
