@@ -414,106 +414,23 @@ def is_param(v: torch.Tensor) -> bool:
 
 
 def native_ok() -> bool:
-    """Whether a native share can take DDP's parameters in: torch's distributed autograd
-    is there, and none of them is on an accelerator (torch's distributed engine would run
-    their capture on the device's autograd thread, where the nested run of :func:`_feed`
-    cannot go)."""
+    """Whether a native share can take DDP's parameters in (dist_share.cpp, ddp_capture):
+    torch's distributed autograd is there (its context holds them, as under torch's
+    engine), and no DDP searches for unused parameters (``find_unused_parameters``: the
+    forward's search stops at recv functions; the Python engine's flush searches with
+    what the pass reached)."""
     if not active[0]:
         return True
     if _torch_dist_autograd() is None:
         return False
     if _pending:
         _adopt()
-    return all(r() is None or r().device.type == "cpu" for r in list(_params.values()))
+    owners = {id(m): m for m in (r() for r in list(_owner.values())) if m is not None}
+    return not any(m.find_unused_parameters and not getattr(m, "static_graph", False)
+                   for m in owners.values())
 
 
-class NativeHold:
-    """A native share's DDP parameters: the torch distributed autograd context their
-    gradients are accumulated in (DDP's reducer reads and writes them there), the
-    AccumulateGrad node and tensor of each, and the parameters of DDP instances with
-    ``find_unused_parameters`` (those that get no gradient get zeros at the end)."""
-
-    __slots__ = ("tcid", "leaves", "modules", "zero")
-
-    def __init__(self, tcid: int) -> None:
-        self.tcid = tcid
-        self.leaves: dict[int, tuple] = {}
-        self.modules: dict[int, Any] = {}
-        self.zero: list = []
-
-
-def _feed(tda: Any, tcid: int, variables: list, grads: list) -> None:
-    """``grads`` into ``variables``' AccumulateGrad nodes in one run of torch's
-    distributed engine in context ``tcid``: torch's capture hook runs the node's pre-hooks,
-    accumulates into the context and runs its post-hooks (DDP's reducer, which finds the
-    context on the thread); a callback DDP queues runs at that run's end. The tensors'
-    own hooks ran already (in the share's task): they are kept out of this run."""
-    hooked = [(v, v._backward_hooks) for v in variables if v._backward_hooks]
-    for v, _ in hooked:
-        v._backward_hooks = None
-    try:
-        with torch.enable_grad():
-            root = _Feed.apply(tuple(g.detach() for g in grads), *variables)
-        tda.backward(tcid, [root])
-    finally:
-        for v, hooks in hooked:
-            v._backward_hooks = hooks
-
-
-def _reach_module(module: Any) -> list:
-    """A DDP instance with ``find_unused_parameters`` (dynamic graph): its reducer
-    prepared again with every parameter reached (the forward's search stops at recv
-    functions); its parameters returned (those that get no gradient get zeros)."""
-    if not (module.find_unused_parameters and not getattr(module, "static_graph", False)
-            and module.require_backward_grad_sync):
-        return []
-    _deferred.pop(id(module.reducer), None)
-    params = [p for p in module.module.parameters() if p.requires_grad]
-    with torch.enable_grad():
-        reached = [p.view_as(p) for p in params]
-    _original_prepare(module.reducer, reached)
-    return params
-
-
-def native_capture(state: Any, leaf: Any, grad: torch.Tensor, new_context: Any) -> None:
-    """A native share captured the gradient of DDP's parameter ``leaf.variable``: it goes
-    to the share's torch context (made by ``new_context()`` at the first), added to what
-    the distgrad context holds for it, as torch's context accumulates it."""
-    tda = _torch_dist_autograd()
-    v = leaf.variable
-    with _lock:
-        hold = state.ddp_hold
-        if hold is None:
-            hold = state.ddp_hold = NativeHold(new_context())
-        module = _owner_of(v)
-        if module is not None and id(module) not in hold.modules:
-            hold.modules[id(module)] = module
-            _refuse_static_graph([v])
-            hold.zero.extend(_reach_module(module))
-        old = state.ctx.gradient_of(leaf)
-        hold.leaves[id(v)] = (leaf, v)
-        _feed(tda, hold.tcid, [v], [grad if old is None else old + grad])
-
-
-def native_finish(state: Any, ok: bool) -> None:
-    """The share's task ended (``ok``: well): the parameters that got no gradient get
-    zeros (DDP's last bucket then completes), and DDP's results go from the torch
-    context into the distgrad context; the torch context goes."""
-    hold = state.ddp_hold
-    if hold is None:
-        return
-    state.ddp_hold = None
-    tda = _torch_dist_autograd()
-    with _lock:
-        try:
-            if ok:
-                unused = [p for p in hold.zero if id(p) not in hold.leaves]
-                if unused:
-                    _feed(tda, hold.tcid, unused, [torch.zeros_like(p) for p in unused])
-                got = tda.get_gradients(hold.tcid)
-                for leaf, v in hold.leaves.values():
-                    g = got.get(v)
-                    if g is not None:
-                        state.ctx.replace(leaf, g)
-        finally:
-            tda._release_context(hold.tcid)
+def native_take(v: torch.Tensor) -> None:
+    """A native share is about to capture DDP's parameter ``v``: refused for
+    ``static_graph=True`` (:func:`_refuse_static_graph`)."""
+    _refuse_static_graph([v])

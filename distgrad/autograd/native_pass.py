@@ -145,14 +145,25 @@ def _grad_of(share_id: int, leaf: Any) -> torch.Tensor | None:
         raise
 
 
-def _ddp_capture(share_id: int, leaf: Any, grad: torch.Tensor) -> bool:
-    """A leaf's gradient captured on the thread driving its share: DDP's parameters go
-    through torch's distributed engine (:func:`.ddp.native_capture`); False for others."""
-    st = PASSES.get(share_id)
-    if st is None or not ddp.is_param(leaf.variable):
+def _ddp_capture(share_id: int, leaf: Any) -> bool:
+    """Whether a captured leaf is DDP's parameter: its gradient then goes to the share's
+    torch context, where DDP's reducer reads and writes it (dist_share.cpp, ddp_capture)."""
+    if share_id not in PASSES or not ddp.is_param(leaf.variable):
         return False
-    ddp.native_capture(st, leaf, grad, M.torch_context)
+    ddp.native_take(leaf.variable)
     return True
+
+
+def _take_ddp_results(st: NativePass, ok: bool) -> None:
+    """The share's task ended: DDP's results (its finalize ran among the task's final
+    callbacks) go from the share's torch context into the context (the same tensor where
+    the context's was taken in and added to in place); the torch context goes."""
+    for v, g in st.share.ddp_gradients():
+        if not ok:
+            continue
+        leaf = torch.autograd.graph.get_gradient_edge(v).node
+        if st.ctx.gradient_of(leaf) is not g:
+            st.ctx.replace(leaf, g)
 
 
 def _store(share_id: int, leaf: Any, grad: torch.Tensor | None) -> None:
@@ -209,7 +220,6 @@ class NativePass:
         self.retain_graph = bool(flags & (RETAIN | CREATE_GRAPH))
         self.create_graph = False
         self.anomaly = False
-        self.ddp_hold = None   # DDP's parameters of this share (autograd/ddp.py: NativeHold)
         self.aborted = False
         self.roots = list(roots)
         self.share = share
@@ -357,8 +367,8 @@ class NativePass:
                 self.share.run(exp)
                 ok = True
             finally:
-                if self.ddp_hold is not None:
-                    ddp.native_finish(self, ok)   # DDP's results into the context
+                if ddp.active[0]:
+                    _take_ddp_results(self, ok)
         except BaseException as e:  # noqa: BLE001 - the pass's error
             if not self.aborted:
                 err = backward_error(e)

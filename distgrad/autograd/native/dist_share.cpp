@@ -129,8 +129,7 @@ struct Callbacks {
   py::object leave;     // leave(token)
   py::object grad_of;   // grad_of(share_id, leaf_node) -> Tensor | None (locks the context's gradients)
   py::object store;     // store(share_id, leaf_node, grad | None) (and unlocks them)
-  py::object ddp;       // ddp(share_id, leaf_node, grad) -> bool: a DDP parameter's gradient
-                        // taken by torch's distributed engine (autograd/ddp.py), or False
+  py::object ddp;       // ddp(share_id, leaf_node) -> bool: a DDP parameter (autograd/ddp.py)
 };
 // set while some DistributedDataParallel exists in the process (autograd/ddp.py)
 std::atomic<bool> ddp_on{false};
@@ -247,6 +246,11 @@ struct IdleMarker : Node {
 
 struct DistShare : std::enable_shared_from_this<DistShare> {
   int64_t id = 0;
+  // DDP's parameters: the torch distributed autograd context their gradients go to (DDP's
+  // reducer reads and writes them there, as under torch's distributed engine), and the
+  // parameters seen (their context's gradient taken in first)
+  torch::distributed::autograd::ContextPtr tctx;
+  std::unordered_set<c10::TensorImpl*> ddp_seen;
   std::shared_ptr<GraphTask> task;
   std::shared_ptr<ReadyQueue> queue;
   std::shared_ptr<GraphTask> marker_task;
@@ -426,6 +430,57 @@ variable_list RecvRpcBackward::apply(variable_list&& grads) {
   return {};
 }
 
+// torch's DistAutogradContext::accumulateGrad (private; its friends are torch's engine
+// classes): reached through an explicit instantiation, which the language lets name a
+// private member
+using AccumulateFn = void (torch::distributed::autograd::DistAutogradContext::*)(
+    const at::Tensor&, const at::Tensor&, size_t);
+struct AccumulateTag {
+  friend AccumulateFn accumulate_of(AccumulateTag);
+};
+template <AccumulateFn F>
+struct AccumulateRob {
+  friend AccumulateFn accumulate_of(AccumulateTag) { return F; }
+};
+template struct AccumulateRob<&torch::distributed::autograd::DistAutogradContext::accumulateGrad>;
+AccumulateFn accumulate_of(AccumulateTag);
+
+// A DDP parameter's gradient, as torch's DistAccumulateGradCaptureHook takes it: the
+// share's torch context current on this thread (DDP's hook finds it there), the node's
+// pre-hooks, the gradient added into that context, the node's post-hooks (DDP's); what
+// the distgrad context held for the parameter goes into the torch context first, the
+// same tensor (torch's context then adds to it in place where it can).
+at::Tensor ddp_capture(DistShare& s, AccumulateGrad& acc, py::object leaf, const at::Tensor& grad) {
+  namespace dga = torch::distributed::autograd;
+  auto& container = dga::DistAutogradContainer::getInstance();
+  if (!s.tctx) {
+    static std::atomic<int64_t> taken{0};
+    s.tctx = container.getOrCreateContext(container.getMaxId() - taken.fetch_add(1));
+  }
+  const auto& var = acc.variable;
+  if (s.ddp_seen.insert(var.unsafeGetTensorImpl()).second) {
+    py::object old_obj = callbacks->grad_of(s.id, leaf);
+    at::Tensor old = old_obj.is_none() ? at::Tensor() : old_obj.cast<at::Tensor>();
+    callbacks->store(s.id, leaf, py::none());   // (unlocks the context's gradients)
+    if (old.defined()) {
+      py::gil_scoped_release nogil;
+      at::AutoGradMode no_grad(false);
+      ((*s.tctx).*accumulate_of(AccumulateTag{}))(var, old, 1000);   // kept as it is
+    }
+  }
+  py::gil_scoped_release nogil;
+  dga::ThreadLocalDistAutogradContext guard{dga::ContextPtr(s.tctx)};
+  variable_list inputGrads = {grad};
+  for (const auto& hook : acc.pre_hooks()) inputGrads = (*hook)(inputGrads);
+  if (inputGrads[0].defined()) {
+    at::AutoGradMode no_grad(false);
+    ((*s.tctx).*accumulate_of(AccumulateTag{}))(var, inputGrads[0], 3);
+  }
+  const variable_list kEmpty;
+  for (const auto& hook : acc.post_hooks()) (*hook)(kEmpty, inputGrads);
+  return inputGrads[0];
+}
+
 // The capture of a leaf's gradient, as torch's distributed engine does it: the
 // AccumulateGrad node's pre-hooks, the gradient added into the context by torch's
 // AccumulateGrad::accumulateGrad rules (steal, view or copy), its post-hooks. The
@@ -435,11 +490,12 @@ struct LeafCapture : GraphTask::ExecInfo::Capture::GradCaptureHook {
       : acc_(std::move(acc)), share_(share) {}
   at::Tensor operator()(const at::Tensor& grad) override {
     py::gil_scoped_acquire gil;
-    if (ddp_on.load() && tl_share == share_ && callbacks->ddp) {
-      // a DDP parameter: its pre-hooks, accumulation and post-hooks (DDP's reducer among
-      // them) run in torch's distributed engine, in a torch context of the share's
+    if (ddp_on.load() && callbacks->ddp) {
+      // a DDP parameter: its gradient goes to the share's torch context (ddp_capture)
       py::object leaf = py::reinterpret_steal<py::object>(functionToPyObject(acc_));
-      if (callbacks->ddp(share_, leaf, grad).cast<bool>()) return grad;
+      if (callbacks->ddp(share_, leaf).cast<bool>()) {
+        if (auto s = find_share(share_)) return ddp_capture(*s, *acc_, leaf, grad);
+      }
     }
     py::object token = callbacks->enter(share_);
     struct Leave {
@@ -784,16 +840,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     ddp_on = on;
   });
 
-  // torch_context() -> id: a new context in torch's own distributed autograd container
-  // (initialized), made without touching any thread's current context: ids count down
-  // from the container's largest, where torch's own (counting up) never reach
-  m.def("torch_context", []() {
-    static std::atomic<int64_t> taken{0};
-    auto& container = torch::distributed::autograd::DistAutogradContainer::getInstance();
-    int64_t id = container.getMaxId() - taken.fetch_add(1);
-    container.getOrCreateContext(id);
-    return id;
-  });
 
   m.def("set_callbacks", [](py::object ship, py::object idle, py::object enter, py::object leave,
                             py::object grad_of, py::object store) {
@@ -988,6 +1034,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return s.split_locked();
       })
       // what weight is left (the share ended: run() returned or raised)
+      // ddp_gradients() -> [(parameter, gradient)]: what the share's torch context holds
+      // (DDP's results once the task ended), and the context goes (ids count down from
+      // the container's largest, where torch's own, counting up, never reach)
+      .def("ddp_gradients", [](DistShare& s) {
+        py::list out;
+        if (!s.tctx) return out;
+        auto grads = s.tctx->getGradients();
+        for (const auto& kv : grads) out.append(py::make_tuple(kv.key(), kv.value()));
+        auto id = s.tctx->contextId();
+        s.tctx.reset();
+        s.ddp_seen.clear();
+        torch::distributed::autograd::DistAutogradContainer::getInstance().releaseContextIfPresent(id);
+        return out;
+      })
       .def("take_pieces", [](DistShare& s) {
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(s.mu);
