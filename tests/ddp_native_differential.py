@@ -26,7 +26,7 @@ import sys
 import threading
 
 import torch
-from mp_utils import free_port  # no distgrad: mp_utils imports it only inside workers
+from mp_utils import free_port, reap  # no distgrad: mp_utils imports it only inside workers
 from torch import nn
 
 SECRET = "4c1f0a8be22f2a0d6c9f3e2b7d8a1c5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c"
@@ -170,12 +170,7 @@ def run(impl: str, timeout: float = 150.0) -> dict:
             res[f"worker{rank}"] = r
     except queue.Empty:
         res = {"error": f"no result in {timeout} s", "hung": True}
-    for p in ps:
-        p.join(20)
-    for p in ps:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    reap(ps)
     return res
 
 

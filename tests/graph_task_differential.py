@@ -34,7 +34,7 @@ import threading
 import time
 
 import torch
-from mp_utils import free_port  # no distgrad: mp_utils imports it only inside workers
+from mp_utils import free_port, reap  # no distgrad: mp_utils imports it only inside workers
 
 SECRET = "e6322fbce9c88c169fbd6b1aba3050223d9e940b978cef4791345bab9c71edef"
 
@@ -373,12 +373,7 @@ def run(impl: str, timeout: float = 150.0) -> dict:
         res = out.get(timeout=timeout)
     except queue.Empty:
         res = {"error": f"no result in {timeout} s", "hung": True}
-    for p in ps:
-        p.join(20)
-    for p in ps:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    reap(ps)
     return res
 
 

@@ -181,13 +181,18 @@ def run_workers(fn: Callable, world_size: int = 2, timeout: float = 60, args: tu
             raise AssertionError("\n".join(errors))
         return [out[r] for r in range(world_size)]
     finally:
-        for p in procs:
-            p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic() + 5)))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        reap(procs, max(0.1, min(5.0, deadline - time.monotonic() + 5)))
         shutil.rmtree(stack_dir, ignore_errors=True)
+
+
+def reap(procs: list, grace: float = 20.0) -> None:
+    """Join ``procs`` (``grace`` seconds each); kill those still alive."""
+    for p in procs:
+        p.join(timeout=grace)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 def _stacks_of(procs, ranks, stack_dir: str) -> str:

@@ -200,15 +200,21 @@ def held(leaves: Sequence[Any], grads: Sequence) -> list[int]:
     """Indices of the gradients in ``grads`` (one per AccumulateGrad node of
     ``leaves``) that belong to a DDP parameter: the engine holds those until the
     pass's flush."""
-    if not active[0]:
+    if not _take_in() or not _params:
         return []
+    return [i for i, g in enumerate(grads) if g is not None and _is_ddp(leaves[i].variable)]
+
+
+def _take_in() -> bool:
+    """Whether some DDP was seen; if so, the groups of DDPs gone let go and the DDPs
+    whose constructor finished taken in."""
+    if not active[0]:
+        return False
     if _retired:
         _let_go()
     if _pending:
         _adopt()
-    if not _params:
-        return []
-    return [i for i, g in enumerate(grads) if g is not None and _is_ddp(leaves[i].variable)]
+    return True
 
 
 def _owner_of(v: Any) -> Any:
@@ -404,13 +410,7 @@ def _synced_through_grad(leaves: Sequence[Any], idx: list, grads: Sequence,
 
 def is_param(v: torch.Tensor) -> bool:
     """Whether ``v`` is a parameter some DDP instance syncs (taking in new instances)."""
-    if not active[0]:
-        return False
-    if _retired:
-        _let_go()
-    if _pending:
-        _adopt()
-    return _is_ddp(v)
+    return _take_in() and _is_ddp(v)
 
 
 def native_ok() -> bool:
