@@ -764,6 +764,7 @@ class _CpuGrad(torch.autograd.Function):
 def _backward_through_maps(rank, world, port, data):
     dev = _device()
     import distgrad.autograd as dist_autograd
+    from distgrad.graph import export_graph
     opts = _opts(port)
     for peer in range(world):   # torch's test_gradients_synchronizations: rank -> peer's index
         opts.set_device_map(f"worker{peer}", {rank: peer})
@@ -825,8 +826,7 @@ def _backward_through_maps(rank, world, port, data):
         x = data["t1"].to(d0).requires_grad_()
         with dist_autograd.context() as cid:
             loss = rpc.rpc_sync(dst, _on_user_stream, args=(x,)).sum()
-            desc = dist_autograd.export_graph(cid, os.path.join(os.path.dirname(path), "g.json"),
-                                              roots=[loss])
+            desc = export_graph(cid, os.path.join(os.path.dirname(path), "g.json"), roots=[loss])
             out["graph"] = sorted({(w["name"], n["name"], n.get("device"), n.get("stream", 0) != 0)
                                    for w in desc["workers"].values() for n in w["nodes"]
                                    if n.get("device")})

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from ..trace import recorder as _trace
-from ..trace.clock import local_ns
+from .. import observe as _observe
+from ..observe import local_ns
+from ..rpc import extensions as _extensions
 from .anomaly import detect_anomaly
 from .context import CONTAINER, DistAutogradContext
 from .engine import ENGINE, debug_info
@@ -33,7 +34,6 @@ __all__ = [
     "backward_async",
     "context",
     "detect_anomaly",
-    "export_graph",
     "get_engine_stats",
     "get_gradients",
     "is_available",
@@ -41,16 +41,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``export_graph`` lives in :mod:`distgrad.graph`, which depends on this
-    package; it is imported on first use only (see :func:`distgrad.graph.export_graph`)."""
+    """Only a pointer for the name this package no longer has: distributed graphs are
+    drawn by :func:`distgrad.graph.export_graph` (a layer above this one, which never
+    imports it)."""
     if name == "export_graph":
-        from ..graph import export_graph
-        return export_graph
+        raise AttributeError(f"module {__name__!r} has no attribute 'export_graph': "
+                             "use distgrad.graph.export_graph")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | {"export_graph"})
 
 
 def is_available() -> bool:
@@ -150,7 +147,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         ...     g = dist_autograd.get_gradients(cid)[x]            # 3 x**2, requires grad
         ...     dist_autograd.backward(cid, [(g ** 2).sum()])    # adds 36 x**3
     """
-    tr = _trace.ACTIVE
+    tr = _observe.ACTIVE
     if tr is None:
         _backward_sync(context_id, roots, retain_graph, grad_tensors, create_graph)
         return
@@ -172,6 +169,9 @@ def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph:
         >>> fut.wait()
     """
     return _backward_async(context_id, roots, retain_graph, grad_tensors, create_graph)
+
+
+_extensions.provide_backward(backward_async)   # RRef.backward(ctx) on the owner: RPC never imports this
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -34,14 +34,14 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from .. import observe as _observe
 from ..errors import AnomalyError, BackwardError
 from ..intra_op import follow_intra_op_threads
+from ..observe import local_ns
 from ..rpc import api as rpc_api
 from ..rpc.functions import async_execution
 from ..rpc.future_errors import fail
 from ..rpc.remote_exc import pack_exception, unpack_exception
-from ..trace import recorder as _trace
-from ..trace.clock import local_ns
 from ..transport import reading as _reading
 from . import anomaly as anomaly_mode
 from . import checkpoint as _checkpoint
@@ -96,7 +96,7 @@ def _run(state: PassState, exp: int, fn, *args) -> None:
     if checkpoints:
         _checkpoint.enter(state, checkpoints)
     err = None
-    tr = _trace.ACTIVE
+    tr = _observe.ACTIVE
     t0 = local_ns() if tr is not None else 0
     try:
         # torch's engine runs a pass (nodes, hooks) with grad mode = create_graph
@@ -494,7 +494,7 @@ def _run_alone(state: PassState, roots: list, grads: list,
     checkpoints = state.checkpoints
     if checkpoints:
         _checkpoint.enter(state, checkpoints)
-    tr = _trace.ACTIVE
+    tr = _observe.ACTIVE
     t0 = local_ns() if tr is not None else 0
     try:
         with torch.set_grad_enabled(False):

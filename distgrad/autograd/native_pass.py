@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ..trace import recorder as _trace
-from ..trace.clock import local_ns
+from .. import observe as _observe
+from ..observe import local_ns
 from . import ddp, rpc_functions
 from . import native as _build
 from .context import CONTAINER, DistAutogradContext
@@ -358,7 +358,7 @@ class NativePass:
         """Run the task on this thread until the pass ends here (``release``)."""
         prev = CONTAINER.set_current(None)   # a pass's nodes run outside any context
         err = None
-        tr = _trace.ACTIVE
+        tr = _observe.ACTIVE
         t0 = local_ns() if tr is not None else 0
         self.running += 1
         try:

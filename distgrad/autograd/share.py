@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from ..trace import recorder as _trace
-from ..trace.clock import local_ns
+from .. import observe as _observe
+from ..observe import local_ns
 from . import ddp, native_pass, node_hooks
 from .context import CONTAINER, DistAutogradContext
 from .executor import Executor
@@ -172,7 +172,7 @@ class PassState(Executor):
         """Run ``key``'s region with gradients for ``outputs`` (tensors or edges)."""
         if self.aborted:
             return
-        tr = _trace.ACTIVE
+        tr = _observe.ACTIVE
         if tr is None:
             self._run_entry(key, outputs, grads)
             return

@@ -1,8 +1,8 @@
 """distgrad.graph: pictures of distributed autograd graphs.
 
 Built on :mod:`distgrad.autograd` (it reads a context's send/recv functions
-and the local graph behind them); autograd never imports it, except the lazy
-``distgrad.autograd.export_graph`` re-export. Modules:
+and the local graph behind them), a floor below, which never imports it.
+Modules:
 
 * ``export``: gather one context's graph from every worker that saw it
   (:func:`describe_graph`), write it as DOT source, JSON or a picture

@@ -47,9 +47,9 @@ import torch
 
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
+from distgrad import observe as _observe
 from distgrad.errors import DistgradError
-from distgrad.trace import recorder as _trace
-from distgrad.trace.clock import local_ns
+from distgrad.observe import local_ns
 
 __all__ = ["DistributedOptimizer"]
 
@@ -172,7 +172,7 @@ class _LocalOptimizer:
 
     def step(self, context_id: int) -> None:
         """Step with the gradients of ``context_id`` on this worker."""
-        tr = _trace.ACTIVE
+        tr = _observe.ACTIVE
         if tr is None:
             self._step(context_id)
             return
@@ -329,7 +329,7 @@ class DistributedOptimizer:
             ...     dist_autograd.backward(cid, [loss])
             ...     dist_opt.step(cid)
         """
-        tr = _trace.ACTIVE
+        tr = _observe.ACTIVE
         t0 = local_ns() if tr is not None else 0
         # the RRef's method proxy: no new fork of the optimizer's RRef per step
         futs = [(o.owner_name(), o.rpc_async().step(context_id)) for o in self.remote_optimizers]

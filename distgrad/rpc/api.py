@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from ..errors import WorkerLostError
 from ..launch import keeper, rendezvous
 from ..transport.descriptors import raise_open_file_limit
 from ..wire import Kind
-from . import backend_registry, collective, devices, dynamic, lifecycle, profiling, script
+from . import backend_registry, collective, devices, dynamic, extensions, lifecycle, profiling, script
 from .agent import RpcAgent, _holder, _qualname, agent_or_none, current_agent
 from .debug import _get_debug_info, _rref_context_get_debug_info, enable_gil_profiling  # noqa: F401
 from .future_errors import fail
@@ -175,9 +174,9 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     if agent is None:
         return
     try:
-        trace = sys.modules.get("distgrad.trace.session")
-        if trace is not None:  # a trace this worker left open: written now, while the members serve
-            trace.close_at_shutdown(graceful)
+        # the layers above first (a trace left open: written now, while the members serve)
+        for start in extensions.SHUTDOWN_START:
+            start(graceful)
         if agent.dynamic:  # leave the group; the others go on (see rpc/dynamic.py)
             if graceful:
                 limit = timeout if timeout and timeout > 0 else _DEFAULT_SHUTDOWN_TIMEOUT

@@ -73,3 +73,48 @@ class _NullScope:
 
 
 NULL_SCOPE = _NullScope()
+
+
+#: what the layers above RPC run when ``rpc.shutdown()`` starts on this worker, each
+#: called with ``graceful`` before anything else of the shutdown (an error propagates as
+#: the shutdown's, after the local shutdown completed); see :func:`at_shutdown`
+SHUTDOWN_START: list[Callable[[bool], None]] = []
+#: ... and when it ends: after the agent stopped serving, before the extensions'
+#: ``on_shutdown`` and the transport's close (an error is logged, the shutdown goes on)
+SHUTDOWN_END: list[Callable[[], None]] = []
+
+
+def at_shutdown(start: Callable[[bool], None] | None = None,
+                end: Callable[[], None] | None = None) -> None:
+    """Have ``start(graceful)`` run first thing in every ``rpc.shutdown()`` of this
+    process, and ``end()`` as it finishes: how a layer above RPC (the tracer, which RPC
+    never imports) closes what it has open. Registered once, at the layer's import.
+
+    Example::
+
+        >>> at_shutdown(start=lambda graceful: print("closing", graceful))
+        >>> rpc.shutdown()
+        closing True
+    """
+    if start is not None:
+        SHUTDOWN_START.append(start)
+    if end is not None:
+        SHUTDOWN_END.append(end)
+
+
+#: distributed autograd's ``backward_async(context_id, roots, retain_graph)``, put here
+#: by :mod:`distgrad.autograd` at its import (see :func:`provide_backward`); None until then
+DIST_BACKWARD: Callable[..., Any] | None = None
+
+
+def provide_backward(fn: Callable[..., Any]) -> None:
+    """Install distributed autograd's ``backward_async``, the one ``RRef.backward(ctx)``
+    runs on the owner: the way up to the layer above, which RPC never imports.
+
+    Example (what ``distgrad.autograd`` does at its import)::
+
+        >>> provide_backward(dist_autograd.backward_async)
+        >>> rref.backward(cid)      # the owner runs dist_autograd.backward_async(cid, [value])
+    """
+    global DIST_BACKWARD
+    DIST_BACKWARD = fn

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -23,8 +22,8 @@ from ..launch import keeper, rendezvous
 from ..transport import SocketTransport, netaddr
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
-from . import c10d_order, collective, devices, dynamic, membership, mixing, remote_profiling
-from .agent import RpcAgent, _holder
+from . import c10d_order, collective, devices, dynamic, extensions, membership, mixing, remote_profiling
+from .agent import RpcAgent, _holder, _qualname
 from .options import RpcBackendOptions
 from .worker_info import WorkerInfo
 
@@ -215,12 +214,11 @@ def rref_leak(agent: RpcAgent, deadline: float) -> str | None:
 def finalize_shutdown(agent: RpcAgent, graceful: bool) -> None:
     try:
         agent.shutting_down = True
-        trace = sys.modules.get("distgrad.trace.session")
-        if trace is not None:  # a trace still recorded here stops: nobody can close it now
+        for end in extensions.SHUTDOWN_END:  # e.g. a trace still recorded here stops: nobody can close it now
             try:
-                trace.drop_at_shutdown()
+                end()
             except Exception:
-                log.exception("worker %s: the open trace not dropped at shutdown", agent.name)
+                log.exception("worker %s: a shutdown hook (%s) failed", agent.name, _qualname(end))
         for ext in agent.extensions:
             try:
                 ext.on_shutdown()

@@ -42,7 +42,7 @@ import torch
 from ..errors import RPCTimeoutError, WorkerLostError
 from ..wire import Kind
 from ..wire.pickler import current_destination, current_pins
-from . import profiling
+from . import extensions, profiling
 from .agent import AsyncResult, agent_or_none, current_agent
 from .devices import completed_future
 from .future_errors import fail
@@ -416,7 +416,10 @@ def _rref_backward_local(value: Any, ctx_id: int, retain_graph: bool) -> torch.f
         fut = torch.futures.Future()
         fut.set_result(None)
         return fut
-    from ..autograd import backward_async
+    backward_async = extensions.DIST_BACKWARD   # distgrad.autograd's, put there at its import
+    if backward_async is None:
+        raise RuntimeError("RRef.backward with a distributed autograd context needs distgrad.autograd "
+                           "(import it)")
     return backward_async(ctx_id, [value], retain_graph)
 
 

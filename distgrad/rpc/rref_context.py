@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import observe as _observe
 from ..errors import DistgradError, WorkerLostError
 from ..ids import agent_range
-from ..trace import recorder as _trace
 from . import remote_profiling
 from .devices import new_future
 from .extensions import AgentExtension, register_extension
@@ -103,7 +103,7 @@ class RRefContext(AgentExtension):
             entry = self._entry(rref_id, future)
             entry.forks[(fork_id, child)] += 1
             self._gc(rref_id, entry, (fork_id, child))
-        tr = _trace.ACTIVE
+        tr = _observe.ACTIVE
         if tr is not None:
             tr.instant("rref fork", "rref", self._fork_args(rref_id, fork_id, child))
         return entry.future
@@ -114,7 +114,7 @@ class RRefContext(AgentExtension):
             entry.forks[(fork_id, child)] -= 1
             self._gc(rref_id, entry, (fork_id, child))
             left = sum(entry.forks.values())
-        tr = _trace.ACTIVE
+        tr = _observe.ACTIVE
         if tr is not None:
             tr.instant("rref delete", "rref", dict(self._fork_args(rref_id, fork_id, child), forks_left=left))
 

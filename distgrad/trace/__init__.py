@@ -34,6 +34,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from .. import observe
 from . import recorder
 from .attach import on_signal
 from .clock import local_ns
@@ -144,13 +145,13 @@ def span(name: str, **args: Any) -> Any:
         >>> with distgrad.trace.span("loss", batch=3):
         ...     loss = criterion(out, target)
     """
-    rec = recorder.ACTIVE
+    rec = observe.ACTIVE
     return _NULL if rec is None else _Span(rec, str(name), args)
 
 
 def is_tracing() -> bool:
     """Whether this worker is recording a trace now (whoever opened it)."""
-    return recorder.ACTIVE is not None
+    return observe.ACTIVE is not None
 
 
 class _CallableModule(types.ModuleType):

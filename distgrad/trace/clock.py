@@ -23,22 +23,12 @@ Example::
 """
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-_SKEW = [int(os.environ.get("DISTGRAD_TRACE_SKEW_NS", "0") or 0)]
-
-
-def local_ns() -> int:
-    """This worker's trace clock, in nanoseconds (shifted by the test skew, if any)."""
-    return time.perf_counter_ns() + _SKEW[0]
-
-
-def _set_skew_ns(ns: int) -> None:
-    """Tests only: shift this process's trace clock by ``ns`` nanoseconds."""
-    _SKEW[0] = int(ns)
+# the clock itself lives on the floor below (the backward and the RPC layer stamp their
+# spans with it and never import this package); the offsets between workers are here
+from ..observe import _SKEW, _set_skew_ns, local_ns  # noqa: F401
 
 
 @dataclass

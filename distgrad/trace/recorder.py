@@ -5,9 +5,10 @@ a trace is open, the recorder puts pass-through wrappers on the running agent's
 instance (``send_request``, ``notify``, ``send_control``, ``on_message``,
 ``_serve``, ``wait``, ``read_reply``, ``on_peer_lost``, the control handlers) and on
 its transport's ``send``; :meth:`Recorder.uninstall` takes them off, and the
-classes' own methods run again. The layers above (the distributed backward, the
-optimizer, RRef forks, user spans) check :data:`ACTIVE` where they start a span:
-once per backward run, optimizer step or fork, never per message.
+classes' own methods run again. The distributed backward, the optimizer, RRef forks
+and user spans check :data:`distgrad.observe.ACTIVE` (the slot the session puts the
+open trace's recorder in) where they start a span: once per backward run, optimizer
+step or fork, never per message.
 
 Storage is flat and bounded: every event is :data:`WIDTH` atomic values (ints,
 strings, None) appended to one ``deque`` whose ``maxlen`` keeps the last
@@ -41,6 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import observe
 from ..wire import Kind
 from ..wire.fast_header import FAST, FAST_MAGIC
 from ..wire.messages import peek_header
@@ -56,10 +58,7 @@ def _stream_name(stream: Any) -> str:
     return f"{getattr(stream, 'device', '?')} stream {sid}" if sid is not None else str(stream)
 
 
-__all__ = ["ACTIVE", "Recorder", "flow_id", "short", "DEFAULT_MAX_EVENTS"]
-
-#: the recorder of the trace open on this worker, or None (read by the layers above RPC)
-ACTIVE: Recorder | None = None
+__all__ = ["Recorder", "flow_id", "short", "DEFAULT_MAX_EVENTS"]
 
 #: events kept per worker unless ``distgrad.trace.start(max_events=...)`` says otherwise
 #: (about 200-260 bytes each: at most ~130 MB per worker)
@@ -362,9 +361,8 @@ class Recorder:
                     self._stop_here()
 
     def _stop_here(self) -> None:
-        global ACTIVE
-        if ACTIVE is self:
-            ACTIVE = None
+        if observe.ACTIVE is self:
+            observe.ACTIVE = None
         self.uninstall()
 
     # -- the result ------------------------------------------------------------

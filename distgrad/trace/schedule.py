@@ -33,7 +33,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from . import recorder
+from .. import observe
 from .clock import local_ns
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class Schedule:
             raise RuntimeError("distgrad.trace.schedule: step() after close()")
         ended, now = self.step_num, self.phase(self.step_num)
         if now != NONE and self._open is not None:
-            rec = recorder.ACTIVE
+            rec = observe.ACTIVE
             if rec is not None:
                 rec.span(f"step {ended}" + (" (warmup)" if now == WARMUP else ""), "step", self._t0,
                          {"step": ended, "phase": now})

@@ -25,7 +25,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import clock, recorder
+from .. import observe
+from ..rpc import extensions
+from . import clock
 from .recorder import DEFAULT_MAX_EVENTS, Recorder
 
 log = logging.getLogger(__name__)
@@ -68,12 +70,12 @@ def _begin(session: tuple, profile_ops: bool, by: str, max_events: int = DEFAULT
         if session in _aborted:
             raise RuntimeError(f"distgrad.trace: worker {agent.name} was asked to start trace {session} "
                                f"after its start was abandoned by {by}")
-        old = recorder.ACTIVE
+        old = observe.ACTIVE
         if old is not None and old.session[0] in agent.lost:  # its tracer is gone: nobody will close it
             _stop_lost(old)
-        if recorder.ACTIVE is not None:
+        if observe.ACTIVE is not None:
             raise RuntimeError(f"distgrad.trace: worker {agent.name} is already recording a trace "
-                               f"(opened by {_by_name(agent, recorder.ACTIVE.session)}); close it first")
+                               f"(opened by {_by_name(agent, observe.ACTIVE.session)}); close it first")
         rec = Recorder(agent, session, max_events)
         rec.ops = None
         rec.ops_note = None
@@ -87,14 +89,14 @@ def _begin(session: tuple, profile_ops: bool, by: str, max_events: int = DEFAULT
                 rec.ops_note = {"error": f"not recorded: {str(e).replace('distgrad.trace: ', '')}"}
         rec.on_tracer_lost = lambda: agent.callbacks.submit(_tracer_lost, session)
         rec.install()
-        recorder.ACTIVE = rec
+        observe.ACTIVE = rec
     return clock.local_ns()
 
 
 def _tracer_lost(session: tuple) -> None:
     """On a member whose tracing worker was lost: stop recording (nobody will ask for it)."""
     with _lock:
-        rec = recorder.ACTIVE
+        rec = observe.ACTIVE
         if rec is None or rec.session != session:
             return
         _stop_lost(rec)
@@ -102,7 +104,7 @@ def _tracer_lost(session: tuple) -> None:
 
 def _stop_lost(rec: Recorder) -> None:
     """Stop ``rec`` for good (its tracer is lost), its events dropped; called under ``_lock``."""
-    recorder.ACTIVE = None
+    observe.ACTIVE = None
     rec.uninstall()
     log.warning("distgrad.trace: worker %s stopped recording trace %s: %s; %d events dropped",
                 rec.name, rec.session, rec.stopped_why or "the tracing worker is lost", rec.recorded)
@@ -113,10 +115,10 @@ def _end(session: tuple) -> dict:
     """On every member: stop recording ``session``; returns this worker's events."""
     agent = _agent()
     with _lock:
-        rec = recorder.ACTIVE
+        rec = observe.ACTIVE
         if rec is None or rec.session != session:
             raise RuntimeError(f"distgrad.trace: worker {agent.name} is not recording this trace")
-        recorder.ACTIVE = None
+        observe.ACTIVE = None
         rec.uninstall()
     rec.settle()
     out = rec.payload()
@@ -144,10 +146,10 @@ def _abort(session: tuple) -> None:
     with _lock:
         if session not in _aborted:
             _aborted.append(session)
-        rec = recorder.ACTIVE
+        rec = observe.ACTIVE
         if rec is None or rec.session != session:
             return
-        recorder.ACTIVE = None
+        observe.ACTIVE = None
         rec.uninstall()
     _stop_ops(rec)
 
@@ -319,10 +321,10 @@ def drop_at_shutdown() -> None:
     profiler removed, its events dropped with a warning."""
     _open.pop("session", None)
     with _lock:
-        rec = recorder.ACTIVE
+        rec = observe.ACTIVE
         if rec is None:
             return
-        recorder.ACTIVE = None
+        observe.ACTIVE = None
         rec.uninstall()
     _stop_ops(rec)
     log.warning("distgrad.trace: worker %s: rpc.shutdown() while recording trace %s (opened by rank %s, "
@@ -350,3 +352,7 @@ def _first_line(e: BaseException) -> str:
         return ours[0].split("distgrad.trace: ", 1)[1].rstrip("')\"")
     lines = [ln for ln in lines if not ln.startswith("On WorkerInfo")]
     return lines[0] if lines else type(e).__name__
+
+
+# rpc.shutdown() closes (or drops) what this worker has open; RPC never imports the tracer
+extensions.at_shutdown(start=close_at_shutdown, end=drop_at_shutdown)
