@@ -12,6 +12,10 @@ before any of those modules is imported) that sends the import of a listed modul
 its ``.py`` file whenever the compiled one must not run. Everywhere else the default
 finders already prefer the extension module beside the source.
 
+:func:`distgrad.info` reports which runs (:func:`message_path`). This module is on the
+lowest floor (tests/test_layers.py): it names the modules of the message path but never
+imports them.
+
 Example::
 
     >>> import distgrad
@@ -142,41 +146,29 @@ def _running_compiled(name: str) -> bool:
     return bool(origin) and not str(origin).endswith((".py", ".pyc"))
 
 
-def info() -> dict:
-    """What runs in this process: the message path compiled or interpreted, per module.
+def message_path() -> dict:
+    """The message path as this process runs it, for :func:`distgrad.info` (which
+    imports the modules of ``COMPILED`` first; one not imported yet counts as not built).
 
     ``message_path`` is ``"compiled"`` when every listed module runs compiled,
-    ``"interpreted"`` when none does, ``"mixed"`` otherwise (it imports them all).
-    ``install_fell_back`` is there too, with its reason, when setup.py could not
+    ``"interpreted"`` when none does, ``"mixed"`` otherwise; ``modules`` says it per
+    module. ``install_fell_back`` is there too, with its reason, when setup.py could not
     compile them.
 
     Example::
 
         >>> import distgrad
-        >>> {'message_path', 'modules', 'pure_forced', 'version'} <= set(distgrad.info())
+        >>> set(message_path()) >= {'message_path', 'modules', 'pure_forced'}
         True
     """
-    import importlib
-
-    from . import __version__
-
     modules = {}
     for name in COMPILED:
-        importlib.import_module(name)
         why = _CHOOSER.chosen.get(name, "") if _CHOOSER is not None else ""
         modules[name] = "compiled" if _running_compiled(name) else (why or "interpreted (not built)")
     kinds = {("compiled" if v == "compiled" else "interpreted") for v in modules.values()}
     path = kinds.pop() if len(kinds) == 1 else "mixed"
-    out = {"version": __version__, "message_path": path, "modules": modules,
-           "pure_forced": _forced_pure()}
+    out = {"message_path": path, "modules": modules, "pure_forced": _forced_pure()}
     fallback = _CHOOSER.built.get(FALLBACK_KEY) if _CHOOSER is not None else None
     if fallback:
         out["install_fell_back"] = str(fallback)
-    # the distributed backward's engine: native (one torch GraphTask a worker a pass) where
-    # distgrad/autograd/native could be built, else the Python engine (and why)
-    from .autograd import native
-    mod = native.load(build=False) if native.built() else None
-    out["autograd_engine"] = "native" if mod is not None else "python"
-    if mod is None:
-        out["autograd_engine_why"] = native.WHY_NOT or "not built yet (python -m distgrad build-native)"
     return out

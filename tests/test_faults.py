@@ -8,6 +8,7 @@ from mp_utils import SLOW, run_workers
 
 import distgrad.rpc as rpc
 from distgrad.transport import faults
+from distgrad.wire import Kind
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -48,15 +49,15 @@ def test_parse_and_off_by_default(monkeypatch):
     monkeypatch.delenv(faults.ENV_VAR, raising=False)
     assert faults.config_from(rpc.TensorPipeRpcBackendOptions()) is None
     rules = faults.parse('{"drop": [{"kinds": ["reply"], "peers": [1]}, {"kind": "CALL", "ranks": [3]}],'
-                         ' "kill_at": {"kind": "CALL", "count": 5}, "seed": 1}', rank=0)
+                         ' "kill_at": {"kind": "CALL", "count": 5}, "seed": 1}', rank=0, kinds=Kind)
     assert [r.action for r in rules] == ["kill_at", "drop"]
     assert rules[1].kinds == {3} and rules[1].peers == {1}
     with pytest.raises(ValueError, match="unknown message kind"):
-        faults.parse({"drop": {"kinds": ["NOPE"]}}, 0)
+        faults.parse({"drop": {"kinds": ["NOPE"]}}, 0, Kind)
     with pytest.raises(ValueError, match="unknown action"):
-        faults.parse({"explode": {}}, 0)
+        faults.parse({"explode": {}}, 0, Kind)
     with pytest.raises(ValueError, match="unknown field"):
-        faults.parse({"delay": {"secs": 1}}, 0)
+        faults.parse({"delay": {"secs": 1}}, 0, Kind)
     monkeypatch.setenv(faults.ENV_VAR, '{"drop": {}}')
     assert faults.config_from(None) == '{"drop": {}}'
 

@@ -66,10 +66,10 @@ def test_a_user_span_counts_as_computing_only_where_its_thread_ran():
 
 def test_a_span_records_its_threads_cpu_time(monkeypatch):
     import distgrad
-    from distgrad.trace import recorder
+    from distgrad import observe
     got = []
     fake = types.SimpleNamespace(span=lambda name, cat, t0, args: got.append((name, dict(args))))
-    monkeypatch.setattr(recorder, "ACTIVE", fake)
+    monkeypatch.setattr(observe, "ACTIVE", fake)
     with distgrad.trace.span("sleeps", n=1):
         time.sleep(0.05)
     end = time.thread_time() + 0.05

@@ -312,8 +312,9 @@ def _tracer_shutdown(where, port):
     t.join()
     member = rpc.rpc_sync("worker1", distgrad.trace.is_tracing)
     rpc.shutdown()
-    from distgrad.trace import recorder, session
-    return {"recording": distgrad.trace.is_tracing(), "active": recorder.ACTIVE is not None,
+    from distgrad import observe
+    from distgrad.trace import session
+    return {"recording": distgrad.trace.is_tracing(), "active": observe.ACTIVE is not None,
             "session": "session" in session._open, "other_was": member,
             "wrappers": sorted(k for k in ("send_request", "wait", "_serve", "on_message")
                                if k in agent.__dict__), "gc_hooks": _gc_hooks()}
@@ -383,8 +384,9 @@ def _abrupt(rank, world_size, where, port):
         while 1 not in agent.lost and time.monotonic() < deadline:
             time.sleep(0.02)
     rpc.shutdown(graceful=False)
-    from distgrad.trace import recorder, session
-    return {"was": was, "recording": distgrad.trace.is_tracing(), "active": recorder.ACTIVE is not None,
+    from distgrad import observe
+    from distgrad.trace import session
+    return {"was": was, "recording": distgrad.trace.is_tracing(), "active": observe.ACTIVE is not None,
             "session": "session" in session._open, "gc_hooks": _gc_hooks(),
             "wrappers": sorted(k for k in ("send_request", "wait", "_serve") if k in agent.__dict__),
             "said": [m for m in said if "rpc.shutdown()" in m]}

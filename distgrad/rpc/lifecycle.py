@@ -22,12 +22,18 @@ from ..launch import keeper, rendezvous
 from ..transport import SocketTransport, netaddr
 from ..transport.auth import secret_from_env
 from ..transport.faults import FaultyTransport, config_from
+from ..wire.messages import Kind, peek_header
 from . import c10d_order, collective, devices, dynamic, extensions, membership, mixing, remote_profiling
 from .agent import RpcAgent, _holder, _qualname
 from .options import RpcBackendOptions
 from .worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
+
+
+def _peek_kind(frames: Any) -> int:
+    """A message's kind, read from its header frame (fault injection's view of it)."""
+    return peek_header(frames)[0]
 
 
 #: the longest DISTGRAD_RENDEZVOUS_TIMEOUT taken (about 31 years): the store's and the
@@ -86,7 +92,7 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         if faults is not None:  # tests only: see distgrad/transport/faults.py
             return FaultyTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
                                    opts.max_message_size, secret=secret, faults=faults, encrypt=encrypt,
-                                   num_threads=opts.num_worker_threads)
+                                   num_threads=opts.num_worker_threads, kinds=Kind, peek_kind=_peek_kind)
         return SocketTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
                                opts.max_message_size, secret=secret, encrypt=encrypt,
                                num_threads=opts.num_worker_threads)

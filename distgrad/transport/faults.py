@@ -10,7 +10,9 @@ string) on the :class:`~distgrad.rpc.RpcBackendOptions` passed to ``init_rpc``;
 Faults act on this worker's *send* path only (``Transport.send``), on agent
 messages (heartbeats and goodbyes are never touched, so peer-loss detection is
 unaffected). The transport reads nothing but the message kind from the header
-frame (:func:`distgrad.wire.messages.peek_header`); it never unpickles.
+frame, through the ``peek_kind`` it is given (RPC gives the wire's
+:func:`distgrad.wire.messages.peek_header`; the transport, a floor below the wire,
+never imports it); it never unpickles.
 
 Format: each key is an action, its value one rule or a list of rules::
 
@@ -73,11 +75,10 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ProtocolError
-from ..wire.messages import Kind, peek_header
 from .socket_transport import SocketTransport
 
 log = logging.getLogger(__name__)
@@ -90,20 +91,20 @@ class _Rule:
     __slots__ = ("action", "kinds", "peers", "prob", "skip", "limit", "seconds", "copies",
                  "count", "exit_code", "seen", "acted")
 
-    def __init__(self, action: str, spec: Mapping[str, Any]) -> None:
+    def __init__(self, action: str, spec: Mapping[str, Any], kinds: Any) -> None:
         known = {"kinds", "kind", "peers", "ranks", "prob", "skip", "limit", "seconds", "copies",
                  "count", "exit_code"}
         unknown = set(spec) - known
         if unknown:
             raise ValueError(f"{ENV_VAR}: unknown field(s) {sorted(unknown)} in rule {action!r}")
-        kinds = spec.get("kinds", spec.get("kind"))
-        if isinstance(kinds, str):
-            kinds = [kinds]
+        names = spec.get("kinds", spec.get("kind"))
+        if isinstance(names, str):
+            names = [names]
         try:
-            self.kinds = None if kinds is None else frozenset(int(Kind[k.upper()]) for k in kinds)
+            self.kinds = None if names is None else frozenset(int(kinds[k.upper()]) for k in names)
         except KeyError as e:
             raise ValueError(f"{ENV_VAR}: unknown message kind {e} (known: "
-                             f"{[k.name for k in Kind]})") from None
+                             f"{[k.name for k in kinds]})") from None
         peers = spec.get("peers")
         self.peers = None if peers is None else frozenset(int(p) for p in peers)
         self.action = action
@@ -121,8 +122,15 @@ class _Rule:
         return (self.kinds is None or kind in self.kinds) and (self.peers is None or peer in self.peers)
 
 
-def parse(config: Any, rank: int) -> list[_Rule]:
-    """Rules of ``config`` (dict or JSON string) that apply to worker ``rank``."""
+def parse(config: Any, rank: int, kinds: Any) -> list[_Rule]:
+    """Rules of ``config`` (dict or JSON string) that apply to worker ``rank``; ``kinds``
+    names the message kinds (an ``IntEnum`` such as :class:`distgrad.wire.Kind`).
+
+    Example::
+
+        >>> [r.action for r in parse({"drop": {"kinds": ["REPLY"]}}, 0, Kind)]
+        ['drop']
+    """
     if isinstance(config, (str, bytes)):
         config = json.loads(config)
     if not isinstance(config, Mapping):
@@ -139,7 +147,7 @@ def parse(config: Any, rank: int) -> list[_Rule]:
             ranks = spec.get("ranks")
             if ranks is not None and rank not in ranks:
                 continue
-            rules.append(_Rule(action, {k: v for k, v in spec.items() if k != "ranks"}))
+            rules.append(_Rule(action, {k: v for k, v in spec.items() if k != "ranks"}, kinds))
     return rules
 
 
@@ -152,12 +160,25 @@ def config_from(options: Any = None) -> Any:
 
 
 class FaultyTransport(SocketTransport):
-    """A :class:`SocketTransport` whose ``send`` misbehaves as configured (see the module)."""
+    """A :class:`SocketTransport` whose ``send`` misbehaves as configured (see the module).
 
-    def __init__(self, rank: int, *args: Any, faults: Any, **kwargs: Any) -> None:
+    ``kinds`` names the message kinds (an ``IntEnum``), ``peek_kind(frames)`` reads a
+    message's kind from its frames (raising :class:`~distgrad.errors.ProtocolError` for
+    frames that are no message): what the wire, a floor above, knows.
+
+    Example (what ``init_rpc`` builds when faults are configured)::
+
+        >>> t = FaultyTransport(0, faults={"drop": {"kinds": ["REPLY"]}}, kinds=Kind,
+        ...                     peek_kind=lambda frames: peek_header(frames)[0])
+    """
+
+    def __init__(self, rank: int, *args: Any, faults: Any, kinds: Any,
+                 peek_kind: Callable[[Sequence], int], **kwargs: Any) -> None:
         super().__init__(rank, *args, **kwargs)
         cfg = json.loads(faults) if isinstance(faults, (str, bytes)) else dict(faults)
-        self.fault_rules = parse(cfg, rank)
+        self._kinds = kinds
+        self._peek_kind = peek_kind
+        self.fault_rules = parse(cfg, rank, kinds)
         self._rng = random.Random(cfg.get("seed"))
         self._fault_lock = threading.Lock()
         self.fault_stats = {"dropped": 0, "delayed": 0, "duplicated": 0}
@@ -165,7 +186,7 @@ class FaultyTransport(SocketTransport):
 
     def send(self, peer: int, frames: Sequence) -> None:
         try:
-            kind = peek_header(frames)[0]
+            kind = self._peek_kind(frames)
         except ProtocolError:
             super().send(peer, frames)
             return
@@ -199,7 +220,7 @@ class FaultyTransport(SocketTransport):
                 self.fault_stats["duplicated"] += copies
         if kill is not False:
             log.warning("worker %d: fault injection: exiting at %s message to worker %d",
-                        self.rank, Kind(kind).name, peer)
+                        self.rank, self._kinds(kind).name, peer)
             for h in logging.getLogger().handlers:
                 try:
                     h.flush()
