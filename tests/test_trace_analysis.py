@@ -213,14 +213,14 @@ def test_trace_plot_says_in_one_line_what_is_wrong_with_a_bad_file(content, why,
 
 def test_trace_plot_refuses_a_torch_profiler_trace(tmp_path):
     # it used to draw an empty picture and exit 0
+    import os
     import subprocess
     import sys
-
-    import os
     from pathlib import Path
 
     import torch
     root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     path, png = tmp_path / "torch.json", tmp_path / "torch.png"
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.ones(4).add_(1).sum()
@@ -229,7 +229,7 @@ def test_trace_plot_refuses_a_torch_profiler_trace(tmp_path):
         assert json.load(f)["traceEvents"], "torch wrote no events: the check would be empty"
     done = subprocess.run([sys.executable, "-m", "distgrad", "trace-plot", str(path), "-o", str(png)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                          env=env)
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert done.stdout.strip() == (
         f"distgrad trace-plot: cannot read {path} as a distgrad trace: a torch.profiler trace, not "

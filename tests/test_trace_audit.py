@@ -431,7 +431,8 @@ def test_trace_plot_says_it_cannot_write_the_output(capsys):
     # a missing folder is a mistake to correct (as savefig and cp say), not other users
     # planting files; no folder is made for it
     where = os.path.dirname(out)
-    assert lines[0].endswith(f": the folder {where} does not exist (create it first: mkdir -p {where})"), lines
+    assert lines[0].endswith(f": the folder {where} does not exist "
+                             f"(create it first: mkdir -p {where})"), lines
     assert "plant" not in lines[0] and not os.path.exists(where), lines
 
 
