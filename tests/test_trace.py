@@ -117,7 +117,7 @@ def _ops(rank, world_size, path):
     rpc.rpc_sync("worker1", torch.matmul, args=(a, b))  # warm
     with distgrad.trace(path, profile_ops=True):
         rpc.rpc_sync("worker1", torch.matmul, args=(a, b))
-        warnings.warn("the user's own", UserWarning)    # shown: nothing of the user's is hidden
+        warnings.warn("the user's own", UserWarning, stacklevel=1)    # shown: nothing of the user's is hidden
     return {"worker0": _seen_warnings(), "worker1": rpc.rpc_sync("worker1", _seen_warnings)}
 
 
