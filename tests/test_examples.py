@@ -15,13 +15,37 @@ TIMEOUT = 240          # each example takes seconds on an idle machine; CI boxes
 LOSS_RE = re.compile(r"^(?P<who>\S+)?\s*step\s+(?P<step>\d+)\s+loss\s+(?P<loss>[0-9.eE+-]+)\s*$")
 
 
+NO_SECRET = "no cluster secret"   # distgrad's warning when a cluster runs without one
+
+
 def run_example(name: str, *args: str) -> str:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("DISTGRAD_SECRET", None)   # the example sets its own, as the README advises
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=TIMEOUT)
     assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{proc.stdout[-5000:]}"
+    assert NO_SECRET not in proc.stdout, proc.stdout[-5000:]
     return proc.stdout
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py")))
+def test_each_example_sets_the_cluster_secret_by_its_imports(name):
+    """Beside the imports (the top level, or the distgrad branch of the migration's),
+    before anything starts, a line that says how, then the secret set where the
+    workers it spawns inherit it."""
+    import ast
+    with open(os.path.join(EXAMPLES, name)) as f:
+        src = f.read()
+    tree = ast.parse(src)
+    top = list(tree.body) + [n for i in tree.body if isinstance(i, ast.If) for n in i.orelse]
+    sets = [n for n in top if isinstance(n, ast.Expr) and ast.unparse(n) ==
+            "os.environ.setdefault('DISTGRAD_SECRET', secrets.token_hex(32))"]
+    assert len(sets) == 1, name
+    line = src.splitlines()[sets[0].lineno - 2]
+    assert line.strip().startswith("# every worker needs the same DISTGRAD_SECRET"), line
+    first_def = min(n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+    assert sets[0].lineno < first_def, name
 
 
 def losses(output: str) -> dict[str, list[float]]:
