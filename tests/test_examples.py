@@ -102,3 +102,37 @@ def test_migration_differs_only_in_imports():
     assert sorted(distgrad_imports) == sorted(["import distgrad.rpc as rpc",
                                                "import distgrad.autograd as dist_autograd",
                                                "from distgrad.optim import DistributedOptimizer"])
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_the_readmes_first_example_runs_as_it_says(tmp_path):
+    """The example that opens the README's "Use", run as its launcher would (RANK,
+    MASTER_ADDR/PORT, a secret), prints what its comment says."""
+    import secrets
+    import socket
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    use = readme[readme.index("\n## Use\n"):]
+    code = use[use.index("```python\n") + len("```python\n"):]
+    code = code[:code.index("```")]
+    assert "rpc.init_rpc" in code and "# tensor([2., 2., 2.])" in code, code
+    (tmp_path / "train.py").write_text(code)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+               DISTGRAD_SECRET=secrets.token_hex(32), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, "train.py"], cwd=tmp_path, text=True,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0].strip().splitlines()[-1] == "tensor([2., 2., 2.])", outs
+    assert outs[1].strip() == "", outs
