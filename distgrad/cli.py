@@ -18,9 +18,16 @@ import sys
 from collections.abc import Sequence
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .launch.launcher import build_parser as build_launch_parser
+def build_parser(*, top_level_only: bool = False) -> argparse.ArgumentParser:
+    """The ``distgrad`` command's parser. ``top_level_only`` leaves out the options of
+    ``launch`` (torchrun's parser) and ``demo``, which import torch: enough to print
+    ``distgrad --help``, which lists only the commands.
 
+    Example::
+
+        >>> build_parser(top_level_only=True).prog
+        'distgrad'
+    """
     parser = argparse.ArgumentParser(
         prog="distgrad",
         description="distgrad: distributed autograd for PyTorch and the RPC framework under it.")
@@ -28,14 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the version and which message path runs (compiled or not)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from .demo import add_arguments
-    add_arguments(sub.add_parser(
+    demo = sub.add_parser(
         "demo", help="train a model-parallel digits classifier on a local cluster",
         description="Start a local cluster (driver, parameter server, model stages) and train a "
                     "model-parallel classifier on scikit-learn's digits with distributed autograd "
-                    "and DistributedOptimizer; writes training curves and the autograd graph."))
+                    "and DistributedOptimizer; writes training curves and the autograd graph.")
+    if not top_level_only:
+        from .demo import add_arguments
+        add_arguments(demo)
+    if top_level_only:
+        launch_parents: dict = {}
+    else:
+        from .launch.launcher import build_parser as build_launch_parser
+        launch_parents = {"parents": [build_launch_parser()], "add_help": False}
     sub.add_parser(
-        "launch", parents=[build_launch_parser()], add_help=False,
+        "launch", **launch_parents,
         help="torchrun (torch.distributed.run) plus a generated DISTGRAD_SECRET",
         description="torchrun with torchrun's options (--nnodes 1:4, --max-restarts, "
                     "--rdzv-backend/--rdzv-endpoint/--rdzv-id, --log-dir, --redirects, --tee, "
@@ -118,7 +132,10 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``distgrad`` command; returns the exit code."""
-    args = build_parser().parse_args(None if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `distgrad --help` prints only the commands: it need not import torch (distgrad/__init__
+    # skips the layers for it too), which takes seconds
+    args = build_parser(top_level_only=bool(argv) and argv[0] in ("-h", "--help")).parse_args(argv)
     if args.command == "demo":
         from .demo import run
         return run(args)

@@ -124,8 +124,17 @@ def check_dirs(path: str, what: str) -> str:
     ``path`` and every directory above it belong to this user or root and nobody
     else can write them (a directory with the sticky bit excepted), and every
     link on the way is this user's or root's; returns the directory with its links
-    resolved (:func:`resolve_dir`)."""
+    resolved (:func:`resolve_dir`). A directory that does not exist is refused as
+    that, a mistake to correct, not a danger.
+
+    Example::
+
+        >>> check_dirs("/tmp", "writing /tmp/x.json")
+        '/tmp'
+    """
     problem, real = resolve_dir(path)
+    if problem is not None and not os.path.lexists(real):   # a plain mistake, not a danger
+        raise DistgradError(f"{what}: the directory {real} does not exist")
     if problem is not None:
         raise DistgradError(f"{what}: refusing the directory {os.path.abspath(path)}: {problem}, "
                             "so another user could plant or swap files there. Use a directory "

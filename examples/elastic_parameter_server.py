@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -47,6 +48,9 @@ import torch.nn as nn
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 from distgrad.optim import DistributedOptimizer
+
+# every worker needs the same DISTGRAD_SECRET (README, "Trust model"); the ones spawned here inherit this
+os.environ.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))
 
 IN, HIDDEN = 8, 16
 _server = None  # the server's state, in the ps process
@@ -234,7 +238,7 @@ def run(args) -> dict:
     store = rpc.membership.serve_store("127.0.0.1", port)
     ctx = mp.get_context("spawn")
     progress, results, kill_time = ctx.Value("i", 0), ctx.Queue(), ctx.Value("d", 0.0)
-    env_secret = os.environ.setdefault("DISTGRAD_SECRET", os.urandom(16).hex())
+    env_secret = os.environ.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))
     assert env_secret
 
     def start(role, rank):

@@ -7,9 +7,11 @@
 Everything below the imports is plain torch.distributed.rpc code (a driver
 trains a linear model whose weights live on another worker, with remote
 references, rpc_sync/rpc_async, distributed autograd and DistributedOptimizer).
-Moving it to distgrad changes exactly three lines: the imports.
+Moving it to distgrad changes exactly three lines, the imports, and adds one:
+the cluster secret.
 """
 import os
+import secrets
 import socket
 import sys
 
@@ -29,6 +31,8 @@ else:
     import distgrad.autograd as dist_autograd
     import distgrad.rpc as rpc
     from distgrad.optim import DistributedOptimizer
+    # every worker needs the same DISTGRAD_SECRET (README, "Trust model"); the ones spawned here inherit this
+    os.environ.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))
 
 # ------------------------- unchanged torch.distributed.rpc code -------------------------
 IN, OUT, STEPS = 8, 2, 40

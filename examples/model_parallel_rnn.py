@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import socket
 import sys
 
@@ -42,6 +43,9 @@ import distgrad
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 from distgrad.optim import DistributedOptimizer
+
+# every worker needs the same DISTGRAD_SECRET (README, "Trust model"); the ones spawned here inherit this
+os.environ.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))
 
 NTOKEN, NINP, NHID = 24, 16, 32
 SEQ, BATCH = 12, 16

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -43,6 +44,9 @@ import distgrad
 import distgrad.autograd as dist_autograd
 import distgrad.rpc as rpc
 from distgrad.optim import DistributedOptimizer
+
+# every worker needs the same DISTGRAD_SECRET (README, "Trust model"); the ones spawned here inherit this
+os.environ.setdefault("DISTGRAD_SECRET", secrets.token_hex(32))
 
 IN, HIDDEN, OUT = 16, 32, 4
 BATCH = 32

@@ -155,6 +155,21 @@ def test_write_file_replaces_a_planted_link_and_leaves_nothing_on_failure(tmp_pa
     assert out_dir(str(tmp_path / "a" / "b")) == str(tmp_path / "a" / "b")
 
 
+def test_a_missing_directory_is_named_as_missing_not_as_a_danger(tmp_path):
+    from distgrad.errors import DistgradError
+    from distgrad.safe_files import write_file
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")   # a dangling link: its target is missing
+    for path, missing in ((tmp_path / "no" / "deeper" / "x.png", tmp_path / "no"),
+                          (tmp_path / "gone" / "x.png", tmp_path / "nowhere")):
+        with pytest.raises(DistgradError) as e:
+            write_file(str(path), b"")
+        assert str(e.value) == f"writing {path}: the directory {missing} does not exist", e.value
+    assert sorted(os.listdir(tmp_path)) == ["gone"]
+    shared = _dir(tmp_path / "shared", 0o777)   # a missing directory under an unsafe one: the danger
+    with pytest.raises(DistgradError, match="writable by anyone"):
+        write_file(str(shared / "no" / "x"), b"")
+
+
 def test_files_are_private_by_default_and_a_mode_asked_for_is_kept(tmp_path):
     """Issue 42, item 5: files were written 0644 less the umask, so a trace (tensor
     values, worker names, the host) was readable by every local user. Now 0600

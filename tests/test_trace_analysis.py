@@ -7,6 +7,7 @@ and then the summary, as a file from real workers does.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 import types
 
@@ -37,6 +38,9 @@ def _doc(workers, tracer=0, missing=None):
             elif e[0] == "i":
                 ph, name, cat, tid, t, args = e
                 ns.append((ph, name, cat, tid, t * US, args))
+            elif e[0] == "L":   # torch's link from a forward op to its backward node (profile_ops)
+                ph, i, (stid, st), (ftid, ft) = e
+                ns.append((ph, i, (stid, st * US), (ftid, ft * US)))
         payloads[rank] = {"rank": rank, "name": f"worker{rank}", "pid": 100 + rank, "host": "h", "events": ns,
                           "threads": {}, "started_ns": started * US, "stopped_ns": stopped * US}
     session = types.SimpleNamespace(missing=dict(missing or {}), profile_ops=False, max_events=1000)
@@ -81,9 +85,10 @@ def test_a_span_records_its_threads_cpu_time(monkeypatch):
     assert spins["cpu_us"] >= 40_000, spins
 
 
-def _step():
+def _step(links=()):
     """worker0 calls f on worker1 (its request queued there behind another thread's
-    serving), then runs untraced code inside its user span, then a backward run."""
+    serving), then runs untraced code inside its user span, then a backward run;
+    ``links``: torch's forward-to-backward links recorded on worker1 (profile_ops)."""
     req, rep = _fid(0, 1, 0), _fid(0, 1, 1)
     w0 = [("X", "step", "user", 7, 0, 1000, {"cpu_us": 900.0}),
           ("X", "rpc_sync f → worker1", "rpc.call", 7, 100, 150, {}), ("s", req, 7, 140, "request"),
@@ -97,7 +102,7 @@ def _step():
           ("X", "serve gradients ← worker0", "rpc.serve", 10, 250, 520, {"from": "worker0", "rid": 99}),
           ("X", "serve f ← worker0", "rpc.serve", 9, 300, 500, {"from": "worker0", "rid": 1}),
           ("X", "send reply f → worker0", "rpc.send", 9, 480, 500, {}), ("s", rep, 9, 490, "reply")]
-    return _doc({0: (w0, (0, 1000)), 1: (w1, (0, 1000))})
+    return _doc({0: (w0, (0, 1000)), 1: (w1 + list(links), (0, 1000))})
 
 
 def test_the_critical_path_covers_the_step_and_names_each_stretch():
@@ -185,10 +190,16 @@ def test_the_summary_is_linear_in_the_trace():
     assert times[6000] < 8 * times[1500] + 1, times   # 4x the calls: far from 16x
 
 
-@pytest.mark.parametrize("content", [
-    '{"traceEvents":[{"ph":"X","cat":"rpc.serve","name":"x","pid":1,"tid":1,"ts":"0","dur":1}]}',
-    '{"traceEvents": 3}', "[1, 2]", "not json at all", '{"traceEvents":[7]}'])
-def test_trace_plot_says_in_one_line_what_is_wrong_with_a_bad_file(content, capsys):
+_OURS = '"otherData":{"distgrad":{}},'
+
+
+@pytest.mark.parametrize("content, why", [
+    ('{' + _OURS + '"traceEvents":[{"ph":"X","cat":"rpc.serve","name":"x","pid":1,"tid":1,"ts":"0",'
+     '"dur":1}]}', "a time that is not a number"),
+    ('{"traceEvents": 3}', "no list of traceEvents"), ("[1, 2]", "no list of traceEvents"),
+    ("not json at all", "Expecting value"), ('{' + _OURS + '"traceEvents":[7]}', "#0 is not an object"),
+    ('{"traceEvents":[]}', "a trace another tool wrote, not distgrad.trace's")])
+def test_trace_plot_says_in_one_line_what_is_wrong_with_a_bad_file(content, why, capsys):
     from distgrad.trace import plot
     path = tmp_path_for("bad.json")
     with open(path, "w") as f:
@@ -197,6 +208,49 @@ def test_trace_plot_says_in_one_line_what_is_wrong_with_a_bad_file(content, caps
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 1 and len(out) == 1, out
     assert out[0].startswith(f"distgrad trace-plot: cannot read {path} as a distgrad trace: "), out
+    assert why in out[0], out
+
+
+def test_trace_plot_refuses_a_torch_profiler_trace(tmp_path):
+    # it used to draw an empty picture and exit 0
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    path, png = tmp_path / "torch.json", tmp_path / "torch.png"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(4).add_(1).sum()
+    prof.export_chrome_trace(str(path))
+    with open(path) as f:
+        assert json.load(f)["traceEvents"], "torch wrote no events: the check would be empty"
+    done = subprocess.run([sys.executable, "-m", "distgrad", "trace-plot", str(path), "-o", str(png)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stdout.strip() == (
+        f"distgrad trace-plot: cannot read {path} as a distgrad trace: a torch.profiler trace, not "
+        "distgrad.trace's (it has no otherData.distgrad); open it at https://ui.perfetto.dev, or "
+        "record with distgrad.trace(path)"), done.stdout
+    assert not png.exists()
+
+
+def test_torchs_forward_to_backward_links_are_not_messages():
+    # profile_ops: torch's links from a forward op to its backward node, on one worker, were
+    # counted as messages ("message stage1 → stage1" topped a critical path)
+    from distgrad.trace import summary
+    plain = summary.summarize(_step())
+    doc = _step(links=[("L", 1, (9, 310), (10, 400)), ("L", 2, (9, 320), (8, 480))])
+    assert sum(1 for e in doc["traceEvents"] if e.get("cat") == "fwdbwd") == 4, "no links drawn"
+    linked = summary.summarize(doc)
+    assert len(linked.messages) == len(plain.messages) == 2
+    assert {(m[0], m[2]) for m in linked.messages} == {("worker0", "worker1"), ("worker1", "worker0")}
+    assert linked.path == plain.path
+    assert not any(label == "message worker1 → worker1" for _, _, _, label, _ in linked.path)
+    assert summary.report(linked).splitlines()[0].endswith(", 2 workers, 2 messages")
 
 
 def test_concurrent_backward_passes_get_a_track_each():

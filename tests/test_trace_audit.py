@@ -430,6 +430,12 @@ def test_trace_plot_says_it_cannot_write_the_output(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert rc == 1 and len(lines) == 1, lines
     assert lines[0].startswith(f"distgrad trace-plot: cannot write {out}: "), lines
+    # a missing folder is a mistake to correct (as savefig and cp say), not other users
+    # planting files; no folder is made for it
+    where = os.path.dirname(out)
+    assert lines[0].endswith(f": the folder {where} does not exist "
+                             f"(create it first: mkdir -p {where})"), lines
+    assert "plant" not in lines[0] and not os.path.exists(where), lines
 
 
 # -- third audit (audits/issue36/README.md, "Third audit") ---------------------------------

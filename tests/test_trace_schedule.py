@@ -161,3 +161,29 @@ def test_skip_first_wait_as_torch_and_unknown_start_keywords_refused_at_once(mon
     assert log[-1] == ("start", "/tmp/t.json", {"profile_ops": True, "timeout": 5.0, "max_events": 10})
     from distgrad.trace.schedule import START_KWARGS
     assert list(inspect.signature(real_start).parameters)[1:] == list(START_KWARGS)
+
+
+def test_the_docs_schedule_example_names_the_steps_it_traces(tmp_path):
+    # docs/reading-a-trace.md said wait=999, warmup=1, active=2 traced steps 1000 (warmup) and
+    # 1001; steps count from 0, so it is 999 (warmup), 1000 and 1001
+    import ast
+    import re
+    from pathlib import Path
+
+    import distgrad
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "reading-a-trace.md").read_text()
+    call = re.search(r"distgrad\.trace\.schedule\(\"[^\"]+\", (wait=.*?)\)\n", doc)
+    assert call, "the example is gone from the doc"
+    kwargs = {k.arg: ast.literal_eval(k.value)
+              for k in ast.parse(f"f({call[1]})", mode="eval").body.keywords}
+    claim = re.search(r"# steps (\d+) \(warmup\), (\d+) and (\d+) are traced", doc)
+    assert claim, "the example's comment no longer names its steps"
+    sched = distgrad.trace.schedule(str(tmp_path / "t.json"), **kwargs)
+    try:
+        upto = kwargs["wait"] + kwargs["warmup"] + kwargs["active"] + 5
+        traced = {i: sched.phase(i) for i in range(upto) if sched.phase(i) != "none"}
+    finally:
+        sched.close()
+    warm, a, b = (int(x) for x in claim.groups())
+    assert traced == {warm: "warmup", a: "active", b: "active"}, traced
+    assert f"`step {warm} (warmup)`, `step {a}`, `step {b}`" in doc

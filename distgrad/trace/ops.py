@@ -97,7 +97,9 @@ class OpsProfiler:
         import gc
         mine = getattr(self.prof, "profiler", None)
         for obj in gc.get_objects():
-            if isinstance(obj, legacy) and obj is not mine:
+            # type(), not isinstance: isinstance reads __class__, and torch.distributed's
+            # deprecated reduce_op warns on every attribute read (a FutureWarning per scan)
+            if issubclass(type(obj), legacy) and obj is not mine:
                 d = obj.__dict__
                 if d.get("entered") and d.get("kineto_results", 0) is None:
                     return ("a torch profiler the program started during the trace holds torch's "

@@ -197,6 +197,11 @@ class _WriteError(Exception):
 def main(args) -> int:
     """The ``trace-plot`` subcommand: one line saying what is wrong, the trace (cannot
     read it) or the output (cannot write it), instead of a traceback."""
+    where = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(where):   # as savefig or cp: a file is written, no folder made
+        print(f"distgrad trace-plot: cannot write {args.output}: the folder {where} does not "
+              f"exist (create it first: mkdir -p {where})")
+        return 1
     try:
         with open(args.trace) as f:
             doc = json.load(f)

@@ -108,6 +108,13 @@ def summarize(doc: dict) -> Summary:
 def _events(doc: Any) -> list[dict]:
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise ValueError("not a trace: no list of traceEvents")
+    other = doc.get("otherData")
+    if not isinstance(other, dict) or not isinstance(other.get("distgrad"), dict):
+        # a trace of another tool: drawing it would give an empty picture
+        what = ("a torch.profiler trace" if "schemaVersion" in doc or "deviceProperties" in doc
+                else "a trace another tool wrote")
+        raise ValueError(f"{what}, not distgrad.trace's (it has no otherData.distgrad); "
+                         "open it at https://ui.perfetto.dev, or record with distgrad.trace(path)")
     events = doc["traceEvents"]
     for i, e in enumerate(events):
         if not isinstance(e, dict):
@@ -185,9 +192,12 @@ def _classify(evs: list[tuple], window: tuple[float, float]) -> list[tuple[float
 
 
 def _messages(events: list[dict], names: dict) -> list[tuple]:
+    """The RPC messages: the flows distgrad drew from a send to its arrival (cat
+    ``rpc.flow``), not torch's links from a forward op to its backward node
+    (``fwdbwd``, with ``profile_ops``), which are no message between workers."""
     ends: dict = {}
     for e in events:
-        if e.get("ph") in ("s", "f"):
+        if e.get("ph") in ("s", "f") and e.get("cat") == "rpc.flow":
             ends.setdefault(e.get("id"), {})[e["ph"]] = e
     out = []
     for pair in ends.values():
