@@ -10,12 +10,14 @@ import logging
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
-from mp_utils import SLOW, run_workers
+from mp_utils import SLOW, free_port, run_workers
 
 from distgrad.transport.auth import Authenticator, AuthError
 from distgrad.transport.handshake import (
@@ -217,6 +219,84 @@ def test_handshake_flags_mismatch_names_the_setting(client, server, words):
     assert "worker 1 runs with" in str(c)
     theirs = str(s).split("; this worker")[0]  # what the server says of the client
     assert theirs.startswith("a peer claiming rank 0 runs with") and words in theirs, str(s)
+
+
+def _relayed_handshake(client_mac: bool, server_mac: bool, rewrite: bool):
+    """A handshake through an on-path relay that, with ``rewrite``, flips F_MAC_ALL in
+    the flags byte of HELLO and of WELCOME; returns (client result, server result),
+    each ``"ok"`` or the exception raised."""
+    from distgrad.transport.handshake import _HELLO, _WELCOME, F_MAC_ALL
+    c_end, r_client = socket.socketpair()
+    r_server, s_end = socket.socketpair()
+    for s in (c_end, r_client, r_server, s_end):
+        s.settimeout(10)
+    out = {}
+
+    def exact(sock, n):
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    def relay():
+        try:
+            hello = bytearray(exact(r_client, _HELLO.size))
+            if rewrite:
+                hello[_HELLO.size - 17] ^= F_MAC_ALL   # the byte before the 16-byte challenge
+            r_server.sendall(hello)
+            welcome = bytearray(exact(r_server, _WELCOME.size))
+            if rewrite:
+                welcome[_WELCOME.size - 17] ^= F_MAC_ALL
+            r_client.sendall(welcome)
+            while True:   # the rest as it comes, both ways, until one side closes
+                r_server.sendall(exact(r_client, 32))
+                r_client.sendall(exact(r_server, 33))
+        except (OSError, EOFError):
+            pass
+        finally:
+            r_client.close()
+            r_server.close()
+
+    def server():
+        try:
+            server_handshake(s_end, 1, b"k", False, {0}, mac_all=server_mac)
+            out["s"] = "ok"
+        except (HandshakeError, OSError) as e:
+            out["s"] = e
+        finally:
+            s_end.close()
+    threads = [threading.Thread(target=relay), threading.Thread(target=server)]
+    for t in threads:
+        t.start()
+    try:
+        client_handshake(c_end, 0, 1, b"k", False, mac_all=client_mac)
+        out["c"] = "ok"
+    except (HandshakeError, OSError) as e:
+        out["c"] = e
+    finally:
+        c_end.close()
+        for t in threads:
+            t.join(20)
+    return out["c"], out["s"]
+
+
+@pytest.mark.parametrize("client_mac, server_mac, rewrite", [
+    (True, True, True), (False, False, True), (True, False, False), (False, True, False)])
+def test_a_rewritten_or_mismatched_mac_tensors_flag_is_refused(client_mac, server_mac, rewrite):
+    """Issue 35's audit: an on-path party that flips F_MAC_ALL (every byte of a TCP
+    message authenticated, ``DISTGRAD_MAC_TENSORS``) in the handshake, or two workers
+    configured differently, never gets a connection: both sides refuse, naming the
+    setting. Untouched, the same handshake succeeds."""
+    assert _relayed_handshake(client_mac, client_mac, False) == ("ok", "ok")
+    c, s = _relayed_handshake(client_mac, server_mac, rewrite)
+    assert isinstance(c, HandshakeError) and isinstance(s, HandshakeError), (c, s)
+    for e in (c, s):
+        assert "DISTGRAD_MAC_TENSORS" in str(e), e
+    mine = str(c).split("; this worker")[1]   # the client names its own setting as it is
+    assert ("tensor bytes on TCP authenticated" in mine) == client_mac, str(c)
 
 
 def test_handshake_refuses_unexpected_ranks_and_bad_magic():
@@ -489,6 +569,33 @@ def test_a_rendezvous_timeout_not_finite_or_too_large_is_refused_by_name(monkeyp
             lifecycle.rdv_timeout(opts)
     monkeypatch.setenv("DISTGRAD_RENDEZVOUS_TIMEOUT", "1e9")
     assert lifecycle.rdv_timeout(opts) == 1e9
+
+
+_ALONE = r"""
+import sys, time
+import distgrad.rpc as rpc
+opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{sys.argv[1]}")
+t0 = time.monotonic()
+try:
+    rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=opts)
+except Exception as e:
+    print(f"{time.monotonic() - t0:.2f}", type(e).__name__, e, flush=True)
+else:
+    print("joined", flush=True)
+"""
+
+
+def test_a_rank_that_never_comes_fails_init_after_the_rendezvous_timeout_naming_it():
+    """Issue 35's third audit: with DISTGRAD_RENDEZVOUS_TIMEOUT=3, worker0 of a world of
+    two whose worker1 never starts fails init_rpc after about 3 s (not the 60 s
+    default, not at once), saying which rank never joined."""
+    env = dict(os.environ, DISTGRAD_RENDEZVOUS_TIMEOUT="3")
+    proc = subprocess.run([sys.executable, "-c", _ALONE, str(free_port())], env=env,
+                          capture_output=True, text=True, timeout=60 + 30 * SLOW)
+    took, _, said = proc.stdout.strip().partition(" ")
+    assert proc.returncode == 0 and said, (proc.stdout, proc.stderr[-2000:])
+    assert "rendezvous timed out after 3 s" in said and "ranks [1] never joined" in said, said
+    assert 3.0 <= float(took) < 3.0 + 10 * SLOW, took
 
 
 def _no_secret_logs(rank, world_size, port):

@@ -281,3 +281,81 @@ def test_ddp_static_graph_is_refused_not_wrong():
     delayed all-reduce runs before the gradients reach DDP): a clear error instead."""
     out = run_workers(_static_graph, world_size=1, timeout=120, args=(free_port(),))[0]
     assert "static_graph=True) is not supported" in out, out
+
+
+def _ddp_two_pass_reference(world_size: int) -> dict:
+    """Plain local autograd (in tests/clean_ref.py's process, which never imported
+    distgrad): for each parameter of the model (and of the second model), the group's
+    average of the first pass's gradient plus the average of the second's."""
+    out = {}
+    for case in ("plain", "bucket_view", "comm_hook", "two_models"):
+        sums = None
+        for rank in range(world_size):
+            models, fwd = _ddp_variant_models(case, rank)
+            x1, x2 = _ddp_variant_inputs(rank)
+            params = [p for m in models for p in m.parameters()]
+            gs = [a + b for a, b in zip(torch.autograd.grad(fwd(models, x1), params),
+                                        torch.autograd.grad(fwd(models, x2), params))]
+            sums = gs if sums is None else [s + g for s, g in zip(sums, gs)]
+        out[case] = [(s / world_size).tolist() for s in sums]
+    return out
+
+
+def _ddp_variant_models(case: str, rank: int):
+    torch.manual_seed(1)
+    models = [torch.nn.Linear(4, 4).double()]
+    if case == "two_models":
+        models.append(torch.nn.Linear(4, 4).double())
+
+    def fwd(ms, x):
+        return (ms[0](x) ** 2).sum() + ((ms[1](x) ** 3).sum() if len(ms) > 1 else 0)
+    return models, fwd
+
+
+def _ddp_variant_inputs(rank: int):
+    g = torch.Generator().manual_seed(10 + rank)
+    return (torch.randn(3, 4, dtype=torch.double, generator=g) * (rank + 1),
+            torch.randn(3, 4, dtype=torch.double, generator=g) * (rank + 2))
+
+
+def _ddp_variants(rank, world_size, pg_port):
+    """Two synced passes in one context through DDP: plain, gradient_as_bucket_view, a
+    comm hook that all-reduces itself, and two DDP models in one pass (the audit of
+    issue 34: each as torch, the context ends with avg(pass 1) + avg(pass 2))."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import distgrad.autograd as dist_autograd
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank,
+                            world_size=world_size)
+    try:
+        out = {}
+        for case in ("plain", "bucket_view", "comm_hook", "two_models"):
+            models, fwd = _ddp_variant_models(case, rank)
+            ddps = [DDP(m, gradient_as_bucket_view=case == "bucket_view") for m in models]
+            if case == "comm_hook":
+                def hook(state, bucket):
+                    buf = bucket.buffer().div_(world_size)
+                    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+                ddps[0].register_comm_hook(None, hook)
+            x1, x2 = _ddp_variant_inputs(rank)
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [fwd(ddps, x1)])
+                dist_autograd.backward(cid, [fwd(ddps, x2)])
+                got = dist_autograd.get_gradients(cid)
+                out[case] = [got[p].tolist() if p in got else None for m in models for p in m.parameters()]
+            dist.barrier()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_passes_in_one_context_bucket_view_comm_hook_two_models():
+    import clean_ref
+    want = clean_ref.shared().call(_ddp_two_pass_reference, 2)
+    outs = run_workers(_ddp_variants, world_size=2, timeout=200, args=(free_port(),))
+    for out in outs:
+        for case, grads in want.items():
+            assert len(out[case]) == len(grads) and None not in out[case], (case, out[case])
+            for g, w in zip(out[case], grads):
+                assert torch.allclose(torch.tensor(g), torch.tensor(w), rtol=1e-9, atol=1e-9), (case, g, w)

@@ -5,19 +5,23 @@ worker1 whose replies leave worker1 back to back (a barrier), and makes one thre
 read both in one read (its read is held back until both are there):
 
   A. a pool thread, with a request from worker1 in the same read;
-  B. the main thread, waiting in rpc_sync for a reply of its own.
+  B. the main thread, waiting in rpc_sync for a reply of its own;
+  P. as A, under ``torch.autograd.profiler.profile()`` (rpc_async then returns a
+     future chained in C++ to the call's own, and the callback is registered on that).
 
 torch completes every reply as a task of its own, so f2 completes while f1's
 callback waits: the chain gives 3. When the completions of one read ran in turn
 on one thread, f1's callback waited forever for f2, queued behind it.
 
 Also: ``add_done_callback`` registered while the replies are being completed (the
-race between a callback's registration and a thread completing replies in turn).
+race between a callback's registration and a thread completing replies in turn), and
+what a callback sees of errors, timeouts and of a callback registered inside another.
 """
 import threading
 import time
 
 import pytest
+import torch
 from mp_utils import run_workers
 
 pytestmark = pytest.mark.timeout(150)
@@ -73,6 +77,10 @@ def _chain(rank, world_size, how):
         return None
     _hold_reads(current_agent().transport)
     out = []
+    if how == "P":   # A under the legacy profiler: rpc_async hands out a future chained in C++
+        with torch.autograd.profiler.profile():
+            got = _chain(rank, world_size, "A")
+        return got
     for _ in range(4):
         rpc.rpc_sync("worker1", _reset, args=(2 if how == "A" else 3,))
         # the hold is armed before the calls go out: armed after them (as it was), a
@@ -93,7 +101,7 @@ def _chain(rank, world_size, how):
     return out, list(_READ_SIZES)
 
 
-@pytest.mark.parametrize("how", ["A", "B"])
+@pytest.mark.parametrize("how", ["A", "B", "P"])
 def test_reply_callback_waits_for_a_reply_read_with_it(how):
     res = run_workers(_chain, world_size=2, timeout=120, args=(how,),
                       expect_exit=set())[0]
@@ -190,3 +198,57 @@ def _callback_thread(rank, world_size):
 def test_done_callback_never_runs_inside_wait():
     assert run_workers(_callback_thread, world_size=2, timeout=120)[0] == [
         (1, True, True), (2, True, True), (3, True, True)]
+
+
+def _boom():
+    raise ValueError("remote boom")
+
+
+def _late(i, seconds):
+    time.sleep(seconds)
+    return i
+
+
+def _error_of(fut):
+    try:
+        fut.wait()
+        return None
+    except Exception as e:  # noqa: BLE001 - the observation
+        return f"{type(e).__name__}: {e}"
+
+
+def _callback_facts(rank, world_size):
+    """Errors and timeouts as a callback sees them, as under torch (checked there by
+    the audit of issue 34): a then() callback that raises fails the chained future with
+    its error; a remote error reaches then()'s callback as wait() raising; a timeout
+    reaches add_done_callback; a callback registered from inside another future's
+    callback, both replies in flight, runs."""
+    import distgrad.rpc as rpc
+    if rank != 0:
+        return None
+    out = {}
+    chained = rpc.rpc_async("worker1", _late, args=(1, 0.1)).then(lambda f: 1 / 0)
+    out["raising then"] = _error_of(chained)
+    seen = []
+    rpc.rpc_async("worker1", _boom).then(lambda f: seen.append(_error_of(f))).wait()
+    out["remote error"] = seen
+    seen, done = [], threading.Event()
+    rpc.rpc_async("worker1", _late, args=(1, 3.0), timeout=0.2).add_done_callback(
+        lambda f: (seen.append(_error_of(f)), done.set()))
+    out["timeout"] = (done.wait(20), seen)
+    seen, done = [], threading.Event()
+    f1 = rpc.rpc_async("worker1", _late, args=(1, 0.2))
+    f2 = rpc.rpc_async("worker1", _late, args=(2, 0.4))
+    f1.add_done_callback(lambda a: f2.add_done_callback(
+        lambda b: (seen.append(a.value() + b.value()), done.set())))
+    out["nested"] = (done.wait(20), seen)
+    return out
+
+
+def test_callbacks_see_errors_timeouts_and_nested_registrations():
+    out = run_workers(_callback_facts, world_size=2, timeout=120)[0]
+    assert out["raising then"] and "division by zero" in out["raising then"], out
+    assert len(out["remote error"]) == 1 and "remote boom" in out["remote error"][0], out
+    done, seen = out["timeout"]
+    assert done and len(seen) == 1 and seen[0] is not None, out   # wait() raised in it
+    assert out["nested"] == (True, [3]), out

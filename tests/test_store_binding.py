@@ -10,6 +10,7 @@ namespaces cannot be created.
 """
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -113,3 +114,35 @@ def test_a_store_bound_to_an_address_is_reachable_there(hosts):  # noqa: F811
         assert _probe(ns_a, "127.0.0.1", PORT).startswith("unreachable")   # only what was named
     finally:
         _stop(proc)
+
+
+def _reaches(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_a_loopback_store_listens_on_its_address_alone_and_a_held_port_is_refused():
+    """Without namespaces (issue 35's audit, poc_store_binding_addresses.py): every
+    127.x.y.z address reaches this machine's loopback, so a store bound to 127.0.0.1
+    must refuse 127.0.0.2 (a wildcard listener would take it); and a port another
+    program holds on 127.0.0.1 makes the store fail, never fall back elsewhere."""
+    from datetime import timedelta
+
+    from mp_utils import free_port
+
+    from distgrad.launch.listen import host_store
+    port = free_port()
+    store = host_store("127.0.0.1", port, 1, timedelta(seconds=10))
+    try:
+        store.set("k", "v")
+        assert _reaches("127.0.0.1", port) and not _reaches("127.0.0.2", port)
+    finally:
+        del store
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):   # a squatter (no SO_REUSEPORT)
+        with pytest.raises(Exception, match="(?i)address already in use|EADDRINUSE|errno 98"):
+            host_store("127.0.0.1", port, 1, timedelta(seconds=5))
+        assert not _reaches("127.0.0.2", port)

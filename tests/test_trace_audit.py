@@ -1,7 +1,7 @@
 """The defects the independent audit of issue 36 found in ``distgrad.trace``
-(``audits/issue36/``), each on real workers: a user's scheduled torch profiler under
-``profile_ops`` (SIGSEGV), Ctrl-C in ``start()`` (members left recording), and
-``rpc.shutdown()`` with a trace open (the trace lost, the recorder left installed).
+(docs/audits/2026-12-03-issue36.md), each on real workers: a user's scheduled torch
+profiler under ``profile_ops`` (SIGSEGV), Ctrl-C in ``start()`` (members left recording),
+and ``rpc.shutdown()`` with a trace open (the trace lost, the recorder left installed).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def _scheduled_profilers(rank, world_size, path):
 
 
 def test_profile_ops_refuses_a_scheduled_profiler_in_its_wait_phase():
-    # audits/issue36/profile_ops_schedule_min.py: SIGSEGV at the stop
+    # the audit's profile_ops_schedule_min.py: SIGSEGV at the stop
     path = tmp_path_for("scheduled.json")
     refused, member = run_workers(_scheduled_profilers, world_size=2, timeout=150, args=(path,))
     assert refused is not None and "schedule" in refused and "wait phase" in refused, refused
@@ -106,7 +106,7 @@ def _user_profiler_after(rank, world_size, path):
 
 
 def test_a_user_profiler_started_inside_a_profile_ops_trace_is_left_whole():
-    # audits/issue36/profile_ops_user_after.py: SIGSEGV at the close (torch's session
+    # the audit's profile_ops_user_after.py: SIGSEGV at the close (torch's session
     # taken over, then exported), or the user's running profiler ended with 0 events
     path = tmp_path_for("user_after.json")
     out = run_workers(_user_profiler_after, world_size=2, timeout=150, args=(path,))[0]
@@ -438,7 +438,7 @@ def test_trace_plot_says_it_cannot_write_the_output(capsys):
     assert "plant" not in lines[0] and not os.path.exists(where), lines
 
 
-# -- third audit (audits/issue36/README.md, "Third audit") ---------------------------------
+# -- third audit (docs/audits/2026-12-03-issue36.md) ---------------------------------
 
 def _x(cat, start, end, **args):
     return ("X", cat, cat, 1, start, end, args)

@@ -17,6 +17,9 @@ What worker0 records, on two workers:
   - nn.Parameters sent both ways (a reply of a server's parameters, a view of one, an
     argument with attributes): their type, leafness, grad_fn, attributes, the
     gradients the server keeps, and the .grad a local backward leaves on them;
+  - which workers a context knows on each side after ``rpc.remote`` of a builtin, a
+    Python function given a tensor that requires grad returning None, and a builtin
+    called under a custom RPC pickler;
   - DistributedOptimizer over a parameter of worker1 that has a .grad of its own, for
     torch's optimizers with functional twins and for a subclass: the parameter after
     three steps, its .grad, and how many torch.optim steps (global pre-hook) ran.
@@ -210,6 +213,66 @@ def _parameters(rpc, dist_autograd) -> dict:
     return out
 
 
+def _context_seen(impl: str, cid: int):
+    """On worker1: the workers its share of context ``cid`` knows, or None where it has
+    no share (asked from a thread of worker0 with no context: the question itself
+    creates none)."""
+    dist_autograd = _modules(impl)[1]
+    try:
+        ctx = dist_autograd._retrieve_context(cid)
+    except RuntimeError:
+        return None
+    return sorted(ctx._known_worker_ids())
+
+
+def _ask_outside(rpc, impl: str, cid: int):
+    box: list = []
+
+    def ask():
+        try:
+            box.append(rpc.rpc_sync("worker1", _context_seen, args=(impl, cid)))
+        except Exception as e:  # noqa: BLE001 - the observation
+            box.append(f"{type(e).__name__}: {e}"[:200])
+    t = threading.Thread(target=ask)
+    t.start()
+    t.join(30)
+    return box[0] if box else "no answer"
+
+
+def _returns_none(x):
+    return None
+
+
+def _known_workers(rpc, dist_autograd) -> dict:
+    """Which workers a context knows on each side (torch adds one only when it sends
+    with autograd information, never on receipt), after calls that carry it or not:
+    ``rpc.remote`` of a builtin with no tensor requiring grad, a Python function given a
+    tensor that requires grad and returning None, a builtin called under a custom RPC
+    pickler."""
+    impl = "torch" if rpc.__name__.startswith("torch.") else "distgrad"
+    api = __import__(rpc.__name__ + ".api", fromlist=["api"])
+    out = {}
+    with dist_autograd.context() as cid:
+        rr = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        deadline = time.monotonic() + 20
+        while not rr.confirmed_by_owner() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["remote builtin, no grad"] = [sorted(dist_autograd._retrieve_context(cid)._known_worker_ids()),
+                                          _ask_outside(rpc, impl, cid)]
+    with dist_autograd.context() as cid:
+        rpc.rpc_sync("worker1", _returns_none, args=(torch.ones(2, requires_grad=True),))
+        out["function, grad argument, None back"] = [
+            sorted(dist_autograd._retrieve_context(cid)._known_worker_ids()), _ask_outside(rpc, impl, cid)]
+    with dist_autograd.context() as cid:
+        pickler = type("Pickler", (type(api._internal_rpc_pickler),), {})()
+        with api._use_rpc_pickler(pickler):
+            y = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        out["builtin under a custom pickler"] = [
+            _vals(y), sorted(dist_autograd._retrieve_context(cid)._known_worker_ids()),
+            _ask_outside(rpc, impl, cid)]
+    return out
+
+
 def _plus(x, y):
     return x + y
 
@@ -341,6 +404,7 @@ def _worker(rank: int, port: int, impl: str, out) -> None:
                                ("chain", lambda: _chain(rpc)),
                                ("recv_node_hooks", lambda: _recv_node_hooks(rpc, dist_autograd)),
                                ("parameters", lambda: _parameters(rpc, dist_autograd)),
+                               ("known workers", lambda: _known_workers(rpc, dist_autograd)),
                                ("optimizer", lambda: _optimizer(rpc, dist_autograd))):
                 out.put(json.dumps({"stage": name}))   # where a hang happened, if one does
                 res[name] = part()
