@@ -11,7 +11,7 @@ compute, and then the context's exit. Each implementation runs on a fresh cluste
 alternating, ``--repeats`` times per size, for ``--seconds`` of steps; printed:
 the medians of the backward and of the context's exit, in ms, and the ratio
 distgrad / torch of the backward (lower is better for distgrad). Where the time
-goes: docs/architecture.md ("Third round").
+goes: docs/measurements/2026-12-04-backward-rounds.md ("Third round").
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ is called: ``none`` (nowhere), ``main`` (every worker, before ``init_rpc``),
 ``ctor`` (in the stages' constructors, as bench/autograd_bench.py and
 bench/transformer_bench.py do). Each case runs each implementation on a fresh
 cluster, alternating, ``--repeats`` times; prints steps/s and the ratio of the
-medians. See docs/architecture.md ("Third round").
+medians. See docs/measurements/2026-12-04-backward-rounds.md ("Third round").
 """
 from __future__ import annotations
 
