@@ -488,6 +488,42 @@ def test_checker_raises_on_a_free_racing_a_stream_unless_record_stream(dev):
     dev.run(_checker_frees)
 
 
+def _staged_bytes_land_after_a_host_synchronization() -> None:
+    import torch
+    D = "dgtest:0"
+    side = torch.dgtest.Stream(0)
+    x = torch.arange(6, dtype=torch.float32, device=D) + 1
+    n = torch.arange(4, device=D) * 3
+    side.wait_stream(torch.dgtest.current_stream(0))
+    host = torch.empty(6, pin_memory=True)
+    ints = torch.empty(4, dtype=torch.int64, pin_memory=True)
+    with torch.dgtest.stream(side):
+        host.copy_(x, non_blocking=True)        # in flight until the host waits for `side`
+        ints.copy_(n, non_blocking=True)
+        ev = side.record_event()
+    assert torch.isnan(host).all() and (ints == 91).all()   # read too early: not the bytes
+    back = torch.empty(6, device=D)
+    with torch.dgtest.stream(side):             # the same stream reads the buffer: in order
+        back.copy_(host, non_blocking=True)
+    torch.dgtest.current_stream(0).wait_stream(side)
+    assert back.cpu().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    ev.synchronize()                             # the host waits for the event: landed
+    assert host.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and ints.tolist() == [0, 3, 6, 9]
+    pageable = torch.empty(6)                    # not pinned: a blocking copy, as on CUDA
+    with torch.dgtest.stream(side):
+        pageable.copy_(x * 2, non_blocking=True)
+    assert pageable.tolist() == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+    torch.dgtest.synchronize()
+
+
+def test_staged_bytes_land_only_after_a_host_synchronization(dev):
+    """A non-blocking copy into pinned host memory is in flight until the host waits for
+    its stream (an event, the stream or the device), as on a GPU: before that the buffer
+    holds a poison (NaN, 91), so code that reads staged bytes without waiting computes a
+    wrong number; a copy back on the same stream reads them in order."""
+    dev.run(_staged_bytes_land_after_a_host_synchronization)
+
+
 # ---------------------------------------------------------------- processes
 
 def _child(q, devices: str | None) -> None:

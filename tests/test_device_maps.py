@@ -833,6 +833,21 @@ def _backward_through_maps(rank, world, port, data):
             dist_autograd.backward(cid, [loss])
             gx = dist_autograd.get_gradients(cid)[x]
             out["user_stream"] = (gx.cpu(), str(gx.device))
+        # the caller's forward on a user stream: the gradient that comes back for its send
+        # function is placed on the receiving thread's stream, and the send function runs on
+        # the user stream (its forward's), which must wait for it and keep it (record_stream:
+        # the next node frees it while the placing stream has not seen the user stream)
+        x = data["t1"][:8].to(d0).requires_grad_()
+        mod = _mod(dev)
+        with dist_autograd.context() as cid:
+            side = mod.Stream(d0)
+            side.wait_stream(mod.current_stream(d0))
+            with mod.stream(side):
+                z = (rpc.rpc_sync(dst, torch.mul, args=(x * 2.0, 3.0)) * 5.0).cos()
+            mod.current_stream(d0).wait_stream(side)
+            dist_autograd.backward(cid, [z.sum()])
+            gx = dist_autograd.get_gradients(cid)[x]
+            out["caller_stream"] = (gx.cpu(), str(gx.device))
         out["dev"] = dev
         # DistributedOptimizer: a parameter on the owner's device steps there
         from distgrad.optim import DistributedOptimizer
@@ -888,6 +903,8 @@ def test_backward_through_maps():
     assert ("worker0", "SendRpcBackward", f"{dev}:0", False) in got["graph"], got["graph"]
     g, where = got["user_stream"]
     assert where == f"{dev}:0" and torch.allclose(g, want["user_stream"])
+    g, where = got["caller_stream"]
+    assert where == f"{dev}:0" and torch.allclose(g, want["caller_stream"])
     # worker0 staged t1 and t2 (40 bytes each) and the gradient of res; received res and
     # the gradient of t1 and t2 (one tensor: add's backward gives both the same, and the
     # wire sends a tensor once); worker1 the same the other way, on its device 1

@@ -40,6 +40,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -212,6 +213,37 @@ class Checker {
 
   void host_merge(const Clock& c) {
     if (host.merge(c)) ++host_version;
+    if (!landing.empty()) land(host, nullptr);
+  }
+
+  // non-blocking copies into pinned host memory: on a GPU the bytes arrive when the
+  // copy's stream gets there, so the host may read them only after synchronizing with
+  // that stream (an event, the stream, the device). Here the destination holds a poison
+  // (NaN, or an odd integer) until the host (or a stream that reads the buffer) has seen
+  // the copy, and then the bytes the copy read. A missing host synchronization before
+  // reading staged bytes then shows as a wrong number.
+  struct Landing {
+    Key s;
+    uint64_t t;
+    at::Tensor data;  // what the copy read, at its place in its stream's order
+    at::Tensor dst;
+  };
+  std::vector<Landing> landing;
+
+  // land every copy that clock `c` has seen (only those into `only`'s storage, if given)
+  void land(const Clock& c, const c10::StorageImpl* only) {
+    size_t kept = 0;
+    for (size_t i = 0; i < landing.size(); ++i) {
+      Landing& l = landing[i];
+      bool mine = !only || l.dst.storage().unsafeGetStorageImpl() == only;
+      if (mine && c.get(l.s) >= l.t) {
+        l.dst.copy_(l.data, false);
+      } else {
+        if (kept != i) landing[kept] = std::move(l);
+        ++kept;
+      }
+    }
+    landing.resize(kept);
   }
 
   // the op's start on stream `s`
@@ -433,6 +465,11 @@ Allocation* alloc_of(const at::Tensor& t) {
 // (leaked, like the checker: deleters may run during static destruction)
 std::mutex& g_pinned_mu = *new std::mutex();
 std::unordered_set<const void*>& g_pinned = *new std::unordered_set<const void*>();
+
+bool pinned_ptr(const void* p) {
+  std::lock_guard<std::mutex> g(g_pinned_mu);
+  return g_pinned.count(p) != 0;
+}
 
 void pinned_delete(void* p) {
   {
@@ -832,7 +869,22 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
     }
   } else {
     Key s = current_key(sd ? src.device().index() : dst.device().index());
-    run_checks(s, op, reads, writes);
+    uint64_t now = run_checks(s, op, reads, writes);
+    if (!sd && src.has_storage()) {  // the host memory it reads: copies this stream has seen land
+      Checker& k = checker();
+      std::lock_guard<std::mutex> g(k.mu);
+      if (k.enabled && !k.landing.empty()) k.land(k.clock_of(s), src.storage().unsafeGetStorageImpl());
+    }
+    if (sd && non_blocking && now != 0 && dst.has_storage() && pinned_ptr(dst.storage().data())) {
+      at::Tensor data = s_cpu.clone();
+      if (d_cpu.is_floating_point() || d_cpu.is_complex()) d_cpu.fill_(std::nan(""));
+      else if (d_cpu.scalar_type() == at::kBool) d_cpu.fill_(true);
+      else d_cpu.fill_(91);
+      Checker& k = checker();
+      std::lock_guard<std::mutex> g(k.mu);
+      k.landing.push_back({s, now, std::move(data), dst});
+      return dst;
+    }
     if (!non_blocking && (!sd || !dd)) host_sync_stream(s);
   }
   d_cpu.copy_(s_cpu, false);
@@ -1122,6 +1174,10 @@ void set_checker(bool on, bool raise_errors) {
   Checker& k = checker();
   std::lock_guard<std::mutex> g(k.mu);
   if (on && !k.enabled) ++k.epoch;  // what happened while off is forgotten
+  if (!on) {  // turned off: every copy in flight lands now
+    for (auto& l : k.landing) l.dst.copy_(l.data, false);
+    k.landing.clear();
+  }
   k.enabled = on;
   k.raise = raise_errors;
   if (!on || !raise_errors) {
