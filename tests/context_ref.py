@@ -157,6 +157,7 @@ def device_backward_grads(t1, t2, inputs, r_values, layer_states, x) -> dict:
     c = t1[:8].clone().requires_grad_()
     ((c * 2.0 * 3.0) * 5.0).cos().sum().backward()
     out["caller_stream"] = c.grad
+    out["leaf_on_side_stream"] = t1[:4].clone()   # d(sum(x * w))/dw for x = t1[:4]
     w = torch.nn.Parameter(torch.linspace(1.0, 2.0, 4))
     opt = torch.optim.SGD([w], lr=0.1)
     (t1[:4] * w).sin().sum().backward()

@@ -18,6 +18,8 @@ two process starts and one ``init_rpc`` per scenario group.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from mp_utils import free_port, run_workers
@@ -618,6 +620,20 @@ def _dynamic(rank, world, rdv_port, coord_port):
             assert ret.device == d1 and ret.sum().item() == 4.0
     coord.set(f"done{rank}", "1")
     wait(f"done{1 - rank}")
+    if rank == 1:
+        # it leaves, and its next incarnation has no map to worker0: worker0 forgot the
+        # first one's reverse map (torch erases it on leave), so a device tensor in its
+        # reply is refused with torch's message, not placed by the departed one's map
+        rpc.shutdown()
+        rpc.init_rpc(me, rank=1, rpc_backend_options=_opts(rdv_port, devices=[1]))
+        text = ("Response device mapping is not available for destination worker1, but found tensor "
+                f"on device: {dev}:1")
+        with pytest.raises(Exception, match=re.escape(text)):
+            rpc.rpc_sync(peer, _add_to, args=(torch.zeros(2), 1, 1))
+        assert rpc.rpc_sync(peer, torch.add, args=(torch.ones(2), 1)).tolist() == [2.0, 2.0]
+        coord.set("again1", "1")
+    else:
+        wait("again1")
     rpc.shutdown()
     return _violations()
 
@@ -625,7 +641,9 @@ def _dynamic(rank, world, rdv_port, coord_port):
 def test_dynamic_group_joiner_brings_its_maps():
     """A dynamic group: the joiner checks every member's maps with its own (a bad one
     refused with torch's message), gets their maps to it in their answers, and gives
-    each member the reverse of its map to it: calls and replies flow both ways."""
+    each member the reverse of its map to it: calls and replies flow both ways; a member
+    forgets a departed worker's reverse map (its next incarnation without a map gets
+    torch's refusal for a device tensor in a reply)."""
     _skip_without_devices()
     from datetime import timedelta
 
@@ -749,6 +767,35 @@ def _weight(rref):
     return w.detach().cpu(), str(w.device)
 
 
+_LEAF: dict = {}
+
+
+def _make_leaf(index):
+    dev = torch.device(_device(), index)
+    _LEAF["w"] = torch.linspace(1.0, 2.0, 4, device=dev).requires_grad_()
+
+
+def _leaf_on_side_stream(x):
+    """The callee's leaf used on a side stream of its own (its accumulation runs there)."""
+    w = _LEAF["w"]
+    mod = _mod(w.device.type)
+    side = mod.Stream(w.device)
+    side.wait_stream(mod.current_stream(w.device))
+    x.record_stream(side)
+    with mod.stream(side):
+        y = (x * w).sum()
+    mod.current_stream(w.device).wait_stream(side)
+    return y
+
+
+def _read_leaf_on_user_stream(cid):
+    import distgrad.autograd as dist_autograd
+    w = _LEAF["w"]
+    mod = _mod(w.device.type)
+    with mod.stream(mod.Stream(w.device)):
+        return (dist_autograd.get_gradients(cid)[w] * 1).cpu()
+
+
 class _CpuGrad(torch.autograd.Function):
     """Identity whose backward hands back a gradient on the CPU (torch's engine refuses it)."""
 
@@ -848,6 +895,23 @@ def _backward_through_maps(rank, world, port, data):
             dist_autograd.backward(cid, [z.sum()])
             gx = dist_autograd.get_gradients(cid)[x]
             out["caller_stream"] = (gx.cpu(), str(gx.device))
+        # get_gradients orders its reader's stream after the accumulation, as torch's
+        # context does (recordGradEvent, getGradients): a leaf whose forward ran on a side
+        # stream, its gradient read on a third stream, here and on the callee
+        w = data["t1"][:4].to(d0).requires_grad_()
+        with dist_autograd.context() as cid:
+            side = mod.Stream(d0)
+            side.wait_stream(mod.current_stream(d0))
+            with mod.stream(side):
+                y = rpc.rpc_sync(dst, torch.mul, args=(w * 3.0, 2.0)).sum()
+            mod.current_stream(d0).wait_stream(side)
+            y.record_stream(mod.current_stream(d0))   # (made on the side stream, used here)
+            rpc.rpc_sync(dst, _make_leaf, args=(1,))
+            y = y + rpc.rpc_sync(dst, _leaf_on_side_stream, args=(x.detach()[:4],))
+            dist_autograd.backward(cid, [y])
+            with mod.stream(mod.Stream(d0)):
+                got_w = (dist_autograd.get_gradients(cid)[w] * 1).cpu()
+            out["read_elsewhere"] = (got_w, rpc.rpc_sync(dst, _read_leaf_on_user_stream, args=(cid,)))
         out["dev"] = dev
         # DistributedOptimizer: a parameter on the owner's device steps there
         from distgrad.optim import DistributedOptimizer
@@ -903,6 +967,9 @@ def test_backward_through_maps():
     assert ("worker0", "SendRpcBackward", f"{dev}:0", False) in got["graph"], got["graph"]
     g, where = got["user_stream"]
     assert where == f"{dev}:0" and torch.allclose(g, want["user_stream"])
+    g_w, g_leaf = got["read_elsewhere"]
+    assert torch.equal(g_w, torch.full((4,), 6.0)), g_w
+    assert torch.allclose(g_leaf, want["leaf_on_side_stream"]), g_leaf
     g, where = got["caller_stream"]
     assert where == f"{dev}:0" and torch.allclose(g, want["caller_stream"])
     # worker0 staged t1 and t2 (40 bytes each) and the gradient of res; received res and

@@ -184,6 +184,8 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """
     ctx = CONTAINER.retrieve(context_id)
     with ctx.lock:
+        if ctx.grad_events:   # (a device's gradients: the reader's streams wait for them)
+            ctx.wait_ready()
         return ctx.leaf_gradients()
 
 

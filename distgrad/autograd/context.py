@@ -62,6 +62,8 @@ class DistAutogradContext:
         # torch's accumulateGrad does (``variable_grad += new_grad``): every first-order
         # gradient, kept or copied; not a create_graph pass's (summed out of place)
         self.grads_mine: set = set()
+        # (device, stream id) -> an event after the last accumulation there (devices only)
+        self.grad_events: dict = {}
         # engine results not yet taken into ``gradients`` (see accumulate_fresh): taken in
         # order, before anything reads or adds to ``gradients``
         self._pending: list = []
@@ -135,14 +137,26 @@ class DistAutogradContext:
                 self.gradients[leaf] = _copy(grad, leaf)
                 self.grads_mine.add(leaf)
 
-    def store(self, leaf: Any, grad: torch.Tensor) -> None:
+    def store(self, leaf: Any, grad: torch.Tensor, ready: Any = None, stream_id: int = 0) -> None:
         """Hold ``grad`` for ``leaf`` as it is: the native engine computed it by torch's
         ``AccumulateGrad::accumulateGrad`` rules (stolen, a view of the engine's, a copy,
-        or the held tensor summed in place) from what :meth:`gradient_of` returned."""
+        or the held tensor summed in place) from what :meth:`gradient_of` returned.
+        ``ready``: on an accelerator, an event recorded on stream ``stream_id`` after
+        the accumulation (what :meth:`wait_ready` makes a reader's stream wait for)."""
         with self.lock:
             self._settle()
             self.gradients[leaf] = grad
             self.grads_mine.add(leaf)
+            if ready is not None:
+                self.grad_events[(ready.device, stream_id)] = ready
+
+    def wait_ready(self) -> None:
+        """Make the current stream of each device that holds a gradient wait for the
+        accumulations into it, as torch's ``DistAutogradContext::getGradients`` blocks the
+        current streams on its gradients' events (backward and a later read, such as an
+        optimizer step, may run on different streams). Caller holds the lock."""
+        for (device, _), ev in self.grad_events.items():
+            ev.wait(torch.accelerator.current_stream(device))
 
     def replace(self, leaf: Any, grad: torch.Tensor) -> None:
         """Make ``grad`` the gradient of ``leaf`` (DDP's result for what the context

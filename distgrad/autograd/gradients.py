@@ -42,10 +42,15 @@ def ship_gradients(dg_info: tuple, grads: Sequence, reached: Sequence[bool] | No
     context_id, msg_id, sender = dg_info
     state = getattr(_tls, "state", None)
     if state is None or state.ctx.id != context_id:
+        on = sorted({str(g.device) for g in grads if g is not None and g.device.type not in ("cpu", "meta")})
+        if on:   # (torch's engine ran the node on the device's autograd thread)
+            raise RuntimeError(f"a distributed backward through accelerator tensors (gradients on "
+                               f"{', '.join(on)} for a recv function of context {context_id}) needs "
+                               "distgrad's native engine, which is not loaded here (it needs a C++ "
+                               "compiler and ninja; not DISTGRAD_NATIVE=0); the Python engine runs "
+                               "CPU passes only")
         raise RuntimeError(f"recv function of context {context_id} ran outside a distributed "
-                           "backward pass (use distgrad.autograd.backward), or on an accelerator's "
-                           "autograd thread: a distributed backward through accelerator tensors "
-                           "needs the native engine (a C++ compiler; not DISTGRAD_NATIVE=0)")
+                           "backward pass (use distgrad.autograd.backward)")
     if reached is None:
         run_fed = getattr(_tls, "fed", None)
         fed = (state.recv_slots if run_fed is None else run_fed).get(msg_id)

@@ -166,11 +166,11 @@ def _take_ddp_results(st: NativePass, ok: bool) -> None:
             st.ctx.replace(leaf, g)
 
 
-def _store(share_id: int, leaf: Any, grad: torch.Tensor | None) -> None:
+def _store(share_id: int, leaf: Any, grad: torch.Tensor | None, ready: Any, stream_id: int) -> None:
     st = PASSES[share_id]
     try:
         if grad is not None:
-            st.ctx.store(leaf, grad)
+            st.ctx.store(leaf, grad, ready, stream_id)
     finally:
         st.ctx.acc_lock.release()
 

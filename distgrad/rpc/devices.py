@@ -365,6 +365,28 @@ def _admit_map(name: str, map_: dict) -> None:
     _set_reverse(agent, reverse, devices)
 
 
+def forget(agent: Any, name: str) -> None:
+    """Worker ``name`` left the group or was lost: its reverse map goes, and (where this
+    worker's ``devices`` were not given) the devices no map uses any more, as torch's
+    members erase them when a worker leaves (``updateGroupMembership``). A later worker
+    under that name brings its own map (:func:`_admit_map`) or has none: a device tensor
+    in a reply to it is then refused with torch's message, never placed by the old map.
+
+    Example::
+
+        >>> forget(agent, "worker1")
+        >>> "worker1" in agent.reverse_device_maps
+        False
+    """
+    reverse = getattr(agent, "reverse_device_maps", None)
+    if not reverse or name not in reverse:
+        return
+    reverse = {n: m for n, m in reverse.items() if n != name}
+    given = list(getattr(getattr(agent, "options", None), "devices", None) or [])
+    devices = device_list([to_device(d) for d in given], getattr(agent, "device_maps", {}), reverse)
+    _set_reverse(agent, reverse, devices)
+
+
 def reply_route(agent: Any, name: str) -> Route:
     """The route of replies to ``name`` (made, and kept, on first use for a worker
     without a map to this one: it refuses device tensors with torch's message).

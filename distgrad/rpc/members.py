@@ -14,6 +14,7 @@ import logging
 import time
 
 from ..errors import WorkerLostError
+from . import devices
 from .worker_info import WorkerInfo
 
 log = logging.getLogger("distgrad.rpc.agent")
@@ -46,6 +47,7 @@ class Members:
         if info is not None and self.by_name.get(info.name) is info:
             del self.by_name[info.name]
             self.departed[info.name] = rank
+            devices.forget(self, info.name)
             self.events.append((time.time(), how, info.name, rank, self.incarnations.get(rank, 1)))
         self.world_size = len(self.by_name)
         self.members_changed()

@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/node.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/Event.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/autograd/context/container.h>
@@ -128,7 +129,7 @@ struct Callbacks {
   py::object enter;     // enter(share_id) -> token: a leaf capture begins (context current)
   py::object leave;     // leave(token)
   py::object grad_of;   // grad_of(share_id, leaf_node) -> Tensor | None (locks the context's gradients)
-  py::object store;     // store(share_id, leaf_node, grad | None) (and unlocks them)
+  py::object store;     // store(share_id, leaf_node, grad | None, event | None, stream id) (and unlocks them)
   py::object ddp;       // ddp(share_id, leaf_node) -> bool: a DDP parameter (autograd/ddp.py)
 };
 // set while some DistributedDataParallel exists in the process (autograd/ddp.py)
@@ -461,7 +462,7 @@ at::Tensor ddp_capture(DistShare& s, AccumulateGrad& acc, py::object leaf, const
   if (s.ddp_seen.insert(var.unsafeGetTensorImpl()).second) {
     py::object old_obj = callbacks->grad_of(s.id, leaf);
     at::Tensor old = old_obj.is_none() ? at::Tensor() : old_obj.cast<at::Tensor>();
-    callbacks->store(s.id, leaf, py::none());   // (unlocks the context's gradients)
+    callbacks->store(s.id, leaf, py::none(), py::none(), 0);   // (unlocks the context's gradients)
     if (old.defined()) {
       py::gil_scoped_release nogil;
       at::AutoGradMode no_grad(false);
@@ -513,17 +514,20 @@ struct LeafCapture : GraphTask::ExecInfo::Capture::GradCaptureHook {
       py::object old_obj = callbacks->grad_of(share_, leaf);
       at::Tensor result;
       bool updated = false;
+      py::object ready = py::none();   // an event after the accumulation (a device's)
+      int64_t ready_on = 0;
       struct Store {   // always called: it also unlocks the context's gradients
-        int64_t share; py::object& leaf; at::Tensor& result; bool& updated;
+        int64_t share; py::object& leaf; at::Tensor& result; bool& updated; py::object& ready;
+        int64_t& ready_on;
         ~Store() {
           try {
-            callbacks->store(share, leaf, updated ? py::cast(result) : py::none());
+            callbacks->store(share, leaf, updated ? py::cast(result) : py::none(), ready, ready_on);
           } catch (py::error_already_set& e) {
             e.discard_as_unraisable("distgrad: storing a leaf's gradient in the context");
           } catch (...) {
           }
         }
-      } store{share_, leaf, result, updated};
+      } store{share_, leaf, result, updated, ready, ready_on};
       at::Tensor old = old_obj.is_none() ? at::Tensor() : old_obj.cast<at::Tensor>();
       old_obj = py::none();
       {
@@ -535,6 +539,18 @@ struct LeafCapture : GraphTask::ExecInfo::Capture::GradCaptureHook {
         AccumulateGrad::accumulateGrad(
             acc_->variable, old, inputGrads[0], 3,
             [&](at::Tensor&& g) { result = std::move(g); updated = true; });
+        // as torch's context records a gradient's readiness (recordGradEvent): an event on
+        // the stream the accumulation ran on, which get_gradients makes its reader wait for
+        const auto device = acc_->variable.device();
+        if (!device.is_cpu() && !device.is_meta()) {
+          c10::impl::VirtualGuardImpl impl{device.type()};
+          const auto stream = impl.getStream(device);
+          PyObject* ev = THPEvent_new(device.type(), c10::EventFlag::PYTORCH_DEFAULT);
+          if (!ev) throw py::error_already_set();
+          ready = py::reinterpret_steal<py::object>(ev);
+          reinterpret_cast<THPEvent*>(ev)->event.record(stream);
+          ready_on = stream.id();
+        }
       }
     }
     const variable_list kEmpty;
