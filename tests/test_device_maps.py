@@ -658,6 +658,44 @@ def test_dynamic_group_joiner_brings_its_maps():
     assert res == [[], []]
 
 
+def _square_sum(x):
+    return (x * x).sum()
+
+
+def _python_engine_refuses(rank, world, port):
+    import time
+
+    import distgrad.autograd as dist_autograd
+    dev = _device()
+    peer = f"worker{1 - rank}"
+    _init(rank, world, _opts(port, device_maps={peer: {0: 1, 1: 0}}))
+    out = None
+    if rank == 0:
+        x = torch.ones(3, device=f"{dev}:0", requires_grad=True)
+        t0 = time.monotonic()
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync(peer, _square_sum, args=(x,))
+            with pytest.raises(RuntimeError) as ei:
+                dist_autograd.backward(cid, [loss.cpu()])
+        out = (str(ei.value), time.monotonic() - t0,
+               rpc.rpc_sync(peer, torch.add, args=(torch.ones(2), 1)).tolist())
+    rpc.shutdown()
+    return out, _violations()
+
+
+def test_python_engine_refuses_a_device_pass_and_says_why():
+    """Without the native engine (no compiler, DISTGRAD_NATIVE=0) a distributed backward
+    through device tensors is refused at once, naming the reason; RPC stays usable."""
+    _skip_without_devices()
+    env = {r: {"DISTGRAD_NATIVE": "0"} for r in range(2)}
+    res = run_workers(_python_engine_refuses, world_size=2, timeout=300, init=False,
+                      args=(free_port(),), env_per_rank=env)
+    (text, seconds, after), violations = res[0]
+    assert text.find("needs distgrad's native engine") >= 0 and "accelerator tensors" in text, text
+    assert "outside a distributed backward" not in text, text
+    assert after == [2.0, 2.0] and seconds < 60 and violations == [] and res[1][1] == []
+
+
 # ---------------------------------------------------------------- in this process: no device needed
 
 def test_routes_and_torchs_texts():
