@@ -123,6 +123,11 @@ def _where(*values):
             if isinstance(v, torch.Tensor) else None for v in values]
 
 
+def _layouts(*values):
+    """Each argument's strides and its storage's bytes, as it arrived."""
+    return [(tuple(v.stride()), v.untyped_storage().nbytes()) for v in values]
+
+
 def _echo(*values):
     return values
 
@@ -420,12 +425,20 @@ def _calls_through_maps(rank, world, port):
     g = torch.ones(2, requires_grad=True)
     c = torch.full((2,), 7.0)
     seen = rpc.rpc_sync(peer, _where, args=(x, x.t(), p, g, c))
-    assert seen == [(f"{dev}:1", False, "Tensor", True), (f"{dev}:1", False, "Tensor", True),
+    assert seen == [(f"{dev}:1", False, "Tensor", True), (f"{dev}:1", False, "Tensor", False),
                     (f"{dev}:0", True, "Parameter", True), ("cpu", True, "Tensor", True),
                     ("cpu", False, "Tensor", True)]
     back = rpc.rpc_sync(peer, _echo, args=(x, c, x.t()))
     assert back[0].device == d0 and back[1].device == torch.device("cpu")
     assert torch.equal(back[0].cpu(), x.cpu()) and torch.equal(back[2].cpu(), x.t().cpu())
+    # views keep their strides both ways, as torch rebuilds them from their storage: a
+    # transposed view, and an expanded one (its span travels: 12 bytes, not 48 KiB)
+    e = torch.arange(3.0, device=d0).reshape(3, 1).expand(3, 4096)
+    assert rpc.rpc_sync(peer, _layouts, args=(x.t(), e)) == [((1, 3), 24), ((1, 0), 12)]
+    assert back[2].stride() == (1, 3) and back[2].device == d0
+    e_back = rpc.rpc_sync(peer, _echo, args=(e,))[0]
+    assert (e_back.stride(), e_back.untyped_storage().nbytes(), e_back.device) == ((1, 0), 12, d0)
+    assert torch.equal(e_back.cpu(), e.cpu())
 
     # test_custom_stream / test_custom_stream_multi: the callee works on a stream of its own
     x = torch.ones(2, 2).to(0)
@@ -1010,14 +1023,16 @@ def test_backward_through_maps():
     assert torch.allclose(g_leaf, want["leaf_on_side_stream"]), g_leaf
     g, where = got["caller_stream"]
     assert where == f"{dev}:0" and torch.allclose(g, want["caller_stream"])
-    # worker0 staged t1 and t2 (40 bytes each) and the gradient of res; received res and
-    # the gradient of t1 and t2 (one tensor: add's backward gives both the same, and the
-    # wire sends a tensor once); worker1 the same the other way, on its device 1
-    assert got["staged"] == (120, 80), got["staged"]
-    assert (("place on device", f"{dev}:0", f"{dev}:0", 40) in got["stage_spans"]
-            and ("stage to host", f"{dev}:0", f"{dev}:0", 40) in got["stage_spans"]
-            and ("place on device", f"{dev}:1", f"{dev}:1", 40) in got["stage_spans"]
-            and ("stage to host", f"{dev}:1", f"{dev}:1", 40) in got["stage_spans"]), got["stage_spans"]
+    # worker0 staged t1 and t2 (40 bytes each) and the gradient of res (that of a sum: one
+    # element expanded, whose 4 bytes travel, as torch sends a view's storage); received
+    # res and the gradient of t1 and t2 (one tensor: add's backward gives both the same,
+    # the wire sends a tensor once, again 4 bytes); worker1 the same the other way
+    assert got["staged"] == (84, 44), got["staged"]
+    # one span per call and device staged (t1 and t2: 80 bytes), one per tensor placed
+    assert got["stage_spans"] == [(name, f"{dev}:{i}", f"{dev}:{i}", n) for name, i, n in (
+        ("place on device", 0, 4), ("place on device", 0, 40), ("place on device", 1, 4),
+        ("place on device", 1, 40), ("stage to host", 0, 4), ("stage to host", 0, 80),
+        ("stage to host", 1, 4), ("stage to host", 1, 40))], got["stage_spans"]
     for (g, where), w in zip(got["add"], want["add"]):
         assert where.endswith(":0") and torch.equal(g, w)
     for (g, where), w in zip(got["streams"], want["streams"]):

@@ -188,14 +188,16 @@ def _host_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype)
 
 
-def to_host(tensors: list, moves: dict) -> list:
+def to_host(tensors: list, moves: dict, spans: dict | None = None) -> list:
     """``tensors`` with each one on an accelerator that ``moves`` names (index ->
     (source, target)) replaced by its copy in host memory.
 
     Every copy is queued on the current stream of its device (after the work
     already queued there, which wrote the tensor); then, per device, the host
     waits for an event recorded after the copies. The copies are read only after
-    that. The originals are not changed (autograd keeps them).
+    that. The originals are not changed (autograd keeps them). A view whose index
+    ``spans`` names (index -> elements from its first to its last) is copied as
+    that span and keeps its strides (the wire sends the span, as for a CPU view).
 
     Example::
 
@@ -213,11 +215,17 @@ def to_host(tensors: list, moves: dict) -> list:
         dev = t.device
         if dev.type == "cpu":
             continue
-        staged[dev] = staged.get(dev, 0) + _nbytes(t)
+        span = spans.get(i) if spans else None
+        staged[dev] = staged.get(dev, 0) + (_nbytes(t) if span is None else span * t.element_size())
         with torch.no_grad():
             d = t.detach()
             if d.layout is torch.sparse_coo:
                 host = d.to("cpu")   # a blocking copy: the host is synchronized with the stream
+            elif span is not None:
+                flat = d.as_strided((span,), (1,), d.storage_offset())
+                buf = _host_like(flat)
+                buf.copy_(flat, non_blocking=buf.is_pinned())
+                host = buf.as_strided(d.shape, d.stride(), 0)
             else:
                 host = _host_like(d)
                 host.copy_(d, non_blocking=host.is_pinned())
@@ -245,8 +253,16 @@ def place(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     hook = ON_STAGE
     t0 = _now_ns() if hook is not None else 0
     with torch.no_grad():
-        out = t.detach().to(device, non_blocking=True)
-    n = _nbytes(out)
+        d = t.detach()
+        if d.layout is torch.strided and d.numel() and not d.is_contiguous():
+            # a view sent as its span: the span goes over, the view is rebuilt on it
+            span = 1 + sum((n - 1) * st for n, st in zip(d.shape, d.stride()))
+            flat = d.as_strided((span,), (1,), d.storage_offset()).to(device, non_blocking=True)
+            out = flat.as_strided(d.shape, d.stride(), 0)
+            n = span * d.element_size()
+        else:
+            out = d.to(device, non_blocking=True)
+            n = _nbytes(out)
     _count("from_host", device, n)
     if hook is not None:
         hook("from_host", device, current_stream(device), n, t0, _now_ns())

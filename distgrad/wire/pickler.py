@@ -150,6 +150,17 @@ def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+def _kept_span(t: torch.Tensor) -> int | None:
+    """The span a non-contiguous view travels as, keeping its strides (None: it is
+    compacted, or is contiguous, sparse or empty): the rule of :func:`_pieces`."""
+    if t.layout is not torch.strided or not t.numel() or t.is_contiguous():
+        return None
+    span = _span(t.shape, t.stride())
+    if span * t.element_size() < _SPAN_KEEP_BYTES or span < _SPAN_FACTOR * t.numel():
+        return span
+    return None
+
+
 def _pieces(t: torch.Tensor) -> tuple[TensorSpec, list[torch.Tensor]]:
     """The spec of a table tensor and the dense pieces whose bytes travel."""
     # the exact type, as everywhere (autograd's recording included): a tensor that
@@ -166,11 +177,10 @@ def _pieces(t: torch.Tensor) -> tuple[TensorSpec, list[torch.Tensor]]:
     if d.is_neg():
         d = d.resolve_neg()
     strides: tuple = ()
-    if d.numel() and not d.is_contiguous():
-        span = _span(d.shape, d.stride())
-        if span * d.element_size() < _SPAN_KEEP_BYTES or span < _SPAN_FACTOR * d.numel():
-            strides = tuple(d.stride())
-            d = d.as_strided((span,), (1,), d.storage_offset())  # the span, 1-D contiguous
+    span = _kept_span(d)
+    if span is not None:
+        strides = tuple(d.stride())
+        d = d.as_strided((span,), (1,), d.storage_offset())  # the span, 1-D contiguous
     return TensorSpec(str(t.dtype), tuple(t.shape), bool(t.requires_grad), kind, (), strides), [d]
 
 
@@ -357,7 +367,7 @@ def _device_frames(table: DeviceTable) -> tuple[list[TensorSpec], list]:
     through its host copy; its spec keeps the original's flags and records where it
     goes."""
     moves = table.moves
-    host = to_host(table, moves)
+    host = to_host(table, moves, {i: sp for i in moves if (sp := _kept_span(table[i])) is not None})
     specs, buffers = tensor_frames(host)
     for i, (src, dst) in moves.items():
         t = table[i]

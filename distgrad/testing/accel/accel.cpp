@@ -229,6 +229,10 @@ class Checker {
     at::Tensor dst;
   };
   std::vector<Landing> landing;
+  // landed copies: their tensors are released outside the checker's lock, since the
+  // last reference to a tensor Python made may need the GIL (drop_landed)
+  std::vector<Landing> landed;
+  std::atomic<bool> has_landed{false};
 
   // land every copy that clock `c` has seen (only those into `only`'s storage, if given)
   void land(const Clock& c, const c10::StorageImpl* only) {
@@ -238,6 +242,8 @@ class Checker {
       bool mine = !only || l.dst.storage().unsafeGetStorageImpl() == only;
       if (mine && c.get(l.s) >= l.t) {
         l.dst.copy_(l.data, false);
+        landed.push_back(std::move(l));   // freed outside the lock (drop_landed)
+        has_landed = true;
       } else {
         if (kept != i) landing[kept] = std::move(l);
         ++kept;
@@ -350,7 +356,19 @@ Checker& checker() {
   return *c;
 }
 
+void drop_landed() {
+  Checker& k = checker();
+  if (!k.has_landed.load(std::memory_order_relaxed)) return;
+  std::vector<Checker::Landing> gone;
+  {
+    std::lock_guard<std::mutex> g(k.mu);
+    gone.swap(k.landed);
+    k.has_landed = false;
+  }
+}  // (`gone` released here, unlocked)
+
 void raise_pending() {
+  drop_landed();
   Checker& k = checker();
   if (!k.has_pending.load(std::memory_order_relaxed)) return;
   std::string msg;
@@ -880,9 +898,12 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
       if (d_cpu.is_floating_point() || d_cpu.is_complex()) d_cpu.fill_(std::nan(""));
       else if (d_cpu.scalar_type() == at::kBool) d_cpu.fill_(true);
       else d_cpu.fill_(91);
+      // an alias made here (no Python object behind it) of the destination's memory
+      at::Tensor alias = at::empty({0}, dst.options().pinned_memory(std::nullopt))
+                             .set_(dst.storage(), dst.storage_offset(), dst.sizes(), dst.strides());
       Checker& k = checker();
       std::lock_guard<std::mutex> g(k.mu);
-      k.landing.push_back({s, now, std::move(data), dst});
+      k.landing.push_back({s, now, std::move(data), std::move(alias)});
       return dst;
     }
     if (!non_blocking && (!sd || !dd)) host_sync_stream(s);
@@ -1175,8 +1196,12 @@ void set_checker(bool on, bool raise_errors) {
   std::lock_guard<std::mutex> g(k.mu);
   if (on && !k.enabled) ++k.epoch;  // what happened while off is forgotten
   if (!on) {  // turned off: every copy in flight lands now
-    for (auto& l : k.landing) l.dst.copy_(l.data, false);
+    for (auto& l : k.landing) {
+      l.dst.copy_(l.data, false);
+      k.landed.push_back(std::move(l));
+    }
     k.landing.clear();
+    k.has_landed = !k.landed.empty();
   }
   k.enabled = on;
   k.raise = raise_errors;
