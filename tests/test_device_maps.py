@@ -960,6 +960,13 @@ def _backward_through_maps(rank, world, port, data):
             rpc.rpc_sync(dst, _make_leaf, args=(1,))
             y = y + rpc.rpc_sync(dst, _leaf_on_side_stream, args=(x.detach()[:4],))
             dist_autograd.backward(cid, [y])
+            # a second pass in the context: w's gradient is added into the held one in place
+            # (on the side stream), and a reader must wait for that accumulation too
+            with mod.stream(side):
+                y2 = rpc.rpc_sync(dst, torch.mul, args=(w * 3.0, 2.0)).sum()
+            mod.current_stream(d0).wait_stream(side)
+            y2.record_stream(mod.current_stream(d0))
+            dist_autograd.backward(cid, [y2])
             with mod.stream(mod.Stream(d0)):
                 got_w = (dist_autograd.get_gradients(cid)[w] * 1).cpu()
             out["read_elsewhere"] = (got_w, rpc.rpc_sync(dst, _read_leaf_on_user_stream, args=(cid,)))
@@ -1019,7 +1026,7 @@ def test_backward_through_maps():
     g, where = got["user_stream"]
     assert where == f"{dev}:0" and torch.allclose(g, want["user_stream"])
     g_w, g_leaf = got["read_elsewhere"]
-    assert torch.equal(g_w, torch.full((4,), 6.0)), g_w
+    assert torch.equal(g_w, torch.full((4,), 12.0)), g_w   # two passes: 6 + 6
     assert torch.allclose(g_leaf, want["leaf_on_side_stream"]), g_leaf
     g, where = got["caller_stream"]
     assert where == f"{dev}:0" and torch.allclose(g, want["caller_stream"])

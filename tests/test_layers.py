@@ -57,7 +57,7 @@ FLOORS = {
 }
 
 # calls whose first argument, a literal module name, is an import all the same
-_BY_NAME = {"import_module", "__import__"}
+_BY_NAME = {"import_module", "__import__", "find_spec"}
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -90,16 +90,76 @@ def _is_sys_modules(node: ast.AST) -> bool:
         isinstance(node.value, ast.Name) and node.value.id == "sys"
 
 
+def _relative(name: str, package: list[str]) -> str:
+    """``..autograd`` from package ``distgrad.rpc`` -> ``distgrad.autograd``."""
+    level = len(name) - len(name.lstrip("."))
+    rest = name[level:]
+    return ".".join(package[:len(package) - (level - 1)] + ([rest] if rest else []))
+
+
+def _package_arg(node: ast.Call, here: list[str]) -> list[str] | None:
+    """The package an ``import_module(name, package)`` call resolves a relative name in:
+    a literal, or this module's own (``__package__``, ``__name__``)."""
+    arg = node.args[1] if len(node.args) > 1 else next(
+        (k.value for k in node.keywords if k.arg == "package"), None)
+    if arg is None:
+        return None
+    if _literal(arg):
+        return _literal(arg).split(".")
+    if isinstance(arg, ast.Name) and arg.id in ("__package__", "__name__"):
+        return here
+    return None
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``distgrad.autograd.backward`` for the expression ``distgrad.autograd.backward``."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id] + parts[::-1])
+    return None
+
+
+def _deepest_module(root: Path, dotted: str) -> str:
+    """The longest prefix of ``dotted`` that is a module of the package."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 1, -1):
+        if _is_module(root, ".".join(parts[:n])):
+            return ".".join(parts[:n])
+    return parts[0]
+
+
 def imports(root: Path, path: Path) -> list[tuple[int, str]]:
     """Every module of the package ``path`` imports, with its line: ``import`` and
     ``from`` statements at any depth (relative ones resolved; ``from pkg import sub``
-    names the submodule ``sub`` where there is one), and literal names given to
-    ``importlib.import_module``/``__import__`` or looked up in ``sys.modules``."""
+    names the submodule ``sub`` where there is one); names given to
+    ``importlib.import_module``/``__import__``/``find_spec`` or looked up in
+    ``sys.modules`` (literal, relative ones resolved, or a module-level constant); an
+    attribute chain through the package (``distgrad.autograd.backward`` after ``import
+    distgrad.rpc``). Names built at run time (``+``, f-strings) are not seen."""
     pkg = root.name
     me = module_name(root, path)
     here = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    consts = {t.id: v.value for n in tree.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name)
+              for v in [n.value] if isinstance(v, ast.Constant) and isinstance(v.value, str)}
+
+    def named(arg: ast.AST) -> str | None:
+        if _literal(arg):
+            return _literal(arg)
+        if isinstance(arg, ast.Name):
+            return consts.get(arg.id)
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and not isinstance(getattr(node, "ctx", None), ast.Store):
+            dotted = _dotted(node)
+            if dotted and dotted.startswith(pkg + "."):
+                out.append((node.lineno, _deepest_module(root, dotted)))
+
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -116,10 +176,14 @@ def imports(root: Path, path: Path) -> list[tuple[int, str]]:
             f = node.func
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
             by_name = name in _BY_NAME or (name == "get" and _is_sys_modules(getattr(f, "value", None)))
-            if by_name and _literal(node.args[0]):
-                out.append((node.lineno, _literal(node.args[0])))
-        elif isinstance(node, ast.Subscript) and _is_sys_modules(node.value) and _literal(node.slice):
-            out.append((node.lineno, _literal(node.slice)))
+            target = named(node.args[0]) if by_name else None
+            if target and target.startswith("."):
+                package = _package_arg(node, here)
+                target = _relative(target, package) if package else None
+            if target:
+                out.append((node.lineno, target))
+        elif isinstance(node, ast.Subscript) and _is_sys_modules(node.value) and named(node.slice):
+            out.append((node.lineno, named(node.slice)))
     return [(line, t) for line, t in out if t == pkg or t.startswith(pkg + ".")]
 
 
@@ -241,6 +305,40 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     (circle,) = circles(root)
     assert "low -> side (distgrad/low/b.py:1)" in circle, circle
     assert "side -> low (distgrad/side.py:1)" in circle, circle
+
+
+def test_names_given_at_run_time_and_attribute_chains_are_seen(tmp_path):
+    """The reaches an import statement does not show (the audit of the move): a relative
+    name given to import_module with this package or a literal one, find_spec, a
+    module-level constant looked up in sys.modules, an attribute chain through the
+    package after importing another part of it."""
+    root = tmp_path / "distgrad"
+    files = {
+        "__init__.py": "", "high/__init__.py": "", "high/x.py": "",
+        "low/__init__.py": "",
+        "low/a.py": textwrap.dedent("""\
+            import importlib
+            import importlib.util
+            import sys
+
+            import distgrad.low
+
+            NAME = "distgrad.high"
+
+
+            def f():
+                importlib.import_module(".high", "distgrad")
+                importlib.import_module("..high.x", package=__package__)
+                importlib.util.find_spec("distgrad.high.x")
+                sys.modules.get(NAME)
+                return distgrad.high.x.thing
+            """),
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    found = upward(root, {"": 9, "low": 1, "high": 2})
+    assert sorted(int(s.split(":")[1]) for s in found) == [11, 12, 13, 14, 15], found
 
 
 @pytest.mark.parametrize("source, expected", [

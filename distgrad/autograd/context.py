@@ -150,6 +150,12 @@ class DistAutogradContext:
             if ready is not None:
                 self.grad_events[(ready.device, stream_id)] = ready
 
+    def note_ready(self, ready: Any, stream_id: int) -> None:
+        """An accumulation into a held device gradient (in place) ended where ``ready``
+        was recorded (stream ``stream_id``): readers wait for it (:meth:`wait_ready`)."""
+        with self.lock:
+            self.grad_events[(ready.device, stream_id)] = ready
+
     def wait_ready(self) -> None:
         """Make the current stream of each device that holds a gradient wait for the
         accumulations into it, as torch's ``DistAutogradContext::getGradients`` blocks the

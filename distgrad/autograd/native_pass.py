@@ -171,6 +171,8 @@ def _store(share_id: int, leaf: Any, grad: torch.Tensor | None, ready: Any, stre
     try:
         if grad is not None:
             st.ctx.store(leaf, grad, ready, stream_id)
+        elif ready is not None:   # (added into the held gradient in place)
+            st.ctx.note_ready(ready, stream_id)
     finally:
         st.ctx.acc_lock.release()
 
