@@ -207,7 +207,7 @@ class Reading:
             return
         now = time.monotonic()   # liveness: only what authenticated
         last = self._last_recv
-        if now - last.get(peer, now) >= self._detector.min_gap:  # a pause ended: a sample
+        if now - last.get(peer, now) >= self._pause_min:  # a pause ended: a sample
             self._pause_ended(peer, now)
         last[peer] = now
         first = body[0]

@@ -123,6 +123,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         # when a silent peer is lost: adaptive between the deadline and the limit
         self._detector = PhiDetector(heartbeat_interval, heartbeat_deadline,
                                      self.heartbeat_limit, heartbeat_phi)
+        self._pause_min = self._detector.min_gap
         self._tcp: socket.socket | None = None
         self._unix: socket.socket | None = None
         self._unix_name = ""
