@@ -20,9 +20,9 @@ pytestmark = pytest.mark.timeout(90)
 
 _state = {}
 
-# The heartbeats these tests run with (the defaults): a silent peer is lost HB_DEADLINE
-# after the last byte it sent, and it sends one every HB_INTERVAL. A crash is seen at
-# once, from the closed connection.
+# The heartbeats these tests run with (the defaults): a silent peer with a steady history
+# is lost HB_DEADLINE (the failure detector's floor) after the last byte it sent, and it
+# sends one every HB_INTERVAL. A crash is seen at once, from the closed connection.
 _DEFAULTS = rpc.TensorPipeRpcBackendOptions()
 HB_DEADLINE, HB_INTERVAL = _DEFAULTS.heartbeat_deadline, _DEFAULTS.heartbeat_interval
 
@@ -109,7 +109,7 @@ def _kill9(rank, world_size):
         rref.to_here()
     latency = time.monotonic() - t0
     # from the closed connection, not the heartbeats: those would take at least
-    # HB_DEADLINE - HB_INTERVAL (3.5 s) after the kill; as much slack as that allows
+    # HB_DEADLINE - HB_INTERVAL after the kill; as much slack as that allows
     assert latency < min(1.0 * SLOW, HB_DEADLINE - HB_INTERVAL), latency
     t1 = time.monotonic()  # new calls fail at once
     with pytest.raises(rpc.WorkerLostError, match="worker2"):
@@ -199,7 +199,7 @@ def _sigstop(rank, world_size):
     return latency
 
 
-def test_sigstop_detected_by_heartbeats_within_5s():
+def test_sigstop_detected_by_heartbeats_at_the_floor():
     out = run_workers(_sigstop, world_size=3, timeout=75)
     print(f"\nSIGSTOP detection (default heartbeats): {out[0]:.2f} s")
     assert out[1:] == ["ok", "ok"]

@@ -54,9 +54,10 @@ def start(store: Any, name: str, rank: int | None, make_transport: Any, host: st
     (``make_transport(rank)`` builds its transport once the rank is known; ``seal``
     checks the table's entries, see :mod:`distgrad.launch.sealed`)."""
     group = Group(store, timeout, seal)
-    # a crashed member is out of the table within its heartbeat deadline (at once when
+    # a crashed member is out of the table within its heartbeat limit (at once when
     # its connections closed): a replacement that starts sooner waits that long
-    rank, incarnation, others = group.join(name, rank, wait=2 * opts.heartbeat_deadline + 2)
+    limit = getattr(opts, "heartbeat_limit", None) or opts.heartbeat_deadline
+    rank, incarnation, others = group.join(name, rank, wait=2 * limit + 2)
     transport = None
     try:
         with Lease(group, rank, time.monotonic() + timeout):  # alive while it gets ready

@@ -41,6 +41,17 @@ def _peek_kind(frames: Any) -> int:
 MAX_RDV_TIMEOUT = 1e9
 
 
+def _detector_options(opts: Any) -> dict:
+    """The failure detector's options (an options object made before they existed,
+    or by a subclass that skipped them, gets the defaults)."""
+    out = {}
+    for name in ("heartbeat_limit", "heartbeat_phi"):
+        value = getattr(opts, name, None)
+        if value is not None:
+            out[name] = value
+    return out
+
+
 def rdv_timeout(opts: RpcBackendOptions) -> float:
     """How long init_rpc waits for the other workers: ``DISTGRAD_RENDEZVOUS_TIMEOUT``
     (seconds, finite, above 0 and at most :data:`MAX_RDV_TIMEOUT`; anything else
@@ -92,10 +103,11 @@ def start_agent(store: Any, name: str, rank: int | None, world_size: int | None,
         if faults is not None:  # tests only: see distgrad/transport/faults.py
             return FaultyTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
                                    opts.max_message_size, secret=secret, faults=faults, encrypt=encrypt,
-                                   num_threads=opts.num_worker_threads, kinds=Kind, peek_kind=_peek_kind)
+                                   num_threads=opts.num_worker_threads, kinds=Kind, peek_kind=_peek_kind,
+                                   **_detector_options(opts))
         return SocketTransport(rank, opts.heartbeat_interval, opts.heartbeat_deadline,
                                opts.max_message_size, secret=secret, encrypt=encrypt,
-                               num_threads=opts.num_worker_threads)
+                               num_threads=opts.num_worker_threads, **_detector_options(opts))
 
     # nothing read from the store is unpickled; with a secret nothing unsealed is believed
     seal = rendezvous.store_seal(store, secret, name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..transport.detector import DEFAULT_THRESHOLD, HEARTBEAT_DEADLINE, HEARTBEAT_INTERVAL, default_limit
 from .devices import to_device, to_device_map
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
@@ -30,6 +31,20 @@ class RpcBackendOptions:
         self.init_method = init_method
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number from environment variable ``name``, else ``default``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a positive number, got {raw!r}")
+    return value
+
+
 def _check_timeout(rpc_timeout: Any) -> None:
     if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)):
         raise TypeError("TensorPipeRpcBackendOptions(): incompatible constructor arguments: "
@@ -47,7 +62,14 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     ``$DISTGRAD_LISTEN_ADDR``, else the address of the interface
     ``$DISTGRAD_SOCKET_IFNAME`` (or torch's ``$TP_SOCKET_IFNAME``), else the
     local address that routes to ``MASTER_ADDR`` or the ``tcp://`` host, else
-    127.0.0.1), ``heartbeat_interval``/``heartbeat_deadline`` (s),
+    127.0.0.1), ``heartbeat_interval`` (s, default 0.5), ``heartbeat_deadline``,
+    ``heartbeat_limit`` and ``heartbeat_phi`` (when a silent peer is lost: never
+    before ``heartbeat_deadline`` s of silence (default 10, or
+    ``$DISTGRAD_HEARTBEAT_DEADLINE``), always after ``heartbeat_limit`` s (default
+    three times the deadline, or ``$DISTGRAD_HEARTBEAT_LIMIT``), in between once
+    the silence is unlikely past ``heartbeat_phi`` (default 8, or
+    ``$DISTGRAD_HEARTBEAT_PHI``) given the pauses seen from that peer: see
+    :mod:`distgrad.transport.detector`; a peer whose process ends is lost at once),
     ``max_message_size`` (bytes per frame a peer may send, default 8 GiB, -1
     for no limit), ``secret`` (the cluster secret; default
     ``$DISTGRAD_SECRET``; all workers need the same one; see the README's
@@ -74,14 +96,25 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                  init_method: str = DEFAULT_INIT_METHOD,
                  device_maps: dict | None = None, devices: list | None = None,
                  _transports: list | None = None, _channels: list | None = None,
-                 listen_addr: str | None = None, heartbeat_interval: float = 0.5,
-                 heartbeat_deadline: float = 4.0, max_message_size: int = 1 << 33,
-                 secret: str | bytes | None = None, encrypt: bool | None = None) -> None:
+                 listen_addr: str | None = None, heartbeat_interval: float = HEARTBEAT_INTERVAL,
+                 heartbeat_deadline: float | None = None, max_message_size: int = 1 << 33,
+                 secret: str | bytes | None = None, encrypt: bool | None = None,
+                 heartbeat_limit: float | None = None, heartbeat_phi: float | None = None) -> None:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
-        if heartbeat_interval <= 0 or heartbeat_deadline <= heartbeat_interval:
-            raise ValueError("need 0 < heartbeat_interval < heartbeat_deadline, got "
-                             f"{heartbeat_interval!r} and {heartbeat_deadline!r}")
+        if heartbeat_deadline is None:
+            heartbeat_deadline = _env_seconds("DISTGRAD_HEARTBEAT_DEADLINE", HEARTBEAT_DEADLINE)
+        if heartbeat_limit is None:
+            heartbeat_limit = _env_seconds("DISTGRAD_HEARTBEAT_LIMIT",
+                                           default_limit(heartbeat_deadline))
+        if heartbeat_phi is None:
+            heartbeat_phi = _env_seconds("DISTGRAD_HEARTBEAT_PHI", DEFAULT_THRESHOLD)
+        if not 0 < heartbeat_interval < heartbeat_deadline <= heartbeat_limit:
+            raise ValueError("need 0 < heartbeat_interval < heartbeat_deadline <= heartbeat_limit, "
+                             f"got {heartbeat_interval!r}, {heartbeat_deadline!r} and "
+                             f"{heartbeat_limit!r}")
+        if not heartbeat_phi > 0:
+            raise ValueError(f"heartbeat_phi must be > 0, got {heartbeat_phi!r}")
         super().__init__(rpc_timeout, init_method)
         self.num_worker_threads = num_worker_threads
         # torch's: each map converted and checked on its own (no merging across keys)
@@ -91,6 +124,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.listen_addr = listen_addr or os.environ.get("DISTGRAD_LISTEN_ADDR")
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_deadline = heartbeat_deadline
+        self.heartbeat_limit = heartbeat_limit
+        self.heartbeat_phi = heartbeat_phi
         self.max_message_size = max_message_size
         self.secret = secret.encode() if isinstance(secret, str) else secret
         if encrypt is None:

@@ -400,6 +400,7 @@ class Opening:
         self._shm_peers.pop(peer, None)
         self._last_recv.pop(peer, None)
         self._last_partial.pop(peer, None)
+        self._detector.forget(peer)
         self._last_sent.pop(peer, None)
         if conn is not None:
             try:

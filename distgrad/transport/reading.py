@@ -205,7 +205,11 @@ class Reading:
                         "connection is closed", self.rank, peer, e)
             self._lose(peer, f"a message from it failed authentication ({e})", graceful=False)
             return
-        self._last_recv[peer] = time.monotonic()  # liveness: only what authenticated
+        now = time.monotonic()   # liveness: only what authenticated
+        last = self._last_recv
+        if now - last.get(peer, now) >= self._pause_min:  # a pause ended: a sample
+            self._pause_ended(peer, now)
+        last[peer] = now
         first = body[0]
         if len(body) == 1 and first[:1] == b"\xff":
             self._on_transport_frame(peer, bytes(first))
@@ -229,6 +233,13 @@ class Reading:
             return
         if w is not None:
             work.append(w)
+
+    def _pause_ended(self, peer: int, now: float) -> None:
+        """Tell the failure detector how long ``peer`` was silent (parts of a long
+        message on their way counted as signs of life)."""
+        since = max(self._last_recv.get(peer, now), self._last_partial.get(peer, 0.0))
+        if now - since >= self._detector.min_gap:
+            self._detector.sample(peer, now - since)
 
     def _reject(self, peer: int, why: str) -> None:
         log.warning("worker %d: dropped a message from worker %d (%s)", self.rank, peer, why)

@@ -50,6 +50,7 @@ from . import shm
 from .auth import Authenticator
 from .base import Timer, Transport, TransportHandler
 from .descriptors import Acceptor, open_file_limit
+from .detector import DEFAULT_THRESHOLD, HEARTBEAT_DEADLINE, HEARTBEAT_INTERVAL, PhiDetector, default_limit
 from .gate import Gate, RateLog
 from .handshake import stretch
 from .leader import LeaderFollowers
@@ -89,10 +90,12 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         >>> t.send(1, [b"frame"])
     """
 
-    def __init__(self, rank: int, heartbeat_interval: float = 0.5, heartbeat_deadline: float = 4.0,
+    def __init__(self, rank: int, heartbeat_interval: float = HEARTBEAT_INTERVAL,
+                 heartbeat_deadline: float = HEARTBEAT_DEADLINE,
                  max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE, shm_threshold: int | None = None,
                  secret: bytes | None = None, encrypt: bool = False, num_threads: int = 16,
-                 mac_tensors: bool | None = None) -> None:
+                 mac_tensors: bool | None = None, heartbeat_limit: float | None = None,
+                 heartbeat_phi: float = DEFAULT_THRESHOLD) -> None:
         if encrypt and not secret:
             raise ValueError("encryption (DISTGRAD_ENCRYPT / encrypt=True) derives its keys from "
                              "the cluster secret: set DISTGRAD_SECRET")
@@ -115,6 +118,12 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         self._shm_reader = shm.ShmReader()
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_deadline = heartbeat_deadline
+        self.heartbeat_limit = (default_limit(heartbeat_deadline) if heartbeat_limit is None
+                                else heartbeat_limit)
+        # when a silent peer is lost: adaptive between the deadline and the limit
+        self._detector = PhiDetector(heartbeat_interval, heartbeat_deadline,
+                                     self.heartbeat_limit, heartbeat_phi)
+        self._pause_min = self._detector.min_gap
         self._tcp: socket.socket | None = None
         self._unix: socket.socket | None = None
         self._unix_name = ""
@@ -306,7 +315,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
 
     # -- liveness --------------------------------------------------------------
     def _heartbeat(self, now: float) -> None:
-        deadline = self.heartbeat_deadline
+        detector = self._detector
         stalled = now - self._last_beat - self.heartbeat_interval
         self._last_beat = now
         if stalled > self.heartbeat_interval:
@@ -329,6 +338,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
             if conn.lost:
                 continue
             silent = now - max(self._last_recv.get(peer, now), self._last_partial.get(peer, 0.0))
+            deadline = detector.deadline(peer)
             if silent > deadline and not conn.owned and conn.rlock.acquire(False):
                 try:  # read what already arrived before calling anyone silent
                     work: list = []
@@ -339,7 +349,7 @@ class SocketTransport(Sending, Reading, Opening, Transport):
                 silent = (now - max(self._last_recv.get(peer, now), self._last_partial.get(peer, 0.0))
                           if not conn.lost else 0)
             if silent > deadline:
-                self._lose(peer, f"no heartbeat for {silent:.1f} s", graceful=False)
+                self._lose(peer, detector.describe(peer, silent), graceful=False)
                 continue
             if now - self._last_sent.get(peer, 0.0) >= self.heartbeat_interval:
                 self._send(conn, [_HEARTBEAT])
