@@ -1,7 +1,7 @@
 """Suite-wide settings.
 
 The ``systems`` marker goes on every test of :data:`SYSTEMS` (launching, strangers,
-a hostile store): the README's test command leaves them out (``-m "not systems"``)
+a hostile store, workers under CPU hogs): the README's test command leaves them out (``-m "not systems"``)
 to stay within its 20 minutes on 2 cores, and CI runs them as its second command
 (``-m systems``); together the two are the whole suite.
 
@@ -20,7 +20,8 @@ settings.load_profile("distgrad")
 
 
 # the test modules the README's test command leaves to CI's second command
-SYSTEMS = {"test_launch.py", "test_launch_rdzv.py", "test_hostile_store.py", "test_strangers.py"}
+SYSTEMS = {"test_launch.py", "test_launch_rdzv.py", "test_hostile_store.py", "test_strangers.py",
+           "test_heartbeat_load.py"}
 
 
 def pytest_collection_modifyitems(config, items):
