@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from mp_utils import free_port, run_workers, tmp_path_for
+from mp_utils import SLOW, free_port, run_workers, tmp_path_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -186,9 +186,15 @@ def _settled():
 def _until_waiting(thread, caller, timeout):
     """Whether ``thread`` came to wait on a future in ``caller`` (its sends all done: a
     Ctrl-C inside a send closes the connection) within ``timeout`` s."""
+    import linecache
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         f = sys._current_frames().get(thread)
+        # the future's wait compiled (no frame of its own: the caller's innermost frame
+        # is at its line), or in Python (wrapped by a recorder still installed)
+        if f is not None and f.f_code.co_name == caller and \
+                ".wait()" in linecache.getline(f.f_code.co_filename, f.f_lineno):
+            return True
         while f is not None and f.f_back is not None:
             if f.f_code.co_name == "wait" and f.f_back.f_code.co_name == caller:
                 return True
@@ -283,6 +289,258 @@ def test_ctrl_c_as_start_returns_leaves_no_trace_open():
     out = run_workers(_interrupted_late, world_size=2, timeout=90, args=(where,))[0]
     assert out == {"interrupted": True, "registered": False, "member": False, "here": False}, out
     assert os.path.exists(os.path.join(where, "after.json"))
+
+
+def _comes(name):
+    """On worker1: whether ``name`` (a function of the session) came to wait here for the
+    held lock (within 60 s)."""
+    watched = _WATCHED["lock"]
+    return watched.until(lambda: watched.came[name], 60.0)
+
+
+def _served(*names):
+    """On worker1: once each of ``names`` left the lock (or 45 s), what came and what left."""
+    watched = _WATCHED["lock"]
+    watched.until(lambda: all(watched.left[n] for n in names), 45.0)
+    return dict(watched.came), dict(watched.left)
+
+
+def _interrupted_stop(rank, world_size, where):
+    import _thread
+    import threading
+
+    import distgrad
+    import distgrad.rpc as rpc
+    if rank != 0:
+        _both()
+        return None
+    out = {}
+    distgrad.trace.start(os.path.join(where, "t.json"))
+    rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+    rpc.rpc_sync("worker1", _hold)     # the member's _end waits, as for a slow profiler stop
+    main = threading.get_ident()
+
+    def ctrl_c():
+        # pressed while stop() waits on the member (worker1's _end waits for the lock,
+        # this one waits for its answer, every _end sent), never before or after
+        if rpc.rpc_sync("worker1", _comes, args=("_end",)) and _until_waiting(main, "close_trace", 60.0):
+            _thread.interrupt_main()
+        rpc.rpc_sync("worker1", _release)
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    try:
+        distgrad.trace.stop()
+        out["interrupted"] = False
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    out["served"] = rpc.rpc_sync("worker1", _served, args=("_end",))   # the member's queued _end ran
+    out["member"] = rpc.rpc_sync("worker1", distgrad.trace.is_tracing)
+    out["here"] = distgrad.trace.is_tracing()
+    try:
+        distgrad.trace.stop()
+        out["stop_again"] = "closed"
+    except RuntimeError as e:
+        out["stop_again"] = "no trace open" if "has no trace open" in str(e) else str(e)
+    with distgrad.trace(os.path.join(where, "again.json")):
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+    _both()
+    return out
+
+
+def test_ctrl_c_in_stop_leaves_no_member_recording_and_a_new_trace_opens():
+    # the audit's interrupted_stop.py: the member's _end is held (a slow profiler stop)
+    # while stop() waits for it; the Ctrl-C lands in that wait
+    where = os.path.dirname(tmp_path_for("x"))
+    out = run_workers(_interrupted_stop, world_size=2, timeout=90, args=(where,))[0]
+    came, left = out.pop("served")
+    assert came.get("_end") == 1 and left.get("_end") == 1, (came, left)
+    assert out == {"interrupted": True, "member": False, "here": False,
+                   "stop_again": "no trace open"}, (out, came, left)
+    with open(os.path.join(where, "again.json")) as f:
+        doc = json.load(f)
+    assert doc["otherData"]["distgrad"]["missing"] == {}, doc["otherData"]
+    assert any(e.get("cat") == "rpc.serve" for e in doc["traceEvents"])
+
+
+def _in_frame(thread, name):
+    f = sys._current_frames().get(thread)
+    while f is not None:
+        if f.f_code.co_name == name:
+            return True
+        f = f.f_back
+    return False
+
+
+def _hold_until_file(flag):
+    """On worker1: a thread takes ``session._lock`` until the file ``flag`` exists (the
+    tracer says so while RPC is shutting down: no call can carry it)."""
+    from distgrad.trace import session
+    watched = _WATCHED["lock"] = session._lock = _Watched(session._lock)
+    held = threading.Event()
+
+    def hold():
+        with watched:
+            held.set()
+            end = time.monotonic() + 60.0
+            while not os.path.exists(flag) and time.monotonic() < end:
+                time.sleep(0.01)
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+
+
+def _left_installed():
+    from distgrad import observe
+    from distgrad.trace import session
+    return {"recording": observe.ACTIVE is not None, "open": "session" in session._open,
+            "gc_hooks": _gc_hooks()}
+
+
+def _stop_races_shutdown(rank, world_size, where, port):
+    import distgrad
+    import distgrad.rpc as rpc
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    flag = os.path.join(where, "release")
+    if rank == 1:
+        _both()                                   # the trace is open, the lock held
+        rpc.shutdown()
+        return _left_installed()
+    out = {}
+    distgrad.trace.start(os.path.join(where, "race.json"), timeout=30 * SLOW)
+    rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+    rpc.rpc_sync("worker1", _hold_until_file, args=(flag,))
+    box = {}
+
+    def stopper():
+        try:
+            box["stop"] = distgrad.trace.stop()
+        except BaseException as e:  # noqa: BLE001 - the outcome is the test's
+            box["stop"] = f"{type(e).__name__}: {e}"
+    th = threading.Thread(target=stopper)
+    th.start()
+    # the stopper waits on the member's _end (held there), then the main thread shuts
+    # RPC down; once the shutdown waits for the work outstanding (the stop's _end call),
+    # the member answers
+    out["end_comes"] = rpc.rpc_sync("worker1", _comes, args=("_end",))
+    out["end_waits"] = _until_waiting(th.ident, "close_trace", 60.0)
+    main = threading.get_ident()
+
+    def release():
+        end = time.monotonic() + 60.0
+        while not _in_frame(main, "join") and time.monotonic() < end:
+            time.sleep(0.01)
+        out["released_in_shutdown"] = _in_frame(main, "join") and th.is_alive()
+        open(flag, "w").close()
+    threading.Thread(target=release, daemon=True).start()
+    _both()
+    try:
+        rpc.shutdown()
+        out["shutdown"] = "ok"
+    except BaseException as e:  # noqa: BLE001
+        out["shutdown"] = f"{type(e).__name__}: {e}"
+    th.join(60 * SLOW)
+    out["stopper_done"] = not th.is_alive()
+    out["stop"] = box.get("stop")
+    out.update(_left_installed())
+    return out
+
+
+def test_stop_racing_shutdown_neither_hangs_nor_leaves_a_recording():
+    # the audit's shutdown_race.py (stop_vs_shutdown): stop() on one thread, waiting on
+    # the member, while the main thread calls rpc.shutdown()
+    where = os.path.dirname(tmp_path_for("x"))
+    tracer, member = run_workers(_stop_races_shutdown, world_size=2, timeout=120 * SLOW,
+                                 args=(where, free_port()), init=False)
+    assert tracer["end_comes"] and tracer["end_waits"] and tracer["released_in_shutdown"], tracer
+    assert tracer["stopper_done"] and tracer["shutdown"] == "ok", tracer
+    for out in (tracer, member):
+        assert (out["recording"], out["open"], out["gc_hooks"]) == (False, False, 0), (tracer, member)
+    path = os.path.join(where, "race.json")
+    assert tracer["stop"] == path, tracer      # the close went through: the file written
+    with open(path) as f:
+        doc = json.load(f)
+    missing = doc["otherData"]["distgrad"]["missing"]
+    print("race outcome: missing", missing)
+    # the member's events arrived; its clock is aligned unless it left the group (its
+    # shutdown done) before the stop's pings: then the file says so
+    assert missing == {} or (list(missing) == ["worker1"]
+                             and missing["worker1"].startswith("clock not aligned")), missing
+    if not missing:
+        assert any(e.get("cat") == "rpc.serve" for e in doc["traceEvents"])
+
+
+_CAUGHT = threading.Event()
+
+
+def _signal_when_begin_waits(sig):
+    """On worker1: hold the lock; once worker0's _begin waits for it, signal this process;
+    for SIGINT release the lock once the user's loop caught it."""
+    import signal
+    from distgrad.trace import session
+    watched = _WATCHED["lock"] = session._lock = _Watched(session._lock)
+    held = threading.Event()
+
+    def hold():
+        with watched:
+            held.set()
+            if watched.until(lambda: watched.came["_begin"], 60.0):
+                os.kill(os.getpid(), getattr(signal, sig))
+                _CAUGHT.wait(60.0)
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+
+
+def _finish():
+    _WATCHED["finish"] = True
+
+
+def _signal_member(rank, world_size, where, sig):
+    import distgrad
+    import distgrad.rpc as rpc
+    if rank != 0:
+        caught = 0
+        end = time.monotonic() + 60.0 * SLOW
+        while not _WATCHED.get("finish") and time.monotonic() < end:   # the user's loop
+            try:
+                time.sleep(0.01)
+            except KeyboardInterrupt:                                  # ... catching Ctrl-C
+                caught += 1
+                _CAUGHT.set()
+        _both()
+        return {"caught": caught, "recording": distgrad.trace.is_tracing()}
+    out = {}
+    rpc.rpc_sync("worker1", _signal_when_begin_waits, args=(sig,))
+    distgrad.trace.start(os.path.join(where, f"{sig}.json"), timeout=30 * SLOW)
+    out["member_started"] = distgrad.trace.is_tracing()
+    if sig == "SIGINT":
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+    out["stop"] = distgrad.trace.stop()
+    if sig == "SIGINT":
+        rpc.rpc_sync("worker1", _finish)
+        _both()
+    return out
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_in_a_member_while_start_waits_on_it(sig):
+    # the audit's signal_member.py: the member's _begin is held (a slow profiler start)
+    # and the member gets a signal while worker0's start() waits on it: Ctrl-C, which
+    # the user's code catches (the trace opens and closes whole), or SIGTERM, which ends
+    # it (start() and stop() return, the member named missing, the file valid)
+    where = os.path.dirname(tmp_path_for("x"))
+    tracer, member = run_workers(_signal_member, world_size=2, timeout=90 * SLOW, args=(where, sig),
+                                 expect_exit={1} if sig == "SIGTERM" else None)
+    path = os.path.join(where, f"{sig}.json")
+    assert tracer["stop"] == path, tracer
+    with open(path) as f:
+        doc = json.load(f)
+    missing = doc["otherData"]["distgrad"]["missing"]
+    if sig == "SIGINT":
+        assert member == {"caught": 1, "recording": False}, member
+        assert missing == {}, missing
+        assert any(e.get("cat") == "rpc.serve" for e in doc["traceEvents"]), doc["traceEvents"][:5]
+    else:
+        assert member is None
+        assert list(missing) == ["worker1"], missing
 
 
 # -- rpc.shutdown() with a trace open -------------------------------------------------------------

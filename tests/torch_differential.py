@@ -15,8 +15,10 @@ What worker0 records, on two workers:
   - pre- and post-hooks on a received tensor's recv function (its name, what the hooks
     saw, the gradient that reaches the sender);
   - nn.Parameters sent both ways (a reply of a server's parameters, a view of one, an
-    argument with attributes): their type, leafness, grad_fn, attributes, the
-    gradients the server keeps, and the .grad a local backward leaves on them;
+    argument with attributes, a Parameter subclass, an UninitializedParameter, a
+    Parameter through an RRef and through a RemoteModule): their type, leafness,
+    grad_fn, attributes, the gradients each side keeps, and the .grad a local backward
+    leaves on them;
   - which workers a context knows on each side after ``rpc.remote`` of a builtin, a
     Python function given a tensor that requires grad returning None, and a builtin
     called under a custom RPC pickler;
@@ -155,6 +157,122 @@ def _server_grads(impl: str, cid: int) -> list:
     return sorted([list(k.shape), _vals(v)] for k, v in dist_autograd.get_gradients(cid).items())
 
 
+class MyParam(torch.nn.Parameter):
+    """A user's Parameter subclass (issue 37's params_cases.py)."""
+
+
+def _desc(x):
+    if isinstance(x, torch.Tensor):
+        return [type(x).__name__, x.is_leaf, x.requires_grad,
+                None if x.grad_fn is None else x.grad_fn.name(),
+                sorted((k, repr(v)) for k, v in x.__dict__.items())]
+    if isinstance(x, (list, tuple)):
+        return [_desc(v) for v in x]
+    return repr(x)
+
+
+def _counts(dist_autograd, cid) -> list:
+    c = dist_autograd._retrieve_context(cid)
+    return [len(c._send_functions()), len(c._recv_functions()), sorted(c._known_worker_ids())]
+
+
+def _take(x):
+    return _desc(x)
+
+
+def _identity(x):
+    return x
+
+
+def _subclass_reply():
+    q = MyParam(torch.ones(2))
+    q.tag = "sub"
+    return q
+
+
+def _uninit_reply():
+    return torch.nn.UninitializedParameter()
+
+
+def _param_reply():
+    return _server_params()[1]
+
+
+def _rref_local(rr) -> list:
+    v = rr.local_value()
+    return [_desc(v), v is _server_params()[1]]
+
+
+class PMod(torch.nn.Module):
+    """forward(x, p) returns (x * self.w, p * 2, self.w, p)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((2,), 3.0))
+
+    def forward(self, x, p):
+        return x * self.w, p * 2, self.w, p
+
+
+def _remote_module_class(impl: str):
+    from importlib import import_module   # (torch's generated module, on each worker)
+    return import_module("torch.distributed.nn" if impl == "torch" else "distgrad.nn").RemoteModule
+
+
+def _module_grads(rr, impl: str, cid: int) -> list:
+    g = _modules(impl)[1].get_gradients(cid)
+    w = rr.local_value().w
+    return [_vals(g[w]) if w in g else None, len(g)]
+
+
+def _odd_parameters(rpc, dist_autograd, impl: str) -> dict:
+    """issue 37's params_cases.py: a Parameter subclass, UninitializedParameter, an RRef
+    and a RemoteModule, as arguments and values."""
+    out = {}
+    with dist_autograd.context() as cid:
+        out["subclass reply"] = _desc(rpc.rpc_sync("worker1", _subclass_reply))
+        out["subclass reply counts"] = _counts(dist_autograd, cid)
+    q = MyParam(torch.ones(2))
+    q.tag = "sub-arg"
+    with dist_autograd.context() as cid:
+        out["subclass argument"] = rpc.rpc_sync("worker1", _take, args=(q,))
+        out["subclass argument counts"] = _counts(dist_autograd, cid)
+    for name, fn in (("uninitialized reply", lambda: rpc.rpc_sync("worker1", _uninit_reply)),
+                     ("uninitialized argument", lambda: rpc.rpc_sync(
+                         "worker1", _take, args=(torch.nn.UninitializedParameter(),)))):
+        try:
+            out[name] = _desc(fn())
+        except Exception as e:  # noqa: BLE001 - torch's refusal is an observation too
+            out[name] = "raised " + type(e).__name__
+    with dist_autograd.context() as cid:
+        rr = rpc.remote("worker1", _param_reply)
+        out["rref to_here"] = _desc(rr.to_here())
+        out["rref owner's value"] = rpc.rpc_sync("worker1", _rref_local, args=(rr,))
+        p2 = torch.nn.Parameter(torch.ones(2))
+        out["rref of an argument"] = _desc(rpc.remote("worker1", _identity, args=(p2,)).to_here())
+        out["rref counts"] = _counts(dist_autograd, cid)
+        mine = rpc.remote("worker0", _identity, args=(p2,))
+        v = mine.to_here()
+        out["rref to self"] = [_desc(v), v is p2, _desc(mine.local_value()), mine.local_value() is p2]
+        out["rref counts after self"] = _counts(dist_autograd, cid)
+    rpc.rpc_sync("worker1", _remote_module_class, args=(impl,))   # imported there as a user would
+    m = _remote_module_class(impl)("worker1/cpu", PMod)
+    x = torch.ones(2, requires_grad=True)
+    p = torch.nn.Parameter(torch.ones(2))
+    with dist_autograd.context() as cid:
+        a, b, w, r = m.forward(x, p)
+        out["remote module values"] = _desc([a, b, w, r])
+        out["remote module counts"] = _counts(dist_autograd, cid)
+        dist_autograd.backward(cid, [a.sum() + b.sum() + w.sum() + r.sum()])
+        g = dist_autograd.get_gradients(cid)
+        out["remote module grads here"] = sorted(
+            [("x" if k is x else "p" if k is p else "w" if k is w else "r" if k is r
+              else type(k).__name__), _vals(v)] for k, v in g.items())
+        out["remote module grads there"] = rpc.rpc_sync("worker1", _module_grads,
+                                                        args=(m.module_rref, impl, cid))
+    return out
+
+
 def _parameters(rpc, dist_autograd) -> dict:
     out = {}
     impl = "torch" if rpc.__name__.startswith("torch.") else "distgrad"
@@ -210,6 +328,7 @@ def _parameters(rpc, dist_autograd) -> dict:
             out[f"known after a plain call of {f.__name__}"] = [
                 sorted(dist_autograd._retrieve_context(cid)._known_worker_ids()),
                 rpc.rpc_sync("worker1", _known, args=(impl, cid))]
+    out.update(_odd_parameters(rpc, dist_autograd, impl))
     return out
 
 
