@@ -475,6 +475,7 @@ def _signal_when_begin_waits(sig):
     """On worker1: hold the lock; once worker0's _begin waits for it, signal this process;
     for SIGINT release the lock once the user's loop caught it."""
     import signal
+
     from distgrad.trace import session
     watched = _WATCHED["lock"] = session._lock = _Watched(session._lock)
     held = threading.Event()

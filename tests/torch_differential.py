@@ -215,7 +215,7 @@ class PMod(torch.nn.Module):
 
 
 def _remote_module_class(impl: str):
-    from importlib import import_module   # (torch's generated module, on each worker)
+    from importlib import import_module  # (torch's generated module, on each worker)
     return import_module("torch.distributed.nn" if impl == "torch" else "distgrad.nn").RemoteModule
 
 
