@@ -148,7 +148,7 @@ class DistAutogradContext:
             self.gradients[leaf] = grad
             self.grads_mine.add(leaf)
             if ready is not None:
-                self.grad_events[(ready.device, stream_id)] = ready
+                self.note_ready(ready, stream_id)
 
     def note_ready(self, ready: Any, stream_id: int) -> None:
         """An accumulation into a held device gradient (in place) ended where ``ready``

@@ -174,6 +174,18 @@ def _now_ns() -> int:
     return time.perf_counter_ns()   # (the trace's clock before its test skew: trace/clock.py)
 
 
+def span(shape, strides) -> int:
+    """Elements from a non-empty view's first element to its last, inclusive (a view
+    travels as this span with its strides: :func:`to_host`, :func:`place`, the pickler).
+
+    Example::
+
+        >>> span((3, 4), (1, 3))
+        12
+    """
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
 def _host_like(t: torch.Tensor) -> torch.Tensor:
     """An empty contiguous CPU tensor of ``t``'s shape and dtype, pinned when the
     accelerator of ``t`` offers pinned memory."""
@@ -215,20 +227,18 @@ def to_host(tensors: list, moves: dict, spans: dict | None = None) -> list:
         dev = t.device
         if dev.type == "cpu":
             continue
-        span = spans.get(i) if spans else None
-        staged[dev] = staged.get(dev, 0) + (_nbytes(t) if span is None else span * t.element_size())
+        n = spans.get(i) if spans else None
+        staged[dev] = staged.get(dev, 0) + (_nbytes(t) if n is None else n * t.element_size())
         with torch.no_grad():
             d = t.detach()
             if d.layout is torch.sparse_coo:
                 host = d.to("cpu")   # a blocking copy: the host is synchronized with the stream
-            elif span is not None:
-                flat = d.as_strided((span,), (1,), d.storage_offset())
-                buf = _host_like(flat)
-                buf.copy_(flat, non_blocking=buf.is_pinned())
-                host = buf.as_strided(d.shape, d.stride(), 0)
             else:
-                host = _host_like(d)
-                host.copy_(d, non_blocking=host.is_pinned())
+                src = d if n is None else d.as_strided((n,), (1,), d.storage_offset())
+                host = _host_like(src)
+                host.copy_(src, non_blocking=host.is_pinned())
+                if n is not None:   # the view, rebuilt on its span
+                    host = host.as_strided(d.shape, d.stride(), 0)
         out[i] = host
         if dev not in streams:
             streams[dev] = current_stream(dev)
@@ -256,10 +266,10 @@ def place(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         d = t.detach()
         if d.layout is torch.strided and d.numel() and not d.is_contiguous():
             # a view sent as its span: the span goes over, the view is rebuilt on it
-            span = 1 + sum((n - 1) * st for n, st in zip(d.shape, d.stride()))
-            flat = d.as_strided((span,), (1,), d.storage_offset()).to(device, non_blocking=True)
+            k = span(d.shape, d.stride())
+            flat = d.as_strided((k,), (1,), d.storage_offset()).to(device, non_blocking=True)
             out = flat.as_strided(d.shape, d.stride(), 0)
-            n = span * d.element_size()
+            n = k * d.element_size()
         else:
             out = d.to(device, non_blocking=True)
             n = _nbytes(out)

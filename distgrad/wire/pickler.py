@@ -40,6 +40,7 @@ import torch
 
 from ..errors import DistgradError, ProtocolError, SerializationError, serialization_error
 from .devices import Route, no_map_message, to_host
+from .devices import span as _span
 
 # A spec's kind: bit 0 says nn.Parameter, the rest the layout. Sparse tensors go
 # through the table too (not reduced to their parts), so that autograd sees them.
@@ -104,11 +105,6 @@ def _nbytes(dtype: torch.dtype, shape: tuple, strides: tuple = ()) -> int:
     if n and strides:
         n = _span(shape, strides)
     return n * dtype.itemsize
-
-
-def _span(shape: Sequence[int], strides: Sequence[int]) -> int:
-    """Elements from a non-empty view's first element to its last, inclusive."""
-    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
 # A non-contiguous view travels as its span (with its strides) unless the span is

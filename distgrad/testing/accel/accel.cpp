@@ -234,6 +234,13 @@ class Checker {
   std::vector<Landing> landed;
   std::atomic<bool> has_landed{false};
 
+  // a copy's bytes reach its destination; its tensors are freed outside the lock
+  void arrive(Landing&& l) {
+    l.dst.copy_(l.data, false);
+    landed.push_back(std::move(l));
+    has_landed = true;
+  }
+
   // land every copy that clock `c` has seen (only those into `only`'s storage, if given)
   void land(const Clock& c, const c10::StorageImpl* only) {
     size_t kept = 0;
@@ -241,9 +248,7 @@ class Checker {
       Landing& l = landing[i];
       bool mine = !only || l.dst.storage().unsafeGetStorageImpl() == only;
       if (mine && c.get(l.s) >= l.t) {
-        l.dst.copy_(l.data, false);
-        landed.push_back(std::move(l));   // freed outside the lock (drop_landed)
-        has_landed = true;
+        arrive(std::move(l));
       } else {
         if (kept != i) landing[kept] = std::move(l);
         ++kept;
@@ -1196,12 +1201,8 @@ void set_checker(bool on, bool raise_errors) {
   std::lock_guard<std::mutex> g(k.mu);
   if (on && !k.enabled) ++k.epoch;  // what happened while off is forgotten
   if (!on) {  // turned off: every copy in flight lands now
-    for (auto& l : k.landing) {
-      l.dst.copy_(l.data, false);
-      k.landed.push_back(std::move(l));
-    }
+    for (auto& l : k.landing) k.arrive(std::move(l));
     k.landing.clear();
-    k.has_landed = !k.landed.empty();
   }
   k.enabled = on;
   k.raise = raise_errors;
