@@ -85,6 +85,14 @@ def _hogs(per_core=2):
             p.wait()
 
 
+def _all_lost(futs: list, name: str) -> None:
+    """Each of ``futs`` fails with the WorkerLostError that names worker ``name``."""
+    for f in futs:
+        with pytest.raises(rpc.WorkerLostError, match=name) as ei:
+            f.wait()
+        assert ei.value.worker_name == name
+
+
 # -- the detector alone ----------------------------------------------------------------
 def test_phi_deadline_adapts_between_floor_and_limit():
     assert abs(z_of_phi(8.0) - 5.612) < 0.01   # the normal law's 1e-8 upper tail
@@ -173,10 +181,7 @@ def _loaded(rank, world_size):
     time.sleep(0.3)
     t0 = time.monotonic()
     os.kill(pid2, signal.SIGKILL)
-    for f in futs:
-        with pytest.raises(rpc.WorkerLostError, match="worker2") as ei:
-            f.wait()
-        assert ei.value.worker_name == "worker2"
+    _all_lost(futs, "worker2")
     killed = time.monotonic() - t0
     assert killed < min(1.0 * SLOW, opts.heartbeat_deadline - opts.heartbeat_interval), killed
     rpc.rpc_sync(1, mark_done)
@@ -224,10 +229,7 @@ def _stopped(rank, world_size):
     time.sleep(0.5)
     t0 = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
-    for f in futs:
-        with pytest.raises(rpc.WorkerLostError, match="worker1") as ei:
-            f.wait()
-        assert ei.value.worker_name == "worker1"
+    _all_lost(futs, "worker1")
     latency = time.monotonic() - t0
     th.join(10 * SLOW)
     assert len(errors) == 1 and isinstance(errors[0], rpc.WorkerLostError), errors
