@@ -31,6 +31,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -151,7 +152,12 @@ def generate(seed: int, world: int = 2) -> dict:
             names.extend(outs)
     made = [s for s in names if s.startswith("v")] or names
     roots = rng.sample(made, min(len(made), rng.randint(1, 2)))
-    return {"seed": seed, "leaves": leaves, "steps": steps, "roots": roots, "passes": rng.randint(1, 2)}
+    passes = rng.randint(1, 2)
+    # the gradients read on fresh streams of both devices (not the one backward ran on):
+    # get_gradients must order them after the accumulations (drawn last: the programs
+    # above stay the same for every seed)
+    return {"seed": seed, "leaves": leaves, "steps": steps, "roots": roots, "passes": passes,
+            "read_on_streams": rng.random() < 0.5}
 
 
 def leaf_values(prog: dict, device_type: str | None) -> dict:
@@ -243,9 +249,14 @@ def run_programs(rank: int, world: int, port: int, progs: list) -> bytes:
                 with dist_autograd.context() as cid:
                     for _ in range(prog["passes"]):   # (each pass a forward of its own)
                         dist_autograd.backward(cid, [forward(prog, call, leaves, _DEVICE[0])])
-                    g = dist_autograd.get_gradients(cid)
-                    out.append({n: (g[t].cpu(), str(g[t].device), str(t.device))
-                                for n, t in leaves.items() if t in g})
+                    with contextlib.ExitStack() as streams:
+                        if prog.get("read_on_streams"):
+                            mod = torch.get_device_module(_DEVICE[0])
+                            for i in range(2):
+                                streams.enter_context(mod.stream(mod.Stream(torch.device(_DEVICE[0], i))))
+                        g = dist_autograd.get_gradients(cid)
+                        out.append({n: (g[t].cpu(), str(g[t].device), str(t.device))
+                                    for n, t in leaves.items() if t in g})
             except Exception as e:  # noqa: BLE001 - compared: there must be none
                 out.append(f"{type(e).__name__}: {e}")
     rpc.shutdown()
