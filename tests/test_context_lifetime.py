@@ -164,3 +164,39 @@ def test_a_dispatch_mode_around_backward_sees_the_ops_run_after_a_gradient_retur
     ops, exact = run_workers(_mode_sees_resumed_ops, world_size=2, args=(want,))[0]
     assert exact
     assert "aten.cos.default" in ops, ops
+
+
+def _contexts_here() -> int:
+    return int(dist_autograd._get_debug_info()["num_autograd_contexts"])
+
+
+def _contexts_of_worker1() -> int:
+    return rpc.rpc_sync("worker1", _contexts_here)
+
+
+def _release_rides_or_times_out(rank, world, within):
+    """worker0 leaves a context that reached worker1, then sends nothing to worker1
+    for a while; worker2 asks worker1 how many contexts it holds."""
+    if rank != 0:
+        return None
+    from distgrad.autograd import recording
+    recording.RELEASE_WITHIN = within
+    x = torch.ones(3, requires_grad=True)
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))
+        dist_autograd.backward(cid, [y.sum()])
+    time.sleep(0.3)
+    seen_by_worker2 = rpc.rpc_sync("worker2", _contexts_of_worker1)
+    own_call = rpc.rpc_sync("worker1", _contexts_here)  # the release goes before it
+    return seen_by_worker2, own_call
+
+
+@pytest.mark.parametrize("within, by_worker2", [(0.005, 0), (60.0, 1)])
+def test_a_context_release_goes_with_the_next_message_or_after_its_delay(within, by_worker2):
+    """A context's exit sends its releases with the next message to each worker (as
+    torch's, nobody waits for them), at the latest after ``RELEASE_WITHIN``: with 5 ms,
+    worker1 has released it 0.3 s later though worker0 sent it nothing; with 60 s it
+    still holds it, and worker0's next call to it carries the release, handled before
+    the call runs. Without the delayed send both would be 1; sent at once, both 0."""
+    out = run_workers(_release_rides_or_times_out, world_size=3, args=(within,))
+    assert out[0] == (by_worker2, 0), out[0]

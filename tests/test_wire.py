@@ -548,3 +548,24 @@ def test_too_many_tensor_buffers_refused_at_the_sender():
     with pytest.raises(SerializationError, match="tensor buffers"):
         encode(Kind.CALL, 1, None, data, table)
     assert len(encode(Kind.CALL, 1, None, *dumps(tensors[:MAX_BUFFERS]))) == MAX_BUFFERS + 1
+
+
+def test_loading_a_tensor_reference_raises_pickles_audit_event():
+    """The unpickler finds its own tensor references without an import (a cost on every
+    message), and raises ``pickle.find_class`` for them as pickle's would: an audit
+    hook sees the same events (run in a child: audit hooks cannot be removed)."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch\n"
+        "from distgrad.wire import pickler\n"
+        "seen = []\n"
+        "sys.addaudithook(lambda ev, args: ev == 'pickle.find_class' and seen.append(args))\n"
+        "data, tensors = pickler.dumps((torch.ones(2), 1))\n"
+        "specs, buffers = pickler.tensor_frames(tensors)\n"
+        "out = pickler.loads(data, specs, buffers)\n"
+        "assert out[0].tolist() == [1.0, 1.0] and out[1] == 1, out\n"
+        "print(seen)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[('distgrad.wire.pickler', '_table_tensor')]", res.stdout

@@ -266,12 +266,18 @@ class RpcAgent(FastPath, Serving, Members):
         self.transport.send(dest.id, frames)
         return True
 
-    def send_control(self, dest: int, op: str, *args: Any) -> None:
-        """One-way message handled in order on the receiver's reading thread."""
+    def send_control(self, dest: int, op: str, *args: Any, within: float | None = None) -> None:
+        """One-way message handled in order on the receiver's reading thread; with
+        ``within``, it goes with the next message to ``dest`` and at the latest after
+        ``within`` seconds (:meth:`~distgrad.transport.sending.Sending.send_soon`)."""
         if dest in self.lost:
             return
         payload, _ = dumps((op, args))
-        self.transport.send(dest, encode(Kind.CONTROL, 0, None, payload))
+        frames = encode(Kind.CONTROL, 0, None, payload)
+        if within is None:
+            self.transport.send(dest, frames)
+        else:
+            self.transport.send_soon(dest, frames, within)
 
     # -- receiving (the reading thread, in order per peer) ---------------------
     def on_message(self, peer: int, frames: list) -> tuple | None:

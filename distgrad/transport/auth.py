@@ -43,6 +43,9 @@ import os
 import struct
 
 _HEAD = struct.Struct("!QI")  # sequence number, frames covered in full
+_KEYED: dict = {}    # key -> BLAKE2b keyed with it, nothing hashed yet (copied per message)
+_KEYED_MAX = 4096    # (keys of connections since closed: forgotten past this many)
+_LAYOUTS: dict = {}  # frame count -> the Struct of count and sizes
 TAG_BYTES = 16
 AUTH_FRAME_BYTES = _HEAD.size + TAG_BYTES
 BULK_POLY = 64 << 10   # tensor bytes from which Poly1305 covers them (BLAKE2b below)
@@ -60,6 +63,14 @@ class SequenceGap(AuthError):
 
 
 _from_env: list[bytes | None] = [None]
+
+
+def _keyed(key: bytes):
+    """A BLAKE2b keyed with ``key`` (its first 32 bytes) that nothing was fed yet."""
+    if len(_KEYED) >= _KEYED_MAX:
+        _KEYED.clear()
+    keyed = _KEYED[key] = hashlib.blake2b(key=key[:32], digest_size=TAG_BYTES)
+    return keyed
 
 
 def secret_from_env() -> bytes | None:
@@ -156,8 +167,15 @@ class Authenticator:
         sizes = []
         for f in frames:
             sizes.append(memoryview(f).nbytes)
-        mac = hashlib.blake2b(head, key=key[:32], digest_size=TAG_BYTES)
-        mac.update(struct.pack(f"!I{n}Q", n, *sizes))
+        keyed = _KEYED.get(key)
+        if keyed is None:
+            keyed = _keyed(key)
+        mac = keyed.copy()   # (as blake2b(key=...), without setting the key up again)
+        mac.update(head)
+        layout = _LAYOUTS.get(n)
+        if layout is None:
+            layout = _LAYOUTS[n] = struct.Struct(f"!I{n}Q")
+        mac.update(layout.pack(n, *sizes))
         for f in frames[:full]:
             mac.update(f)
         return mac, sizes

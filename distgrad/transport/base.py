@@ -64,6 +64,11 @@ class Transport(ABC):
         """Send one message to ``peer`` from this thread; thread safe. A reading
         thread never blocks here (what does not fit is flushed later)."""
 
+    def send_soon(self, peer: int, frames: Sequence, within: float) -> None:
+        """Send a one-way message nobody waits for with the next message to ``peer``,
+        at the latest after ``within`` seconds (here: at once)."""
+        self.send(peer, frames)
+
     @abstractmethod
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` in order with the handler's events; thread safe."""

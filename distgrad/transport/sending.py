@@ -32,6 +32,7 @@ log = logging.getLogger("distgrad.transport.socket_transport")
 
 _HEARTBEAT = b"\xffHB"
 _GOODBYE = b"\xffBYE"
+_SOON_MAX_BYTES = 64 << 10   # send_soon: larger messages go at once
 
 
 class Sending:
@@ -59,7 +60,39 @@ class Sending:
         st[0] += 1
         st[1] += nbytes
 
-    def _send(self, conn: _Conn, frames: Sequence) -> None:
+    def send_soon(self, peer: int, frames: Sequence, within: float) -> None:
+        """Send ``frames`` to ``peer`` with the next message this worker sends it, and
+        at the latest ``within`` seconds from now: a one-way message nobody waits for
+        (a context's release) then costs no ``sendmsg`` and no wake-up of its own on
+        either side. Order is kept: it goes before anything sent to ``peer`` after it.
+
+        Example::
+
+            >>> t.send_soon(1, frames, 0.005)   # goes with the next call to worker 1
+        """
+        conn = self._conns.get(peer)
+        nbytes = 0
+        for f in frames:
+            nbytes += memoryview(f).nbytes
+        if peer == self.rank or conn is None or conn.lost or nbytes > _SOON_MAX_BYTES:
+            self.send(peer, frames)
+            return
+        st = self.stats[peer]
+        st[0] += 1
+        st[1] += nbytes
+        conn.deferred.append(frames)
+        if not conn.soon:
+            conn.soon = True
+            self.call_later(within, lambda: self._send_due(conn))
+
+    def _send_due(self, conn: _Conn) -> None:
+        """(A timer, on a reading thread) send what :meth:`send_soon` queued for
+        ``conn`` and no other message took along."""
+        conn.soon = False
+        if conn.deferred and not conn.lost:
+            self._send(conn, None)
+
+    def _send(self, conn: _Conn, frames: Sequence | None) -> None:
         # Every message goes through ``conn.deferred`` and whoever holds the write
         # lock sends it, in order. A reading thread never waits for that lock: its
         # holder may be waiting for the peer to read, and the peer for this thread
@@ -68,7 +101,8 @@ class Sending:
         # A send nested inside the holder's own (an RRef freed by the garbage collector
         # during a write sends its delete) only queues: the holder's loop sends it next.
         reading = getattr(self._tls, "reading", False)
-        conn.deferred.append(frames)
+        if frames is not None:   # (None: send what is queued, see _send_due)
+            conn.deferred.append(frames)
         me = threading.get_ident()
         if conn.wowner == me:
             return
