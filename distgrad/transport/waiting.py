@@ -294,12 +294,18 @@ def _py_wait_fd(fd, spin_ns: int, timeout_ms: int) -> bool:
 
 
 def _py_epoll_wait_spin(epoll, spin_ns: int, timeout_ms: int, maxevents: int = -1) -> list:
-    """``epoll.poll`` (``epoll``: a ``select.epoll``) after a spin of at most ``spin_ns``
+    """``epoll.poll`` (``epoll``: a ``select.epoll``, or its descriptor) after a spin of at most ``spin_ns``
     where the gate is open; the timeout in milliseconds (negative: no limit). Returns
     ``[(fd, events), ...]`` exactly like ``select.epoll.poll``: one-shot registrations
     fire once, in the spin or in the sleep."""
     if maxevents != -1 and maxevents < 1:
         raise ValueError(f"maxevents must be greater than 0, got {maxevents}")
+    if not hasattr(epoll, "poll"):   # a descriptor: the same epoll set, through a copy
+        dup = select.epoll.fromfd(os.dup(epoll if type(epoll) is int else epoll.fileno()))
+        try:
+            return _py_epoll_wait_spin(dup, spin_ns, timeout_ms, maxevents)
+        finally:
+            dup.close()
     found, left = _spin(lambda t: epoll.poll(t, maxevents), spin_ns, timeout_ms)
     if found:
         return found
