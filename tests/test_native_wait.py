@@ -363,3 +363,42 @@ def test_a_worker_pair_serves_calls_and_idles_at_no_cpu(w, env):
     assert outs2 == [[float(i)] * 2 for i in range(50)]
     for cpu in (idle0, got[1]):
         assert cpu < 0.05, got    # an idle worker: heartbeats only (the bench keeps < 1 %)
+
+
+def _interrupted(rank, world_size, want_native, hold):
+    import distgrad.rpc as rpc
+    from distgrad.transport import waiting
+    assert waiting.NATIVE == want_native, waiting.native_state()
+    if rank != 0:
+        return None
+    rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))   # connected, budget learning
+    from distgrad.transport import reading
+    waits, real = [], reading._wait_fd
+    reading._wait_fd = lambda *a: (waits.append(a), real(*a))[1]   # seen: it waited there
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    t0 = time.monotonic()
+    try:
+        rpc.rpc_sync("worker1", time.sleep, args=(hold,))
+        took = None                       # not interrupted: the wait held the signal
+    except KeyboardInterrupt:
+        took = time.monotonic() - t0
+    reading._wait_fd = real
+    assert waits, "the caller did not wait for its reply in waiting.wait_fd"
+    after = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 2)).tolist()
+    return took, after
+
+
+@pytest.mark.parametrize("env", [{}, {"DISTGRAD_PURE": "1"}], ids=["native", "pure"])
+def test_ctrl_c_in_rpc_sync_raises_at_once_and_the_connection_still_serves(w, env):
+    """A caller waiting for its reply (in C with the GIL released, or in Python) gets
+    KeyboardInterrupt from its signal handler while the reply is seconds away."""
+    want_native = w.NATIVE and not env.get("DISTGRAD_PURE")
+    hold = 2 * SLOW + 2
+    took, after = run_workers(_interrupted, world_size=2, timeout=120 * SLOW,
+                              args=(want_native, hold), env_per_rank={0: env, 1: env})[0]
+    assert took is not None and took < hold / 2, took
+    assert after == [3.0]
