@@ -3,9 +3,9 @@
 Everything is declared in ``pyproject.toml``; this file adds only the optional
 extension modules. The modules listed in ``distgrad/_build.py`` (``COMPILED``) are
 compiled with Cython from their own ``.py`` sources; on Linux the C extensions of
-``NATIVE`` (the native wait, ``distgrad/transport/_waitc.c``) are built with them. When that is not possible (no
-Cython, no working C compiler, a compiler error) the install goes on with the
-interpreted modules and says so in one line. ``distgrad/_compiled.json`` records
+``NATIVE`` (the native wait, ``transport/_waitc.c``) are built with them. When that
+is not possible (no Cython, no working C compiler, a compiler error) the install
+goes on with the interpreted modules and says so in one line. ``distgrad/_compiled.json`` records
 the SHA-256 of each source a module was built from: a module whose source changed
 since runs from its source (see ``distgrad/_build.py``).
 

@@ -98,8 +98,8 @@ def test_a_signal_handler_runs_during_a_wait_and_one_that_raises_ends_it(w):
     old = signal.getsignal(signal.SIGALRM)
     try:
         for name, wait_fd, _ in _forms(w):
-            seen = []
-            _alarm_after(0.05, lambda *_: seen.append(time.monotonic()))
+            seen: list = []
+            _alarm_after(0.05, lambda *_, seen=seen: seen.append(time.monotonic()))
             t0 = time.monotonic()
             assert wait_fd(b.fileno(), 0, 300) is False, name   # the handler ran; the wait went on
             took = time.monotonic() - t0
@@ -124,7 +124,7 @@ def test_epoll_forms_return_what_epoll_poll_does_and_a_one_shot_fires_once(w):
     pairs = [socket.socketpair() for _ in range(3)]
     ep = select.epoll()
     try:
-        for a, b in pairs:
+        for _, b in pairs:
             ep.register(b.fileno(), select.EPOLLIN | select.EPOLLONESHOT)
         forms = _forms(w)
         for name, _, epoll_wait in forms:
