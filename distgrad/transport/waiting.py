@@ -170,14 +170,14 @@ class _Gate:
         self.lock = threading.Lock()
 
     def setup(self, slots_path: str, loadavg_path: str) -> bool:
-        import fcntl
-        import mmap
         self.ok = False
         try:
+            import fcntl
+            import mmap
             self.ncpu = len(os.sched_getaffinity(0))
             lfd = os.open(loadavg_path, os.O_RDONLY | os.O_CLOEXEC)
             sfd = os.open(slots_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except (OSError, AttributeError):
+        except (OSError, AttributeError, ImportError):   # not Linux: no spin
             return False
         st = os.fstat(sfd)
         size = NSLOTS * SLOT_STRIDE
