@@ -402,3 +402,30 @@ def test_ctrl_c_in_rpc_sync_raises_at_once_and_the_connection_still_serves(w, en
                               args=(want_native, hold), env_per_rank={0: env, 1: env})[0]
     assert took is not None and took < hold / 2, took
     assert after == [3.0]
+
+
+def test_stats_count_the_spins_asked_refused_and_caught(w, tmp_path):
+    ncpu = len(os.sched_getaffinity(0))
+    slots, load = _gate_files(tmp_path, 1)
+    assert w.setup_gate(str(slots), str(load))
+    counters = [(w._py_wait_fd, lambda: list(w._COUNTS))]
+    if w._waitc is not None:
+        counters.append((w._waitc.wait_fd, w._waitc.stats))
+    a, b = socket.socketpair()
+    try:
+        a.send(b"x")
+        for wait_fd, counts in counters:
+            before = counts()
+            assert wait_fd(b.fileno(), 5_000_000, 100) is True    # ready at the first look
+            assert wait_fd(b.fileno(), 0, 100) is True            # no budget: not a spin
+            assert [x - y for x, y in zip(counts(), before)] == [1, 0, 1]
+        load.write_text(f"0.50 0.40 0.30 {ncpu + 1}/321 4242\n")
+        time.sleep(0.002)
+        for wait_fd, counts in counters:
+            before = counts()
+            assert wait_fd(b.fileno(), 5_000_000, 100) is True    # the gate is shut: slept
+            assert [x - y for x, y in zip(counts(), before)] == [1, 1, 0]
+    finally:
+        a.close()
+        b.close()
+    assert set(w.stats()) == {"asked", "refused", "caught"}

@@ -40,6 +40,9 @@ static int g_loadavg_fd = -1;           /* kept open; read with pread */
 static unsigned char *g_slots = NULL;   /* NSLOTS * SLOT_STRIDE bytes, shared */
 static int g_runnable = 0;              /* cached runnable count ... */
 static long long g_runnable_at = 0;     /* ... and when it was read (ns, monotonic) */
+/* what the spins did (relaxed counters, for stats()): asked for, refused by the gate,
+ * ended with the descriptor ready */
+static unsigned long long g_asked = 0, g_refused = 0, g_caught = 0;
 
 static long long now_ns(void) {
     struct timespec ts;
@@ -194,6 +197,11 @@ static int wait_look(int fd, long long spin_ns, int timeout_ms, look_fn look, vo
             if (deadline >= 0 && deadline - start < spin_ns)
                 spin_ns = deadline - start;
             slot = spin_ns > 0 ? gate_claim(&mine) : -1;
+            if (spin_ns > 0) {
+                __atomic_fetch_add(&g_asked, 1, __ATOMIC_RELAXED);
+                if (slot < 0)
+                    __atomic_fetch_add(&g_refused, 1, __ATOMIC_RELAXED);
+            }
             if (slot >= 0) {
                 long long stop = start + spin_ns;
                 for (;;) {
@@ -203,6 +211,8 @@ static int wait_look(int fd, long long spin_ns, int timeout_ms, look_fn look, vo
                     sched_yield();
                 }
                 gate_release(slot, mine);
+                if (r > 0)
+                    __atomic_fetch_add(&g_caught, 1, __ATOMIC_RELAXED);
             }
         }
         if (r == 0)
@@ -360,7 +370,18 @@ static PyObject *waitc_gate_release(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* stats() -> (asked, refused, caught): spins asked for, refused by the gate, and ended
+ * with the descriptor ready (the rest slept after their budget). */
+static PyObject *waitc_stats(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return Py_BuildValue("(KKK)", __atomic_load_n(&g_asked, __ATOMIC_RELAXED),
+                         __atomic_load_n(&g_refused, __ATOMIC_RELAXED),
+                         __atomic_load_n(&g_caught, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef methods[] = {
+    {"stats", waitc_stats, METH_NOARGS, "stats() -> (asked, refused, caught)"},
     {"wait_fd", waitc_wait_fd, METH_VARARGS,
      "wait_fd(fd, spin_ns, timeout_ms) -> bool: see distgrad.transport.waiting.wait_fd"},
     {"epoll_wait_spin", waitc_epoll_wait_spin, METH_VARARGS,

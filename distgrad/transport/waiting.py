@@ -246,6 +246,7 @@ class _Gate:
 
 
 _GATE = _Gate()
+_COUNTS = [0, 0, 0]   # the Python form's spins: asked for, refused by the gate, caught
 
 
 def _spin(look, spin_ns: int, timeout_ms: int):
@@ -258,7 +259,9 @@ def _spin(look, spin_ns: int, timeout_ms: int):
     if spin_ns <= 0:
         return None, timeout_ms
     claimed = _GATE.claim()
+    _COUNTS[0] += 1
     if claimed is None:
+        _COUNTS[1] += 1
         return None, timeout_ms
     found = None
     try:
@@ -270,6 +273,8 @@ def _spin(look, spin_ns: int, timeout_ms: int):
             os.sched_yield()
     finally:
         _GATE.release(*claimed)
+    if found:
+        _COUNTS[2] += 1
     if timeout_ms < 0:
         return found, -1
     return found, max(0, math.ceil(timeout_ms - (time.monotonic_ns() - start) / 1e6))
@@ -343,6 +348,20 @@ epoll_wait_spin = _waitc.epoll_wait_spin if NATIVE else _py_epoll_wait_spin
 GATE_OPEN = setup_gate()
 
 
+def stats() -> dict:
+    """What this process's spins did: ``asked`` (a wait with a budget), ``refused``
+    (the gate was shut: it slept at once), ``caught`` (the descriptor became ready
+    while it spun: a wake-up saved); the rest spun their budget and then slept.
+
+    Example::
+
+        >>> set(stats()) == {"asked", "refused", "caught"}
+        True
+    """
+    counts = _waitc.stats() if NATIVE else _COUNTS
+    return dict(zip(("asked", "refused", "caught"), counts))
+
+
 def native_state() -> str:
     """``"native"`` where the waits run in C, else ``"python (<why>)"``; for
     :func:`distgrad.info`.
@@ -356,5 +375,5 @@ def native_state() -> str:
 
 
 __all__ = ["Budget", "budget_us", "epoll_wait_spin", "may_spin", "native_state", "parse_us",
-           "setup_gate",
+           "setup_gate", "stats",
            "wait_fd"]
