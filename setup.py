@@ -2,9 +2,10 @@
 
 Everything is declared in ``pyproject.toml``; this file adds only the optional
 extension modules. The modules listed in ``distgrad/_build.py`` (``COMPILED``) are
-compiled with Cython from their own ``.py`` sources. When that is not possible (no
-Cython, no working C compiler, a compiler error) the install goes on with the
-interpreted modules and says so in one line. ``distgrad/_compiled.json`` records
+compiled with Cython from their own ``.py`` sources; on Linux the C extensions of
+``NATIVE`` (the native wait, ``transport/_waitc.c``) are built with them. When that
+is not possible (no Cython, no working C compiler, a compiler error) the install
+goes on with the interpreted modules and says so in one line. ``distgrad/_compiled.json`` records
 the SHA-256 of each source a module was built from: a module whose source changed
 since runs from its source (see ``distgrad/_build.py``).
 
@@ -75,11 +76,17 @@ def _extensions():
         src = os.path.relpath(_plan.source_path(name), HERE).replace(os.sep, "/")
         exts.append(Extension(name, [src], extra_compile_args=["-O2"] if os.name != "nt" else []))
     try:
-        return cythonize(exts, compiler_directives=DIRECTIVES, quiet=True,
+        exts = cythonize(exts, compiler_directives=DIRECTIVES, quiet=True,
                          nthreads=os.cpu_count() or 1)
     except Exception as exc:   # a Cython failure must not stop the install
         _fall_back(f"Cython could not translate the message path ({_first_line(exc)})")
         return []
+    if sys.platform.startswith("linux"):   # the native wait (epoll, /proc, /dev/shm)
+        for name in _plan.NATIVE:
+            src = os.path.relpath(_plan.source_path(name), HERE).replace(os.sep, "/")
+            if os.path.exists(os.path.join(HERE, src)):
+                exts.append(Extension(name, [src], extra_compile_args=["-O2"]))
+    return exts
 
 
 class OptionalBuildExt(build_ext):
@@ -109,7 +116,8 @@ class OptionalBuildExt(build_ext):
                 os.remove(path)
 
     def _publish(self):
-        manifest = {name: _plan.source_digest(_plan.source_path(name)) for name in _plan.COMPILED}
+        manifest = {ext.name: _plan.source_digest(_plan.source_path(ext.name))
+                    for ext in self.extensions}
         if self.inplace:
             targets = []
         else:   # and beside the sources of this checkout, for tests run from it

@@ -56,7 +56,9 @@ def info() -> dict:
     (per module: :func:`distgrad._build.message_path`, after importing them all) and the
     distributed backward's engine (``autograd_engine``: ``"native"``, one torch graph task
     a worker a pass, where ``distgrad/autograd/native`` could be built, else ``"python"``
-    with ``autograd_engine_why``).
+    with ``autograd_engine_why``), and whether the transport waits in C with the GIL
+    released (``native_wait``: ``"native"``, else ``"python (<why>)"``, see
+    :mod:`distgrad.transport.waiting`).
 
     Example::
 
@@ -71,6 +73,8 @@ def info() -> dict:
     for name in _build.COMPILED:
         importlib.import_module(name)
     out = {"version": __version__, **_build.message_path()}
+    from .transport import waiting
+    out["native_wait"] = waiting.native_state()   # "native", or "python (why)"
     from .autograd import native
     mod = native.load(build=False) if native.built() else None
     out["autograd_engine"] = "native" if mod is not None else "python"

@@ -47,6 +47,13 @@ COMPILED = (
     "distgrad.rpc.agent",
 )
 
+#: C extensions (not compiled from a .py): module -> its source, relative to the package.
+#: Each is recorded in the manifest like the modules above and used only while its
+#: source is unchanged; its Python reference form is chosen by the module that loads it.
+NATIVE = {
+    "distgrad.transport._waitc": "transport/_waitc.c",
+}
+
 MANIFEST = "_compiled.json"
 #: the manifest's entry, instead of the modules, when setup.py installed the interpreted path
 FALLBACK_KEY = "fallback"
@@ -59,7 +66,10 @@ def _base(module: str) -> str:
 
 
 def source_path(module: str) -> str:
-    """The ``.py`` file of a module of the package, in this checkout or install."""
+    """The source of a module of the package (its ``.py`` file, or the C file of one of
+    :data:`NATIVE`), in this checkout or install."""
+    if module in NATIVE:
+        return os.path.join(_PACKAGE_DIR, *NATIVE[module].split("/"))
     return _base(module) + ".py"
 
 
@@ -130,6 +140,22 @@ class _Chooser:
 
 
 _CHOOSER: _Chooser | None = None
+
+
+def native_why(name: str) -> str | None:
+    """Why the C extension ``name`` (one of :data:`NATIVE`) must not be loaded (the
+    same rules as the compiled modules: not built, not in the manifest, built from
+    another source, ``DISTGRAD_PURE=1``, the install fell back), or None.
+
+    Example::
+
+        >>> native_why("distgrad.transport._waitc") in (None, "not built", "DISTGRAD_PURE=1")
+        True
+    """
+    chooser = _CHOOSER if _CHOOSER is not None else _Chooser()
+    why = chooser.must_interpret(name)
+    chooser.chosen[name] = "compiled" if why is None else "interpreted (" + why + ")"
+    return why
 
 
 def install() -> None:

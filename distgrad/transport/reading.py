@@ -21,13 +21,14 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import threading
 import time
 from collections.abc import Callable
 
-from . import framing, shm
+from . import framing, shm, waiting
 from .auth import AuthError
 from .opening import _Conn
 from .sending import _GOODBYE
@@ -41,25 +42,25 @@ _ONESHOT = select.EPOLLONESHOT if _EPOLL else 0
 
 
 def _spin_seconds(raw: str | None) -> float:
-    """``DISTGRAD_SPIN_US``: how long a thread that found nothing to read polls again
-    before it sleeps (opt-in busy polling for machines with cores to spare; 0, the
-    default, sleeps at once and keeps an idle worker at no CPU)."""
-    if raw is None or not raw.strip():
-        return 0.0
-    try:
-        us = float(raw)
-    except ValueError:
-        us = -1.0
-    if not 0 <= us <= 1e6:
-        raise ValueError(f"DISTGRAD_SPIN_US must be a number of microseconds between 0 and "
-                         f"1000000, not {raw!r}")
-    return us / 1e6
+    """``DISTGRAD_SPIN_US``: a fixed spin budget for every wait that expects bytes soon,
+    instead of the learned one (:mod:`.waiting`); 0 never spins. Unset: learned where
+    the native wait runs, else 0 (sleep at once: an idle worker uses no CPU)."""
+    return (waiting.parse_us("DISTGRAD_SPIN_US", raw) or 0.0) / 1e6
 
 
 SPIN_S = _spin_seconds(os.environ.get("DISTGRAD_SPIN_US"))
 # between two looks while spinning: let another process on this core run (where the
 # platform has no sched_yield, a spin is a plain busy loop)
 _yield = getattr(os, "sched_yield", None) or (lambda: None)
+_wait_fd = waiting.wait_fd
+_epoll_wait_spin = waiting.epoll_wait_spin
+_NATIVE = waiting.NATIVE
+_perf = time.perf_counter
+
+
+def _ms(wait: float) -> int:
+    """A timeout in seconds as the waits take it: milliseconds, rounded up."""
+    return min(2**31 - 1, math.ceil(wait * 1000))
 
 
 class Reading:
@@ -117,14 +118,17 @@ class Reading:
     def _poll(self, wait: float) -> list:
         if _EPOLL:
             try:  # one ready socket per waiting thread: the others stay for the next
-                if SPIN_S and wait:
-                    stop = time.perf_counter() + min(SPIN_S, wait)
-                    while time.perf_counter() < stop:
-                        events = self._poller.poll(0, 1)
-                        if events or not self._running:
-                            return events
-                        _yield()  # a peer on this core runs; none: this vCPU stays awake
-                return self._poller.poll(wait, 1)
+                # a thread back from traffic expects more soon: it may spin first
+                tls = self._tls
+                if wait and getattr(tls, "traffic", False):
+                    budget = self._lead_budget
+                    start = _perf()
+                    events = _epoll_wait_spin(self._poller, budget.spin_ns(), _ms(wait), 1)
+                    budget.note(_perf() - start)
+                else:
+                    events = _epoll_wait_spin(self._poller, 0, _ms(wait), 1)
+                tls.traffic = bool(events) and events[0][0] in self._by_fd
+                return events
             except (OSError, ValueError):
                 if not self._running:
                     return []
@@ -311,21 +315,21 @@ class Reading:
         tls.reading = True
         try:
             poll = conn.poll.poll
+            target = conn.fd if _NATIVE else conn.poll
+            budget = self._reply_budget
             end = None if timeout is None else time.monotonic() + timeout
+            since = _perf()
             while not done() and not conn.lost and self._running:
                 if end is not None and time.monotonic() > end:
                     break
                 # the reply is often there already (the peer ran while this thread
-                # was sending): look before sleeping (and keep looking for SPIN_S)
-                ready = poll(0)
-                if not ready and SPIN_S:
-                    stop = time.perf_counter() + SPIN_S
-                    while not ready and time.perf_counter() < stop:
-                        _yield()
-                        ready = poll(0)
-                if ready or poll(100):
+                # was sending): look before sleeping (and keep looking for the
+                # budget learned from the last replies: waiting.Budget)
+                if poll(0) or _wait_fd(target, budget.spin_ns(), 100):
+                    budget.note(_perf() - since)
                     work: list = []
                     self._read(conn, work)
+                    since = _perf()
                     if work:
                         # not run here: this thread goes back to waiting for its
                         # reply, and a failed reply's exception would keep this

@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import shm
+from . import shm, waiting
 from .auth import Authenticator
 from .base import Timer, Transport, TransportHandler
 from .descriptors import Acceptor, open_file_limit
@@ -161,6 +161,10 @@ class SocketTransport(Sending, Reading, Opening, Transport):
         # bookkeeping (RRef forks, autograd reports) expects one event at a time
         self._dispatch = threading.RLock()
         self._tick_lock = threading.Lock()
+        # the spin budgets (waiting.Budget) of a caller waiting for its reply and of a
+        # pool thread back from traffic, learned from how long their waits took
+        self._reply_budget = waiting.Budget()
+        self._lead_budget = waiting.Budget()
         # With epoll every idle pool thread waits in it at once (the kernel hands each
         # ready socket to one of them): no thread ever wakes another on the common
         # path. Elsewhere (or DISTGRAD_SHARED_POLL=0) one leader waits and hands its
