@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..wire import Kind, dumps, encode, encode_fast, loads
-from ..wire.fast_header import encode_grads
 from ..wire.devices import parse_target, place
+from ..wire.fast_header import encode_grads
 from ..wire.messages import decode
 from .devices import reply_route
 from .extensions import NULL_SCOPE
