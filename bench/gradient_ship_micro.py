@@ -61,7 +61,8 @@ def main(sizes: list[int]) -> None:
         a, b = recv_pickled(old), recv_binary(new)
         assert a[:5] == b[:5] and a[6:] == b[6:] and torch.equal(a[5][0], b[5][0])
         print(f"64 x {n}: send pickled {_cpu_us(send_pickled):.2f} us, "
-              f"binary {_cpu_us(send_binary):.2f} us; receive pickled {_cpu_us(recv_pickled, old):.2f} us, binary {_cpu_us(recv_binary, new):.2f} us")
+              f"binary {_cpu_us(send_binary):.2f} us; receive pickled {_cpu_us(recv_pickled, old):.2f} us, "
+              f"binary {_cpu_us(recv_binary, new):.2f} us")
 
 
 if __name__ == "__main__":

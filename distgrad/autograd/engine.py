@@ -39,8 +39,8 @@ from ..errors import AnomalyError, BackwardError
 from ..intra_op import follow_intra_op_threads
 from ..observe import local_ns
 from ..rpc import api as rpc_api
-from ..rpc.functions import async_execution
 from ..rpc.fast_path import GRADIENT_RECEIVER
+from ..rpc.functions import async_execution
 from ..rpc.future_errors import fail
 from ..rpc.remote_exc import pack_exception, unpack_exception
 from ..transport import reading as _reading
