@@ -20,7 +20,7 @@ from distgrad.errors import ProtocolError
 from distgrad.rpc import fast_path
 from distgrad.rpc.agent import RpcAgent
 from distgrad.rpc.worker_info import WorkerInfo
-from distgrad.wire import Kind, decode
+from distgrad.wire import Kind, decode, dumps, encode
 from distgrad.wire.fast_header import FAST, GRADS_BLOCK, decode_fast, encode_grads, grads_args
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,9 +148,13 @@ def test_the_table_and_header_are_checked():
         _parse(_put(env, FAST.size + 1, "!B", 2), rest)
     with pytest.raises(ProtocolError):   # a buffer of the wrong size
         _parse(env, [rest[0][:-4]])
-    general = bytearray(b"DG") + env[2:]   # only the fast envelope carries gradients
+    # only the fast envelope carries gradients: a general one of kind GRADS is refused
+    data, tensors = dumps((print, (1,), {}))
+    general = [bytearray(f) for f in encode(Kind.NOTIFY, 3, ("m.f", None, None), data, tensors)]
+    assert general[0][:2] == b"DG" and decode(general).kind is Kind.NOTIFY
+    general[0][3] = int(Kind.GRADS)
     with pytest.raises(ProtocolError):
-        decode([general, *rest])
+        decode(general)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
