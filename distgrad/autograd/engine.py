@@ -39,6 +39,7 @@ from ..errors import AnomalyError, BackwardError
 from ..intra_op import follow_intra_op_threads
 from ..observe import local_ns
 from ..rpc import api as rpc_api
+from ..rpc.fast_path import GRADIENT_RECEIVER
 from ..rpc.functions import async_execution
 from ..rpc.future_errors import fail
 from ..rpc.remote_exc import pack_exception, unpack_exception
@@ -297,6 +298,7 @@ def _propagate(context_id: int, pass_id: tuple, initiator: int, flags: int,
 
 
 RECEIVER[0] = _propagate  # gradients shipped here arrive there
+GRADIENT_RECEIVER[0] = _propagate  # ... in the agent's gradient layout (no pickle) where they fit
 
 
 def _send_function(state: PassState, msg_id: int) -> Any:

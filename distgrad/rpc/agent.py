@@ -31,10 +31,10 @@ import torch
 from ..errors import DistgradError, ProtocolError, RPCTimeoutError, WorkerLostError
 from ..transport import Transport
 from ..wire import Kind, decode, dumps, encode, loads
-from ..wire.fast_header import FAST_MAGIC, decode_fast, fast_header
+from ..wire.fast_header import FAST_MAGIC, decode_fast, fast_header, grads_args
 from ..wire.messages import peek_header, request_id
 from .extensions import EXTENSION_TYPES, AgentExtension
-from .fast_path import FastPath
+from .fast_path import GRADIENT_RECEIVER, FastPath
 from .members import Members
 from .pending import _SEAL, RpcFuture, _holder, _Pending, _settle, agent_or_none, current_agent
 from .pool import WorkerPool
@@ -259,8 +259,14 @@ class RpcAgent(FastPath, Serving, Members):
         ``reverse``: device tensors go through the reverse map to ``to`` (a gradient
         for a request's tensors goes back as the reply would)."""
         dest = self.resolve(to)
-        frames = self._request_frames(dest, Kind.NOTIFY, next(self._rids), (func, tuple(args), kwargs or {}),
-                                      _qualname(func), None, self._current_ctx(), reverse)
+        rid = next(self._rids)
+        ctx = self._current_ctx()
+        frames = None
+        if func is GRADIENT_RECEIVER[0] and ctx is None and not kwargs and self.fast:
+            frames = self._gradient_frames(dest, rid, tuple(args), reverse)   # no pickle
+        if frames is None:
+            frames = self._request_frames(dest, Kind.NOTIFY, rid, (func, tuple(args), kwargs or {}),
+                                          _qualname(func), None, ctx, reverse)
         if dest.id in self.lost:
             return False
         self.transport.send(dest.id, frames)
@@ -324,6 +330,17 @@ class RpcAgent(FastPath, Serving, Members):
         if kind == Kind.CONTROL:
             self._on_control(peer, msg)
             return
+        if kind == Kind.GRADS:   # (fast layout only) gradients for the gradient function
+            receiver = GRADIENT_RECEIVER[0]
+            try:
+                if receiver is None:
+                    raise ProtocolError("gradients for a worker without distributed autograd")
+                msg.call = (receiver, grads_args(msg), {})
+            except ProtocolError as e:
+                log.warning("worker %s: malformed message from worker %d: %s", self.name, peer, e)
+                return
+            msg.kind = Kind.NOTIFY   # served as the NOTIFY it replaces: no reply, errors logged
+            msg.meta = (_qualname(receiver), None, None)
         if not (isinstance(msg.meta, tuple) and len(msg.meta) == 3):
             log.warning("worker %s: malformed request meta from worker %d", self.name, peer)
             self._send_error(peer, rid, ProtocolError("malformed request meta"), None)

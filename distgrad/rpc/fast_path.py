@@ -18,11 +18,17 @@ from typing import Any
 
 from ..wire import Kind, dumps, encode, encode_fast, loads
 from ..wire.devices import parse_target, place
+from ..wire.fast_header import encode_grads
 from ..wire.messages import decode
 from .devices import reply_route
 from .extensions import NULL_SCOPE
 from .remote_exc import unpack_exception
 from .script import BUILTINS, builtin_table
+
+# The receiver's gradient function (distributed autograd's ``engine._propagate``, set
+# when it is imported): a NOTIFY of it goes out as a gradient message (Kind.GRADS)
+# where its arguments fit that layout, and a gradient message received runs it.
+GRADIENT_RECEIVER: list = [None]
 
 
 class FastPath:
@@ -52,6 +58,18 @@ class FastPath:
                                  and (kind == Kind.CALL or kind == Kind.REMOTE)
                                  and (BUILTINS or builtin_table()).get(id(payload_obj[0])) is not None)
         return encode(kind, rid, (what, ag_meta, extra), payload, tensors)
+
+    def _gradient_frames(self, dest: Any, rid: int, args: tuple, reverse: bool) -> list | None:
+        """Frames of a NOTIFY of the gradient function in the gradient layout, or None
+        where the general one must carry it (a device map that moves CPU tensors)."""
+        if reverse:
+            route = reply_route(self, dest.name)
+        else:
+            routes = self.request_routes
+            route = routes.get(dest.name) if routes else None
+        if route is not None and route.cpu_target is not None:
+            return None
+        return encode_grads(rid, args)
 
     def _reply_frames(self, peer: int, rid: int, value: Any, ctx: Any) -> list:
         """Pickle a reply (recording autograd functions in ``ctx``) into frames."""

@@ -48,7 +48,8 @@ class Serving:
             follow_intra_op_threads()  # the global torch.set_num_threads (distgrad/intra_op.py)
             hook = self._incoming(peer, ag_meta)
             self._tls.msg = msg
-            func, args, kwargs = _load_call(msg, hook, self._place)
+            call = msg.call   # a gradient message's, decoded without a pickle
+            func, args, kwargs = _load_call(msg, hook, self._place) if call is None else call
             with self._scope(ag_meta) as ctx:
                 if profiling.active:  # a server-side profile is open
                     result = profiling.run(func, args, kwargs)

@@ -32,7 +32,7 @@ from ..wire import Kind
 WIDTH = 9
 SPAN, INSTANT, CALL, SEND, RECV, SERVE, WAIT, GC = range(8)
 
-_REQUESTS = (int(Kind.CALL), int(Kind.REMOTE), int(Kind.NOTIFY))
+_REQUESTS = (int(Kind.CALL), int(Kind.REMOTE), int(Kind.NOTIFY), int(Kind.GRADS))
 _REPLIES = (int(Kind.REPLY), int(Kind.ERROR))
 _VERBS = ("rpc_async", "rpc_sync", "remote")
 _OWN = "distgrad.trace."

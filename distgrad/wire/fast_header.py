@@ -61,7 +61,7 @@ _NAMES = tuple(str(d) for d in DTYPES)
 _ITEMSIZE = tuple(d.itemsize for d in DTYPES)
 _GRADABLE = tuple(d.is_floating_point for d in DTYPES)
 _DIMS = [struct.Struct(f"!{n}Q") for n in range(MAX_DIMS + 1)]
-_KINDS = {int(k): k for k in (Kind.CALL, Kind.NOTIFY, Kind.REPLY)}
+_KINDS = {int(k): k for k in (Kind.CALL, Kind.NOTIFY, Kind.REPLY, Kind.GRADS)}
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _strided = torch.strided
 _tuple_new = tuple.__new__
@@ -119,8 +119,8 @@ def fast_header(frames: Sequence) -> tuple:
     if FAST.size + what_len > size:
         raise ProtocolError(f"header announces a {what_len}-byte name, the envelope has "
                             f"{size - FAST.size}")
-    if k is Kind.REPLY and what_len:
-        raise ProtocolError("a reply names no function")
+    if (k is Kind.REPLY or k is Kind.GRADS) and what_len:
+        raise ProtocolError(f"a {k.name.lower()} message names no function")
     return k, rid, nbuf
 
 
@@ -136,6 +136,8 @@ def decode_fast(frames: Sequence, sender=None, header: tuple | None = None) -> M
     pos = FAST.size + what_len
     if kind is Kind.REPLY:
         meta = None
+    elif kind is Kind.GRADS:
+        meta = ("", None, None)   # (the receiver's gradient function: see grads_args)
     else:
         try:
             meta = (str(env[FAST.size:pos], "utf-8"), None, None)
@@ -200,3 +202,120 @@ def decode_fast(frames: Sequence, sender=None, header: tuple | None = None) -> M
     msg = Message(kind, rid, meta, tuple(specs), env[pos:], buffers, sender)
     msg.tensors = tensors
     return msg
+
+
+# -- shipped gradients (Kind.GRADS) ----------------------------------------------------
+# A recv function's gradients going back to their sender, a NOTIFY of the receiver's
+# gradient function (``engine._propagate``), in the fast layout with a fixed binary
+# block where the payload pickle would be (no pickle either way, and no function name:
+# the receiver runs its one gradient function):
+#   block   context id, pass id (initiator rank, n), initiator, flags, autograd message
+#           id, weight exponent (struct "!qqqqqqQ"), gradient count, unreached count
+#           (struct "!HH"), then one byte per gradient (1: the table's next tensor,
+#           0: None), then the unreached slots (u16 each, each below the count)
+GRADS_BLOCK = struct.Struct("!qqqqqqQHH")
+_SLOT = struct.Struct("!H")
+_MAX_SLOTS = (1 << 16) - 1
+_I64 = 1 << 63
+
+
+def encode_grads(rid: int, args: tuple) -> list | None:
+    """Frames of a gradient message (``Kind.GRADS``) for the receiver's gradient
+    function called with ``args`` = (context id, pass id, initiator, flags, message id,
+    grads, exp, unreached); None when they do not fit this layout (a field of another
+    type or range, a gradient that requires grad, a tensor the fast table cannot
+    carry): the sender then uses the general NOTIFY, whose receiver runs the same call.
+
+    Example::
+
+        >>> frames = encode_grads(9, (5, (0, 1), 0, 0, 7, [torch.ones(2), None], 2, [1]))
+        >>> grads_args(decode_fast(frames))[5]
+        [tensor([1., 1.]), None]
+    """
+    if len(args) != 8:
+        return None
+    context_id, pass_id, initiator, flags, msg_id, grads, exp, unreached = args
+    if type(pass_id) is not tuple or len(pass_id) != 2 or type(grads) is not list \
+            or type(unreached) is not list or len(grads) > _MAX_SLOTS or len(unreached) > _MAX_SLOTS:
+        return None
+    fields = (context_id, pass_id[0], pass_id[1], initiator, flags, msg_id)
+    for v in fields:
+        if type(v) is not int or not -_I64 <= v < _I64:
+            return None
+    if type(exp) is not int or not 0 <= exp < 1 << 64:
+        return None
+    n = len(grads)
+    for i in unreached:
+        if type(i) is not int or not 0 <= i < n:
+            return None
+    # the tensor table as encode_fast writes it, with fewer calls per tensor: a gradient
+    # is a plain tensor that requires no grad (else: the general path)
+    parts = [b""]
+    buffers = []
+    present = bytearray(n)
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        code = _CODES.get(g.dtype)
+        if code is None or type(g) is not _Tensor or g.requires_grad or g.layout is not _strided \
+                or g.device.type != "cpu" or not g.is_contiguous() or g.is_neg():
+            return None
+        present[i] = 1
+        shape = g.shape
+        parts.append(_ENTRY.pack(code, 0, len(shape)))
+        if shape:
+            parts.append(_DIMS[len(shape)].pack(*shape))
+        arr = g.numpy()
+        if arr.nbytes:
+            buffers.append(arr.tobytes() if arr.nbytes <= SNAPSHOT_BYTES else arr.reshape(-1).view("u1"))
+    if len(buffers) > MAX_BUFFERS:
+        return None
+    parts[0] = FAST.pack(FAST_MAGIC, FAST_VERSION, int(Kind.GRADS), len(buffers), rid, 0, sum(present))
+    parts.append(GRADS_BLOCK.pack(*fields, exp, n, len(unreached)))
+    parts.append(bytes(present))
+    parts.extend(_SLOT.pack(i) for i in unreached)
+    return [b"".join(parts), *buffers]
+
+
+def grads_args(msg: Message) -> tuple:
+    """The gradient function's arguments from a decoded ``Kind.GRADS`` message (its
+    tensors already built by :func:`decode_fast`), as :func:`encode_grads` took them;
+    raises ProtocolError (a short or long block, a presence byte other than 0 or 1,
+    present gradients other than the table's tensors, a slot out of range) and
+    nothing else."""
+    block = msg.payload
+    size = len(block)
+    if size < GRADS_BLOCK.size:
+        raise ProtocolError(f"gradient block of {size} bytes is shorter than its "
+                            f"{GRADS_BLOCK.size}-byte header")
+    context_id, rank, n, initiator, flags, msg_id, exp, count, nslots = GRADS_BLOCK.unpack_from(block)
+    pos = GRADS_BLOCK.size
+    if size != pos + count + 2 * nslots:
+        raise ProtocolError(f"gradient block of {size} bytes for {count} gradients and "
+                            f"{nslots} unreached slots")
+    tensors = msg.tensors
+    grads: list = [None] * count
+    used = 0
+    for i in range(count):
+        b = block[pos + i]
+        if b == 1:
+            if used >= len(tensors):
+                raise ProtocolError("more present gradients than tensors")
+            grads[i] = tensors[used]
+            used += 1
+        elif b != 0:
+            raise ProtocolError(f"gradient presence byte {b}")
+    if used != len(tensors):
+        raise ProtocolError(f"{len(tensors)} tensors for {used} present gradients")
+    for spec in msg.specs:   # (decode_fast's: no call on the tensors)
+        if spec[2] or spec[3]:
+            raise ProtocolError("a shipped gradient is a plain tensor that requires no grad")
+    pos += count
+    unreached = []
+    for _ in range(nslots):
+        (i,) = _SLOT.unpack_from(block, pos)
+        pos += 2
+        if i >= count:
+            raise ProtocolError(f"unreached slot {i} of {count} gradients")
+        unreached.append(i)
+    return (context_id, (rank, n), initiator, flags, msg_id, grads, exp, unreached)
