@@ -166,22 +166,18 @@ class AutogradExtension(AgentExtension):
         ddp.detach()
 
 
-#: how long a context's release may wait for another message to the same worker to go
-#: with (a training loop's next call), seconds
-RELEASE_WITHIN = 0.005
-
-
 def spread_release(ctx: DistAutogradContext, exclude: int | None) -> None:
     """Tell every worker this context reached to release it (one-way control
     messages; each receiver passes it on to the workers it reached). As torch's,
-    nobody waits for them; each goes with the next message to its worker, at the
-    latest after ``RELEASE_WITHIN`` (the context's exit sends nothing itself)."""
+    nobody waits for them; each goes with the next message to its worker (a training
+    loop's next call), at the latest at the transport's next tick (a quarter second
+    by default): the context's exit sends nothing itself."""
     agent = agent_or_none()
     if agent is None:
         return
     for w in ctx._known_worker_ids():
         if w != exclude and w != agent.rank:
-            agent.send_control(w, "ag_release", ctx.id, within=RELEASE_WITHIN)
+            agent.send_control(w, "ag_release", ctx.id, soon=True)
 
 
 def _release_remote(sender: int, context_id: int) -> None:

@@ -272,18 +272,18 @@ class RpcAgent(FastPath, Serving, Members):
         self.transport.send(dest.id, frames)
         return True
 
-    def send_control(self, dest: int, op: str, *args: Any, within: float | None = None) -> None:
+    def send_control(self, dest: int, op: str, *args: Any, soon: bool = False) -> None:
         """One-way message handled in order on the receiver's reading thread; with
-        ``within``, it goes with the next message to ``dest`` and at the latest after
-        ``within`` seconds (:meth:`~distgrad.transport.sending.Sending.send_soon`)."""
+        ``soon``, it goes with the next message to ``dest``, at the latest at the
+        transport's next tick (:meth:`~distgrad.transport.sending.Sending.send_soon`)."""
         if dest in self.lost:
             return
         payload, _ = dumps((op, args))
         frames = encode(Kind.CONTROL, 0, None, payload)
-        if within is None:
-            self.transport.send(dest, frames)
+        if soon:
+            self.transport.send_soon(dest, frames)
         else:
-            self.transport.send_soon(dest, frames, within)
+            self.transport.send(dest, frames)
 
     # -- receiving (the reading thread, in order per peer) ---------------------
     def on_message(self, peer: int, frames: list) -> tuple | None:

@@ -64,9 +64,9 @@ class Transport(ABC):
         """Send one message to ``peer`` from this thread; thread safe. A reading
         thread never blocks here (what does not fit is flushed later)."""
 
-    def send_soon(self, peer: int, frames: Sequence, within: float) -> None:
+    def send_soon(self, peer: int, frames: Sequence) -> None:
         """Send a one-way message nobody waits for with the next message to ``peer``,
-        at the latest after ``within`` seconds (here: at once)."""
+        or a little later (here: at once)."""
         self.send(peer, frames)
 
     @abstractmethod

@@ -184,7 +184,7 @@ class FaultyTransport(SocketTransport):
         self.fault_stats = {"dropped": 0, "delayed": 0, "duplicated": 0}
         log.warning("worker %d: fault injection is ON (%s): %s", rank, ENV_VAR, cfg)
 
-    def send_soon(self, peer: int, frames: Sequence, within: float) -> None:
+    def send_soon(self, peer: int, frames: Sequence) -> None:
         """At once, through :meth:`send` (the rules see every message as it is sent)."""
         self.send(peer, frames)
 

@@ -71,7 +71,7 @@ class _Conn:
         self.reader = framing.FrameReader(max_frame)
         self.outq: list = []            # iovecs a reading thread could not send
         self.deferred: collections.deque = collections.deque()  # messages to send (see _send)
-        self.soon = False               # a timer will send what send_soon queued
+        self.soon = False               # send_soon queued something (the tick sends it)
         self.owned = False              # a caller reads its own reply here
         self.lost = False
         self.cipher = cipher

@@ -60,15 +60,16 @@ class Sending:
         st[0] += 1
         st[1] += nbytes
 
-    def send_soon(self, peer: int, frames: Sequence, within: float) -> None:
+    def send_soon(self, peer: int, frames: Sequence) -> None:
         """Send ``frames`` to ``peer`` with the next message this worker sends it, and
-        at the latest ``within`` seconds from now: a one-way message nobody waits for
-        (a context's release) then costs no ``sendmsg`` and no wake-up of its own on
-        either side. Order is kept: it goes before anything sent to ``peer`` after it.
+        at the latest at the transport's next periodic tick (``heartbeat_interval`` / 2):
+        a one-way message nobody waits for (a context's release) then costs no
+        ``sendmsg``, no timer and no wake-up of its own on either side. Order is kept:
+        it goes before anything sent to ``peer`` after it.
 
         Example::
 
-            >>> t.send_soon(1, frames, 0.005)   # goes with the next call to worker 1
+            >>> t.send_soon(1, frames)   # goes with the next call to worker 1
         """
         conn = self._conns.get(peer)
         nbytes = 0
@@ -81,13 +82,11 @@ class Sending:
         st[0] += 1
         st[1] += nbytes
         conn.deferred.append(frames)
-        if not conn.soon:
-            conn.soon = True
-            self.call_later(within, lambda: self._send_due(conn))
+        conn.soon = True
 
     def _send_due(self, conn: _Conn) -> None:
-        """(A timer, on a reading thread) send what :meth:`send_soon` queued for
-        ``conn`` and no other message took along."""
+        """(The periodic tick, on a reading thread) send what :meth:`send_soon` queued
+        for ``conn`` and no other message took along."""
         conn.soon = False
         if conn.deferred and not conn.lost:
             self._send(conn, None)
