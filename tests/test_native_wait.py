@@ -231,6 +231,39 @@ def test_spinners_are_counted_host_wide_and_a_dead_ones_slot_is_taken_over(w, tm
     assert _gates(w)[-1][1]()[2] == 1
 
 
+_TRUNCATED = """
+import os, sys, time
+from distgrad.transport import waiting as w
+slots, load = sys.argv[1], sys.argv[2]
+assert w.setup_gate(slots, load)
+gates = [(w._GATE.claim, w._GATE.release, w._GATE.state)]
+if w._waitc is not None:
+    gates.append((w._waitc.gate_claim, w._waitc.gate_release, w._waitc.gate_state))
+for claim, release, state in gates:
+    got = claim()
+    assert got is not None, got
+    os.truncate(slots, 0)         # another process empties the file under us
+    state()
+    release(*got)
+    got = claim()                 # a short file reads as free slots
+    if got is not None:
+        release(*got)
+    os.truncate(slots, 0)
+print("survived")
+"""
+
+
+def test_a_slot_file_truncated_under_a_spinner_costs_no_crash(tmp_path):
+    """The slots are read and written with pread/pwrite, never mapped: a mapped file
+    that another process truncates (or a full /dev/shm) raised SIGBUS on the next
+    access, in both forms (the audit's repro: rc 135). Run in a child: a SIGBUS would
+    kill pytest."""
+    slots, load = _gate_files(tmp_path, 1)
+    res = subprocess.run([sys.executable, "-c", _TRUNCATED, str(slots), str(load)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "survived", (res.returncode, res.stderr)
+
+
 def test_without_loadavg_or_the_slot_file_nothing_spins(w, tmp_path):
     assert not w.setup_gate(str(tmp_path / "no-such-dir" / "slots"), "/proc/loadavg")
     assert not w.setup_gate(str(tmp_path / "slots"), str(tmp_path / "no-loadavg"))

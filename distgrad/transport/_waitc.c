@@ -20,12 +20,12 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -37,7 +37,10 @@
 
 static int g_ncpu = 0;                  /* CPUs in the affinity mask at setup */
 static int g_loadavg_fd = -1;           /* kept open; read with pread */
-static unsigned char *g_slots = NULL;   /* NSLOTS * SLOT_STRIDE bytes, shared */
+/* The slot file, read and written with pread/pwrite under its lock (never mapped: a
+ * mapping of a file another process truncates, or of a full /dev/shm, raises SIGBUS) */
+static int g_slots_fd = -1;
+static pthread_mutex_t g_slots_mu = PTHREAD_MUTEX_INITIALIZER;   /* our threads ... */
 static int g_runnable = 0;              /* cached runnable count ... */
 static long long g_runnable_at = 0;     /* ... and when it was read (ns, monotonic) */
 /* what the spins did (relaxed counters, for stats()): asked for, refused by the gate,
@@ -48,10 +51,6 @@ static long long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-static uint64_t *slot_at(unsigned char *slots, int i) {
-    return (uint64_t *)(slots + (size_t)i * SLOT_STRIDE);
 }
 
 static int slot_live(uint64_t v, uint32_t now_ms) {
@@ -96,38 +95,79 @@ static int may_spin(int ncpu, int run, int spinners) {
     return spinners < ncpu - others;
 }
 
-static int count_live(unsigned char *slots, uint32_t now_ms) {
+/* Every slot's value into out[NSLOTS] (a short file reads as free slots); -1 on error. */
+static int read_slots(int fd, uint64_t *out) {
+    unsigned char buf[NSLOTS * SLOT_STRIDE];
+    memset(buf, 0, sizeof(buf));
+    if (pread(fd, buf, sizeof(buf), 0) < 0)
+        return -1;
+    for (int i = 0; i < NSLOTS; i++)
+        memcpy(&out[i], buf + (size_t)i * SLOT_STRIDE, sizeof(uint64_t));
+    return 0;
+}
+
+static int read_slot(int fd, int i, uint64_t *v) {
+    *v = 0;
+    return pread(fd, v, sizeof(*v), (off_t)i * SLOT_STRIDE) < 0 ? -1 : 0;
+}
+
+static int write_slot(int fd, int i, uint64_t v) {
+    return pwrite(fd, &v, sizeof(v), (off_t)i * SLOT_STRIDE) == (ssize_t)sizeof(v) ? 0 : -1;
+}
+
+/* ... and other processes (a POSIX lock of the whole file, as the Python form's lockf) */
+static int lock_slots(int fd) {
+    pthread_mutex_lock(&g_slots_mu);
+    if (lockf(fd, F_LOCK, 0) != 0) {
+        pthread_mutex_unlock(&g_slots_mu);
+        return -1;
+    }
+    return 0;
+}
+
+static void unlock_slots(int fd) {
+    lockf(fd, F_ULOCK, 0);
+    pthread_mutex_unlock(&g_slots_mu);
+}
+
+static int count_live(const uint64_t *slots, uint32_t now_ms) {
     int live = 0;
     for (int i = 0; i < NSLOTS; i++)
-        if (slot_live(__atomic_load_n(slot_at(slots, i), __ATOMIC_RELAXED), now_ms))
+        if (slot_live(slots[i], now_ms))
             live++;
     return live;
 }
 
-/* Claim a slot when the gate is open: its index, and its value in *mine; -1 when not. */
+/* Claim a slot when the gate is open: its index, and its value in *mine; -1 when not
+ * (any error reading or writing the slot file shuts the gate for this wait). */
 static int gate_claim(uint64_t *mine) {
-    unsigned char *slots = g_slots;
-    if (slots == NULL || g_ncpu <= 0)
+    int fd = g_slots_fd;
+    if (fd < 0 || g_ncpu <= 0)
         return -1;
     int run = runnable();
-    if (run < 0)
+    if (run < 0 || !may_spin(g_ncpu, run, 0))
+        return -1;   /* no free core even before counting spinners: no file access */
+    if (lock_slots(fd) != 0)
         return -1;
+    int got = -1;
+    uint64_t slots[NSLOTS];
     uint32_t now_ms = (uint32_t)(now_ns() / 1000000LL);
-    if (!may_spin(g_ncpu, run, count_live(slots, now_ms)))
-        return -1;
-    uint64_t v = ((uint64_t)(uint32_t)getpid() << 32) | now_ms;
-    if (v == 0)
-        v = 1;
-    for (int i = 0; i < NSLOTS; i++) {
-        uint64_t *s = slot_at(slots, i);
-        uint64_t old = __atomic_load_n(s, __ATOMIC_RELAXED);
-        if (!slot_live(old, now_ms) &&
-            __atomic_compare_exchange_n(s, &old, v, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-            *mine = v;
-            return i;
+    if (read_slots(fd, slots) == 0 && may_spin(g_ncpu, run, count_live(slots, now_ms))) {
+        uint64_t v = ((uint64_t)(uint32_t)getpid() << 32) | now_ms;
+        if (v == 0)
+            v = 1;
+        for (int i = 0; i < NSLOTS; i++) {
+            if (!slot_live(slots[i], now_ms)) {
+                if (write_slot(fd, i, v) == 0) {
+                    *mine = v;
+                    got = i;
+                }
+                break;
+            }
         }
     }
-    return -1;
+    unlock_slots(fd);
+    return got;
 }
 
 /* Keep the slot fresh while spinning; 0 when it was taken from us (we were stale). */
@@ -138,18 +178,26 @@ static int gate_refresh(int i, uint64_t *mine) {
     uint64_t v = (*mine & 0xffffffff00000000ULL) | now_ms;
     if (v == 0)
         v = 1;
-    uint64_t old = *mine;
-    if (!__atomic_compare_exchange_n(slot_at(g_slots, i), &old, v, 0, __ATOMIC_ACQ_REL,
-                                     __ATOMIC_RELAXED))
+    int fd = g_slots_fd, ok = 0;
+    uint64_t old;
+    if (fd < 0 || lock_slots(fd) != 0)
         return 0;
-    *mine = v;
-    return 1;
+    if (read_slot(fd, i, &old) == 0 && old == *mine && write_slot(fd, i, v) == 0) {
+        *mine = v;
+        ok = 1;
+    }
+    unlock_slots(fd);
+    return ok;
 }
 
 static void gate_release(int i, uint64_t mine) {
-    uint64_t old = mine;
-    __atomic_compare_exchange_n(slot_at(g_slots, i), &old, 0, 0, __ATOMIC_ACQ_REL,
-                                __ATOMIC_RELAXED);
+    int fd = g_slots_fd;
+    uint64_t old;
+    if (fd < 0 || lock_slots(fd) != 0)
+        return;
+    if (read_slot(fd, i, &old) == 0 && old == mine)
+        write_slot(fd, i, 0);
+    unlock_slots(fd);
 }
 
 /* One look: >0 ready (n events / revents), 0 nothing, -1 error (errno). */
@@ -303,28 +351,23 @@ static PyObject *waitc_setup_gate(PyObject *self, PyObject *args) {
     int lfd = open(loadavg_path, O_RDONLY | O_CLOEXEC);
     int sfd = open(slots_path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
     struct stat st;
-    unsigned char *map = NULL;
-    size_t size = (size_t)NSLOTS * SLOT_STRIDE;
+    off_t size = (off_t)NSLOTS * SLOT_STRIDE;
+    /* the file's blocks are reserved (posix_fallocate): a full /dev/shm fails here, at
+     * setup, with no spinning, rather than at a write */
     if (ncpu > 0 && lfd >= 0 && sfd >= 0 && fstat(sfd, &st) == 0 && S_ISREG(st.st_mode)
-            && st.st_uid == getuid()
-            && ((size_t)st.st_size >= size || ftruncate(sfd, (off_t)size) == 0)) {
-        void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, sfd, 0);
-        if (m != MAP_FAILED)
-            map = (unsigned char *)m;
-    }
-    if (sfd >= 0)
-        close(sfd);
-    if (map != NULL) {
-        /* an earlier mapping and descriptor stay: a spinning thread may use them */
+            && st.st_uid == getuid() && posix_fallocate(sfd, 0, size) == 0) {
+        /* an earlier descriptor stays open: a spinning thread may be using it */
         g_ncpu = ncpu;
         g_loadavg_fd = lfd;
         __atomic_store_n(&g_runnable_at, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&g_slots, map, __ATOMIC_RELEASE);
+        __atomic_store_n(&g_slots_fd, sfd, __ATOMIC_RELEASE);
         ok = 1;
     } else {
         if (lfd >= 0)
             close(lfd);
-        __atomic_store_n(&g_slots, NULL, __ATOMIC_RELEASE);
+        if (sfd >= 0)
+            close(sfd);
+        __atomic_store_n(&g_slots_fd, -1, __ATOMIC_RELEASE);
     }
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(ok);
@@ -334,8 +377,9 @@ static PyObject *waitc_setup_gate(PyObject *self, PyObject *args) {
 static PyObject *waitc_gate_state(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
-    unsigned char *slots = g_slots;
-    if (slots == NULL)
+    int fd = g_slots_fd;
+    uint64_t slots[NSLOTS];
+    if (fd < 0 || read_slots(fd, slots) != 0)
         return Py_BuildValue("(iiiO)", g_ncpu, -1, 0, Py_False);
     __atomic_store_n(&g_runnable_at, 0, __ATOMIC_RELAXED);   /* a fresh sample */
     int run = runnable();
@@ -362,7 +406,7 @@ static PyObject *waitc_gate_release(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "iK:gate_release", &i, &v))
         return NULL;
-    if (g_slots == NULL || i < 0 || i >= NSLOTS) {
+    if (g_slots_fd < 0 || i < 0 || i >= NSLOTS) {
         PyErr_SetString(PyExc_ValueError, "no such slot");
         return NULL;
     }

@@ -162,8 +162,11 @@ class Budget:
 
 
 class _Gate:
-    """The Python form of the gate (the same file and decision as ``_waitc.c``; a
-    slot is claimed under an exclusive ``lockf`` of the file instead of a CAS)."""
+    """The Python form of the gate (the same file and decision as ``_waitc.c``): the
+    slots are read and written with ``pread``/``pwrite`` under an exclusive ``lockf`` of
+    the file (and a lock for this process's threads), never mapped: a mapping of a file
+    another process truncates, or of a full /dev/shm, would raise SIGBUS. Any error
+    reading or writing the file: no spin."""
 
     def __init__(self) -> None:
         self.ok = False
@@ -171,23 +174,22 @@ class _Gate:
 
     def setup(self, slots_path: str, loadavg_path: str) -> bool:
         self.ok = False
+        lfd = sfd = -1
         try:
             import fcntl
-            import mmap
             self.ncpu = len(os.sched_getaffinity(0))
             lfd = os.open(loadavg_path, os.O_RDONLY | os.O_CLOEXEC)
             sfd = os.open(slots_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except (OSError, AttributeError, ImportError):   # not Linux: no spin
+            st = os.fstat(sfd)
+            if not (st.st_uid == os.getuid() and (st.st_mode & 0o170000) == 0o100000):
+                raise OSError("not this user's regular file")
+            # blocks reserved now: a full /dev/shm fails here (no spin), not at a write
+            os.posix_fallocate(sfd, 0, NSLOTS * SLOT_STRIDE)
+        except (OSError, AttributeError, ImportError):   # not Linux, or not usable: no spin
+            for fd in (lfd, sfd):
+                if fd >= 0:
+                    os.close(fd)
             return False
-        st = os.fstat(sfd)
-        size = NSLOTS * SLOT_STRIDE
-        if not (st.st_uid == os.getuid() and (st.st_mode & 0o170000) == 0o100000):
-            os.close(sfd)
-            os.close(lfd)
-            return False
-        if st.st_size < size:
-            os.ftruncate(sfd, size)
-        self.map = mmap.mmap(sfd, size)
         self.sfd, self.lfd, self.fcntl = sfd, lfd, fcntl
         self.run, self.run_at = 0, 0
         self.ok = True
@@ -201,8 +203,12 @@ class _Gate:
         self.run, self.run_at = int(field.split(b"/")[0]), t
         return self.run
 
-    def _slot(self, i: int) -> int:
-        return struct.unpack_from("=Q", self.map, i * SLOT_STRIDE)[0]
+    def _slots(self) -> list:
+        data = os.pread(self.sfd, NSLOTS * SLOT_STRIDE, 0).ljust(NSLOTS * SLOT_STRIDE, b"\0")
+        return [struct.unpack_from("=Q", data, i * SLOT_STRIDE)[0] for i in range(NSLOTS)]
+
+    def _write(self, i: int, v: int) -> None:
+        os.pwrite(self.sfd, struct.pack("=Q", v), i * SLOT_STRIDE)
 
     def _live(self, v: int, now_ms: int) -> bool:
         return v != 0 and (now_ms - v) & 0xFFFFFFFF <= STALE_MS
@@ -213,34 +219,47 @@ class _Gate:
         self.run_at = 0
         run = self.runnable()
         now_ms = (time.monotonic_ns() // 1_000_000) & 0xFFFFFFFF
-        live = sum(self._live(self._slot(i), now_ms) for i in range(NSLOTS))
+        try:
+            live = sum(self._live(v, now_ms) for v in self._slots())
+        except OSError:
+            return (self.ncpu, -1, 0, False)
         return (self.ncpu, run, live, may_spin(self.ncpu, run, live))
 
     def claim(self) -> tuple | None:
         if not self.ok:
             return None
         with self.lock:
-            self.fcntl.lockf(self.sfd, self.fcntl.LOCK_EX)
+            try:
+                self.fcntl.lockf(self.sfd, self.fcntl.LOCK_EX)
+            except OSError:
+                return None
             try:
                 now_ms = (time.monotonic_ns() // 1_000_000) & 0xFFFFFFFF
-                slots = [self._slot(i) for i in range(NSLOTS)]
+                slots = self._slots()
                 if not may_spin(self.ncpu, self.runnable(), sum(self._live(v, now_ms) for v in slots)):
                     return None
                 mine = (os.getpid() & 0xFFFFFFFF) << 32 | now_ms or 1
                 for i, v in enumerate(slots):
                     if not self._live(v, now_ms):
-                        struct.pack_into("=Q", self.map, i * SLOT_STRIDE, mine)
+                        self._write(i, mine)
                         return (i, mine)
+                return None
+            except OSError:
                 return None
             finally:
                 self.fcntl.lockf(self.sfd, self.fcntl.LOCK_UN)
 
     def release(self, slot: int, mine: int) -> None:
         with self.lock:
-            self.fcntl.lockf(self.sfd, self.fcntl.LOCK_EX)
             try:
-                if self._slot(slot) == mine:
-                    struct.pack_into("=Q", self.map, slot * SLOT_STRIDE, 0)
+                self.fcntl.lockf(self.sfd, self.fcntl.LOCK_EX)
+            except OSError:
+                return
+            try:
+                if self._slots()[slot] == mine:
+                    self._write(slot, 0)
+            except OSError:
+                pass
             finally:
                 self.fcntl.lockf(self.sfd, self.fcntl.LOCK_UN)
 
