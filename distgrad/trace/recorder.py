@@ -188,6 +188,9 @@ class Recorder:
         self._saved["transport.send"] = transport.__dict__.get("send")
         self._send = transport.send
         transport.send = self._transport_send
+        self._saved["transport.send_soon"] = transport.__dict__.get("send_soon")
+        self._send_soon = transport.send_soon
+        transport.send_soon = self._transport_send_soon
         for op, fn in list(agent.control_handlers.items()):
             wrapped = self._control(op, fn)
             self._handlers[op] = (fn, wrapped)
@@ -213,10 +216,11 @@ class Recorder:
         agent, transport = self.agent, self.agent.transport
         for attr in _WRAPPED:
             agent.__dict__.pop(attr, None)
-        if self._saved.get("transport.send") is not None:
-            transport.send = self._saved["transport.send"]
-        else:
-            transport.__dict__.pop("send", None)
+        for name in ("send", "send_soon"):
+            if self._saved.get("transport." + name) is not None:
+                setattr(transport, name, self._saved["transport." + name])
+            else:
+                transport.__dict__.pop(name, None)
         for op, (fn, wrapped) in self._handlers.items():
             if agent.control_handlers.get(op) is wrapped:
                 agent.control_handlers[op] = fn
@@ -267,10 +271,10 @@ class Recorder:
         finally:
             self._tls.what = None
 
-    def _send_control(self, dest: int, op: str, *args: Any) -> None:
+    def _send_control(self, dest: int, op: str, *args: Any, **kwargs: Any) -> None:
         self._tls.what = f"control {op}"
         try:
-            self._saved["send_control"](dest, op, *args)
+            self._saved["send_control"](dest, op, *args, **kwargs)
         finally:
             self._tls.what = None
 
@@ -288,6 +292,28 @@ class Recorder:
         try:
             return self._send(peer, frames)
         finally:
+            self._tick()
+            self._add((SEND, threading.get_native_id(), t0, self._now(), what, peer, rid, nbytes, kind))
+
+    def _transport_send_soon(self, peer: int, frames: Any) -> Any:
+        """A message queued to go with the next one (a context's release): recorded when
+        queued, as the user's code sent it (a send_soon that sends at once goes through
+        transport.send, not recorded a second time)."""
+        tls = self._tls
+        if tls.skip:
+            return self._send_soon(peer, frames)
+        try:
+            kind, rid = _head(frames)
+        except Exception:  # noqa: BLE001 - not an agent message: not ours to record
+            return self._send_soon(peer, frames)
+        nbytes = _nbytes(frames)
+        what = tls.what
+        t0 = self._now()
+        tls.skip = True
+        try:
+            return self._send_soon(peer, frames)
+        finally:
+            tls.skip = False
             self._tick()
             self._add((SEND, threading.get_native_id(), t0, self._now(), what, peer, rid, nbytes, kind))
 
