@@ -131,3 +131,40 @@ def _calls(rank, world_size):
 def test_calls():
     assert run_workers(_calls, world_size=3, timeout=150,
                        options={"num_worker_threads": 4}) == ["worker0", "worker1", "worker2"]
+
+
+def _sleeps(s):
+    time.sleep(s)
+    return 1
+
+
+def _short_timeouts(rank, world_size):
+    """How long rpc_sync and rpc_async(...).wait() take to raise a 30 ms timeout (five
+    each, sorted)."""
+    if rank != 0:
+        return None
+    out = {}
+    for kind in ("sync", "async"):
+        took = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            try:
+                if kind == "sync":
+                    rpc.rpc_sync("worker1", _sleeps, args=(1.0,), timeout=0.03)
+                else:
+                    rpc.rpc_async("worker1", _sleeps, args=(1.0,), timeout=0.03).wait()
+            except RuntimeError as e:
+                assert "timeout" in str(e).lower(), e
+            took.append(time.monotonic() - t0)
+        out[kind] = sorted(took)
+    return out
+
+
+def test_a_short_timeout_ends_the_wait_when_it_expires():
+    """torch raises a 30 ms timeout after 30 ms. A caller reading its own reply here
+    slept in 100 ms slices and saw its call expired (by a timer on another thread) only
+    at the end of one: 101 ms, every time. Now it wakes when the call expires."""
+    got = run_workers(_short_timeouts, world_size=2)[0]
+    for kind, took in got.items():
+        assert took[0] >= 0.03 and took[2] < 0.03 + 0.1 * SLOW, (kind, got)
+        assert took[0] < 0.095, (kind, got)   # the fastest of five: 101 ms with the slices

@@ -299,7 +299,7 @@ class Reading:
         self._arm(conn)
 
     def read_until(self, peer: int, done: Callable[[], bool], timeout: float | None = None,
-                   claimed: bool = False) -> bool:
+                   claimed: bool = False, look_at: float | None = None) -> bool:
         """Read ``peer``'s connection on this thread until ``done()`` (a caller waiting
         for its reply), when nobody else is reading it. Returns False at once when
         someone is (the reader completes the waiter), True once ``done()`` or the
@@ -307,7 +307,10 @@ class Reading:
         each request a task of its own, the reply completions of one read one task.
         A caller that did not claim the connection before sending (a future's
         ``wait()``) gives it back after a read that brought a request, and returns
-        False: the peer is sending requests, and the pool serves those best."""
+        False: the peer is sending requests, and the pool serves those best.
+        ``look_at`` (a ``time.monotonic()`` instant: the call's timeout) is when
+        ``done()`` may turn true without a byte on this connection: the wait wakes
+        then to look (else every 100 ms)."""
         conn = self._conns.get(peer)
         tls = self._tls
         if not claimed and not self.claim(peer):
@@ -325,7 +328,12 @@ class Reading:
                 # the reply is often there already (the peer ran while this thread
                 # was sending): look before sleeping (and keep looking for the
                 # budget learned from the last replies: waiting.Budget)
-                if poll(0) or _wait_fd(target, budget.spin_ns(), 100):
+                slice_ms = 100
+                if look_at is not None:
+                    left = look_at - time.monotonic()
+                    if left > -0.1:   # (a timer due then completes it on another thread)
+                        slice_ms = max(1, min(100, _ms(left + 0.0005)))
+                if poll(0) or _wait_fd(target, budget.spin_ns(), slice_ms):
                     budget.note(_perf() - since)
                     work: list = []
                     self._read(conn, work)
