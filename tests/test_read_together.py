@@ -58,11 +58,11 @@ def _hold_back_first_read():
     t = current_agent().transport
     read_until, read = t.read_until, t._read
 
-    def late(peer, done, timeout=None, claimed=False):
+    def late(peer, done, timeout=None, claimed=False, **kw):
         end = time.monotonic() + 30
         while not os.path.exists(_SENT["path"]) and time.monotonic() < end:
             time.sleep(0.01)
-        return read_until(peer, done, timeout, claimed)
+        return read_until(peer, done, timeout, claimed, **kw)
 
     def counted(conn, work):
         before = len(work)
