@@ -54,12 +54,6 @@ _SWEPT_TIMEOUT = 5.0
 _DEDUP_WINDOW = 1 << 16
 
 
-
-def _expiry(p: _Pending) -> float | None:
-    """When ``p``'s timeout completes it (a timer on a pool thread), if it has one."""
-    timer = p.timer
-    return timer.when if timer is not None else None
-
 class RpcAgent(FastPath, Serving, Members):
     """Sends requests, serves requests, tracks pending calls and lost peers."""
 
@@ -213,8 +207,9 @@ class RpcAgent(FastPath, Serving, Members):
             # read the reply on this thread when nobody else reads that connection
             read_until = getattr(self.transport, "read_until", None)
             if read_until is not None:
+                timer = p.timer   # (when its timeout completes it, on another thread)
                 read_until(p.peer, lambda: p.result is not None, claimed=p.claimed,
-                           look_at=_expiry(p))
+                           look_at=None if timer is None else timer.when)
             p.lock.acquire()
         elif p.claimed:
             self.transport.release(p.peer)
@@ -232,8 +227,9 @@ class RpcAgent(FastPath, Serving, Members):
             return
         p.reader = threading.get_ident()
         try:
+            timer = p.timer
             read_until(p.peer, lambda: p.result is not None or p.future.done(),
-                       look_at=_expiry(p))
+                       look_at=None if timer is None else timer.when)
         finally:
             p.reader = None
         result, p.result = p.result, None

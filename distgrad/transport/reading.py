@@ -330,9 +330,10 @@ class Reading:
                 # budget learned from the last replies: waiting.Budget)
                 slice_ms = 100
                 if look_at is not None:
-                    left = look_at - time.monotonic()
-                    if left > -0.1:   # (a timer due then completes it on another thread)
-                        slice_ms = max(1, min(100, _ms(left + 0.0005)))
+                    # (a timer due then completes it on another thread; whole ms, rounded up)
+                    left = int((look_at - time.monotonic()) * 1000) + 1
+                    if left > -100:
+                        slice_ms = 1 if left < 1 else 100 if left > 100 else left
                 if poll(0) or _wait_fd(target, budget.spin_ns(), slice_ms):
                     budget.note(_perf() - since)
                     work: list = []
