@@ -279,39 +279,30 @@ class Recorder:
             self._tls.what = None
 
     def _transport_send(self, peer: int, frames: Any) -> Any:
-        tls = self._tls
-        if tls.skip:
-            return self._send(peer, frames)
-        try:
-            kind, rid = _head(frames)
-        except Exception:  # noqa: BLE001 - not an agent message: not ours to record
-            return self._send(peer, frames)
-        nbytes = _nbytes(frames)
-        what = tls.what
-        t0 = self._now()
-        try:
-            return self._send(peer, frames)
-        finally:
-            self._tick()
-            self._add((SEND, threading.get_native_id(), t0, self._now(), what, peer, rid, nbytes, kind))
+        return self._record_send(self._send, peer, frames, False)
 
     def _transport_send_soon(self, peer: int, frames: Any) -> Any:
         """A message queued to go with the next one (a context's release): recorded when
         queued, as the user's code sent it (a send_soon that sends at once goes through
-        transport.send, not recorded a second time)."""
+        transport.send, not recorded a second time: ``quiet``)."""
+        return self._record_send(self._send_soon, peer, frames, True)
+
+    def _record_send(self, send: Callable, peer: int, frames: Any, quiet: bool) -> Any:
+        """``send(peer, frames)`` recorded as a SEND span (``quiet``: sends made inside it
+        are not recorded)."""
         tls = self._tls
         if tls.skip:
-            return self._send_soon(peer, frames)
+            return send(peer, frames)
         try:
             kind, rid = _head(frames)
         except Exception:  # noqa: BLE001 - not an agent message: not ours to record
-            return self._send_soon(peer, frames)
+            return send(peer, frames)
         nbytes = _nbytes(frames)
         what = tls.what
         t0 = self._now()
-        tls.skip = True
+        tls.skip = quiet
         try:
-            return self._send_soon(peer, frames)
+            return send(peer, frames)
         finally:
             tls.skip = False
             self._tick()

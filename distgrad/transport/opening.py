@@ -59,7 +59,7 @@ def host_key() -> str:
 
 class _Conn:
     __slots__ = ("peer", "sock", "fd", "wlock", "wowner", "rlock", "alock", "reader", "outq", "owned",
-                 "lost", "cipher", "poll", "deferred", "mac_all", "soon")
+                 "lost", "cipher", "poll", "deferred", "mac_all")
 
     def __init__(self, peer: int, sock: socket.socket, max_frame: int, cipher,
                  mac_all: bool = False) -> None:
@@ -71,7 +71,6 @@ class _Conn:
         self.reader = framing.FrameReader(max_frame)
         self.outq: list = []            # iovecs a reading thread could not send
         self.deferred: collections.deque = collections.deque()  # messages to send (see _send)
-        self.soon = False               # send_soon queued something (the tick sends it)
         self.owned = False              # a caller reads its own reply here
         self.lost = False
         self.cipher = cipher

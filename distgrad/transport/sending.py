@@ -81,15 +81,7 @@ class Sending:
         st = self.stats[peer]
         st[0] += 1
         st[1] += nbytes
-        conn.deferred.append(frames)
-        conn.soon = True
-
-    def _send_due(self, conn: _Conn) -> None:
-        """(The periodic tick, on a reading thread) send what :meth:`send_soon` queued
-        for ``conn`` and no other message took along."""
-        conn.soon = False
-        if conn.deferred and not conn.lost:
-            self._send(conn, None)
+        conn.deferred.append(frames)   # (the tick sends what is still queued then)
 
     def _send(self, conn: _Conn, frames: Sequence | None) -> None:
         # Every message goes through ``conn.deferred`` and whoever holds the write
@@ -100,7 +92,7 @@ class Sending:
         # A send nested inside the holder's own (an RRef freed by the garbage collector
         # during a write sends its delete) only queues: the holder's loop sends it next.
         reading = getattr(self._tls, "reading", False)
-        if frames is not None:   # (None: send what is queued, see _send_due)
+        if frames is not None:   # (None: send what is queued: the tick, see send_soon)
             conn.deferred.append(frames)
         me = threading.get_ident()
         if conn.wowner == me:

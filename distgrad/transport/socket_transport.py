@@ -355,8 +355,8 @@ class SocketTransport(Sending, Reading, Opening, Transport):
             if silent > deadline:
                 self._lose(peer, detector.describe(peer, silent), graceful=False)
                 continue
-            if conn.soon:   # what send_soon queued and no message took along
-                self._send_due(conn)
+            if conn.deferred:   # what send_soon queued and no message took along
+                self._send(conn, None)
             if now - self._last_sent.get(peer, 0.0) >= self.heartbeat_interval:
                 self._send(conn, [_HEARTBEAT])
 
