@@ -207,6 +207,9 @@ class _Gate:
         data = os.pread(self.sfd, NSLOTS * SLOT_STRIDE, 0).ljust(NSLOTS * SLOT_STRIDE, b"\0")
         return [struct.unpack_from("=Q", data, i * SLOT_STRIDE)[0] for i in range(NSLOTS)]
 
+    def _slot(self, i: int) -> int:
+        return struct.unpack("=Q", os.pread(self.sfd, 8, i * SLOT_STRIDE).ljust(8, b"\0"))[0]
+
     def _write(self, i: int, v: int) -> None:
         os.pwrite(self.sfd, struct.pack("=Q", v), i * SLOT_STRIDE)
 
@@ -226,8 +229,8 @@ class _Gate:
         return (self.ncpu, run, live, may_spin(self.ncpu, run, live))
 
     def claim(self) -> tuple | None:
-        if not self.ok:
-            return None
+        if not self.ok or not may_spin(self.ncpu, self.runnable(), 0):
+            return None   # no free core even before counting spinners: no file access
         with self.lock:
             try:
                 self.fcntl.lockf(self.sfd, self.fcntl.LOCK_EX)
@@ -256,7 +259,7 @@ class _Gate:
             except OSError:
                 return
             try:
-                if self._slots()[slot] == mine:
+                if self._slot(slot) == mine:
                     self._write(slot, 0)
             except OSError:
                 pass
